@@ -1,0 +1,111 @@
+"""The round loop of ARCHITECTURE.md, written once against two small backend contracts.
+
+The in-process generator plugs the engines in directly; the coordinator plugs in gRPC stubs.
+Features are opaque here (a tensor in-process, a wire message over gRPC): the loop only moves them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from tandem.params import GenerationRequest
+from tandem.protocol import DraftBackend, TargetBackend
+
+class GenerationStats(BaseModel):
+    num_rounds: int = 0  # verify forwards after the prefill
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = []  # [K]: rounds in which draft k was accepted
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per verify round, bonus included (the number vLLM/SGLang report)."""
+        return 1.0 + self.num_accepted_tokens / self.num_rounds if self.num_rounds else 0.0
+
+    def as_dict(self) -> dict:
+        return {**self.model_dump(), "mean_acceptance_length": self.mean_acceptance_length}
+
+
+@dataclass
+class RoundEvent:
+    """Tokens committed since the last event; `finish_reason` is set on the last one."""
+
+    new_tokens: list[int]
+    stats: GenerationStats
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Stopper:
+    limit: int  # max_new_tokens, or less when the context would run out first
+    stop_ids: set[int] = field(default_factory=set)
+    produced: int = 0
+
+    def take(self, tokens: list[int]) -> tuple[list[int], str | None]:
+        """Cut `tokens` at the first stop id (kept, as HF generate keeps EOS) or at max_new_tokens."""
+        out: list[int] = []
+        for token in tokens:
+            out.append(token)
+            self.produced += 1
+            if token in self.stop_ids:
+                return out, "stop"
+            if self.produced >= self.limit:
+                return out, "length"
+        return out, None
+
+
+def run_rounds(
+    target: TargetBackend,
+    draft: DraftBackend | None,
+    request: GenerationRequest,
+    max_context: int | None = None,
+) -> Iterator[RoundEvent]:
+    """Prefill, then verify rounds until a stop condition; yields committed tokens as they commit.
+
+    Closing the iterator early (a client went away, a stop string matched) releases both sessions.
+    """
+    session = uuid.uuid4().hex
+    speculate = draft is not None and request.speculate and request.num_draft_tokens > 0
+    stop_ids = set(request.stop_token_ids)
+    if not request.ignore_eos:
+        stop_ids |= set(target.eos_token_ids)
+    limit = request.max_new_tokens
+    if max_context is not None:
+        limit = min(limit, max_context - len(request.prompt_ids))
+    stopper = _Stopper(limit, stop_ids)
+    stats = GenerationStats(accepted_per_position=[0] * (request.num_draft_tokens if speculate else 0))
+    draft_open = False
+    try:
+        prefill = target.prefill(session, request.prompt_ids, request.sampling, speculate)
+        token, features = prefill.token, prefill.features
+        new_tokens, finish = stopper.take([token])
+        yield RoundEvent(new_tokens, stats, finish)
+        # the pairs (F_i, x_{i+1}) the draft has not seen yet
+        pending_tokens = [*request.prompt_ids[1:], token]
+        while finish is None:
+            # never draft past the limit: verify commits up to k+1 tokens
+            k = min(request.num_draft_tokens, limit - stopper.produced - 1) if speculate else 0
+            drafts: list[int] = []
+            if k > 0:
+                drafts = draft.propose(session, features, pending_tokens, k, create=not draft_open)
+                draft_open = True
+            result = target.verify(session, token, drafts, speculate)
+            accepted, bonus, features = result.accepted, result.bonus, result.features
+            a = len(accepted)
+            stats.num_rounds += 1
+            stats.num_draft_tokens += len(drafts)
+            stats.num_accepted_tokens += a
+            for position in range(a):
+                stats.accepted_per_position[position] += 1
+            pending_tokens = [*accepted, bonus]
+            token = bonus
+            new_tokens, finish = stopper.take(pending_tokens)
+            yield RoundEvent(new_tokens, stats, finish)
+    finally:
+        target.release(session)
+        if draft_open:
+            draft.release(session)

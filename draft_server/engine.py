@@ -1,0 +1,102 @@
+"""The draft engine: per-session KV of committed positions, extend with exact target features, K-step rollout.
+
+Per round the engine gets the new committed pairs (F_i, x_{i+1}) — a+1 of them after a verify, n after
+a prefill — appends them to its KV at RoPE positions i, then rolls out K steps from the last one:
+d_1 comes from the last extend output; step k>1 feeds (a_{k-1}, d_{k-1}) at the next position.
+The rollout's KV is dropped at the end, so the next round's exact target features replace it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from draft_server.checkpoint import load_draft, read_config
+from draft_server.model import DraftKV, Eagle3Draft
+from target_server.engine import DTYPES, InvalidRequest, SessionNotFound
+
+
+@dataclass
+class _Session:
+    kv: DraftKV = field(default_factory=DraftKV)
+    length: int = 0  # committed pairs in the KV
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class DraftEngine:
+    def __init__(
+        self,
+        draft_dir: str | Path,
+        target_dir: str | Path | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+    ):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        self.config, self.layout = read_config(draft_dir)
+        self.model: Eagle3Draft = load_draft(draft_dir, target_dir, device=device, dtype=self.dtype)
+        self.feature_size = 3 * self.config.target_hidden_size
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    def session_ids(self) -> list[str]:
+        return list(self._sessions)
+
+    def release(self, session_id: str) -> bool:
+        return self._sessions.pop(session_id, None) is not None
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        session_id: str,
+        features: torch.Tensor,  # [m, 3Ht]: F_i of the new committed positions
+        next_tokens: list[int],  # [m]: x_{i+1} for each
+        num_draft_tokens: int,
+        create: bool = False,
+    ) -> list[int]:
+        """Append the m new committed pairs and return K draft tokens (target ids)."""
+        if create:
+            if session_id in self._sessions:
+                raise InvalidRequest(f"draft session {session_id!r} already exists")
+            self._sessions[session_id] = _Session()
+        try:
+            session = self._sessions[session_id]
+        except KeyError:
+            raise SessionNotFound(f"unknown draft session {session_id!r}") from None
+        session.last_used = time.monotonic()
+        m = len(next_tokens)
+        if m == 0 or features.shape != (m, self.feature_size):
+            raise InvalidRequest(
+                f"expected features [{m}, {self.feature_size}] for {m} tokens, got {list(features.shape)}"
+            )
+        bad = [t for t in next_tokens if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InvalidRequest(f"draft tokens outside the vocabulary: {bad[:5]}")
+        model = self.model
+        with self._lock:
+            kv = session.kv
+            hidden = model.fc(features.to(self.device, self.dtype))[None]  # [1, m, H]
+            tokens = torch.tensor([next_tokens], device=self.device)  # [1, m]
+            positions = torch.arange(session.length, session.length + m, device=self.device)[None]
+            a = model(hidden, tokens, positions, kv)[:, -1:]  # [1, 1, H]
+            session.length += m
+            drafts: list[int] = []
+            position = session.length
+            for step in range(num_draft_tokens):
+                draft = model.to_target_ids(model.draft_logits(a[0, -1]).argmax(-1))
+                drafts.append(int(draft))
+                if step + 1 < num_draft_tokens:
+                    a = model(a, draft.view(1, 1), torch.tensor([[position]], device=self.device), kv)
+                    position += 1
+            kv.crop(session.length)  # the rollout's KV is dropped: exact target features replace it
+        return drafts

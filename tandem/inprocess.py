@@ -1,0 +1,79 @@
+"""Both engines in one process, driven by the same round loop as the coordinator: the reference
+that service tests compare to, and `tandem generate --in-process`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from coordinator.rounds import RoundEvent, run_rounds
+from draft_server.engine import DraftEngine
+from tandem.pairing import DraftShape, TargetShape, check_pair
+from tandem.params import GenerationRequest
+from target_server.engine import TargetEngine
+
+
+class GenerationResult(BaseModel):
+    token_ids: list[int]  # generated tokens only
+    text: str | None = None
+    finish_reason: str
+    stats: dict
+
+
+def target_shape(engine: TargetEngine) -> TargetShape:
+    return TargetShape(vocab_size=engine.vocab_size, hidden_size=engine.hidden_size, num_layers=engine.num_layers)
+
+
+def draft_shape(engine: DraftEngine) -> DraftShape:
+    model = engine.model
+    max_target = int((model.d2t + model.d2t.new_tensor(range(model.d2t.numel()))).max())
+    return DraftShape(
+        vocab_size=engine.config.vocab_size,
+        target_hidden_size=engine.config.target_hidden_size,
+        max_target_id=max_target,
+        aux_layer_ids=engine.config.aux_layer_ids,
+    )
+
+
+class InProcessGenerator:
+    def __init__(
+        self,
+        target_dir: str | Path,
+        draft_dir: str | Path | None = None,
+        device: str = "cpu",
+        draft_device: str | None = None,
+        dtype: str = "float32",
+    ):
+        self.draft = None
+        if draft_dir is not None:
+            self.draft = DraftEngine(draft_dir, target_dir, device=draft_device or device, dtype=dtype)
+        layer_ids = self.draft.config.aux_layer_ids if self.draft else None
+        self.target = TargetEngine(target_dir, device=device, dtype=dtype, layer_ids=layer_ids)
+        if self.draft is not None:
+            check_pair(target_shape(self.target), draft_shape(self.draft))
+        self._tokenizer = None
+        self.target_dir = Path(target_dir)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.target_dir)
+        return self._tokenizer
+
+    def stream(self, request: GenerationRequest) -> Iterator[RoundEvent]:
+        return run_rounds(self.target, self.draft, request, max_context=self.target.max_context)
+
+    def generate(self, request: GenerationRequest, detokenize: bool = False) -> GenerationResult:
+        tokens: list[int] = []
+        event = None
+        for event in self.stream(request):
+            tokens.extend(event.new_tokens)
+        assert event is not None and event.finish_reason is not None
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if detokenize else None
+        return GenerationResult(
+            token_ids=tokens, text=text, finish_reason=event.finish_reason, stats=event.stats.as_dict()
+        )

@@ -1,0 +1,78 @@
+"""Per-request parameters, shared by the coordinator (no torch) and the engines."""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, Field, field_validator
+
+# The number of draft tokens per round. Above 16 the acceptance of a 1-layer head is
+# negligible and the verify forward only gets longer.
+MAX_DRAFT_TOKENS = 16
+
+
+class SamplingParams(BaseModel):
+    """How the target picks tokens. temperature 0 means greedy (argmax); then top-k/top-p are ignored."""
+
+    temperature: float = 0.0
+    top_k: int = Field(default=0, description="0 disables top-k")
+    top_p: float = Field(default=1.0, description="1.0 disables top-p")
+    seed: int | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"temperature must be finite and >= 0, got {v}")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {v}")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float) -> float:
+        if not (0.0 < v <= 1.0) or not math.isfinite(v):
+            raise ValueError(f"top_p must be in (0, 1], got {v}")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class GenerationRequest(BaseModel):
+    """One generation, as the round loop sees it: token ids in, token ids out."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int = 64
+    num_draft_tokens: int = 4
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    speculate: bool = True
+
+    @field_validator("prompt_ids")
+    @classmethod
+    def _prompt(cls, v: list[int]) -> list[int]:
+        if not v:
+            raise ValueError("the prompt is empty")
+        return v
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _max_new(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {v}")
+        return v
+
+    @field_validator("num_draft_tokens")
+    @classmethod
+    def _k(cls, v: int) -> int:
+        if not 0 <= v <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {v}")
+        return v

@@ -1,0 +1,49 @@
+"""What crosses between the round loop and the two engines, independent of transport.
+
+Features are opaque to the loop: a torch tensor [n, 3H] in-process, a wire message when relayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tandem.params import SamplingParams
+
+Features = Any
+
+
+@dataclass
+class PrefillResult:
+    token: int  # t = x_n, sampled from the logits at the last prompt position
+    features: Features  # F_0..F_{n-1} [n, 3H], None when not asked for
+
+
+@dataclass
+class VerifyResult:
+    accepted: list[int]  # d_1..d_a
+    bonus: int  # b, from the logits after d_a
+    features: Features  # features of t, d_1..d_a [a+1, 3H]
+
+
+class TargetBackend(Protocol):
+    eos_token_ids: list[int]
+
+    def prefill(
+        self, session_id: str, prompt_ids: list[int], params: SamplingParams, want_features: bool = True
+    ) -> PrefillResult: ...
+
+    def verify(
+        self, session_id: str, token: int, drafts: list[int], want_features: bool = True
+    ) -> VerifyResult: ...
+
+    def release(self, session_id: str) -> bool: ...
+
+
+class DraftBackend(Protocol):
+    def propose(
+        self, session_id: str, features: Features, next_tokens: list[int], num_draft_tokens: int,
+        create: bool = False,
+    ) -> list[int]: ...
+
+    def release(self, session_id: str) -> bool: ...
