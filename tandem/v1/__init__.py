@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (python -m tandem.gen_proto); edit proto/tandem/v1/*.proto instead."""

@@ -1,0 +1,52 @@
+from tandem.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DraftInfo(_message.Message):
+    __slots__ = ("model", "vocab_size", "draft_vocab_size", "target_hidden_size", "max_target_id", "aux_layer_ids", "dtype", "device", "num_sessions")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TARGET_ID_FIELD_NUMBER: _ClassVar[int]
+    AUX_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    max_target_id: int
+    aux_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    device: str
+    num_sessions: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_hidden_size: _Optional[int] = ..., max_target_id: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_sessions: _Optional[int] = ...) -> None: ...
+
+class DraftRequest(_message.Message):
+    __slots__ = ("session_id", "next_tokens", "num_draft_tokens", "features")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    next_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_tokens: int
+    features: _common_pb2.Features
+    def __init__(self, session_id: _Optional[str] = ..., next_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
+
+class DraftResponse(_message.Message):
+    __slots__ = ("drafts",)
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    drafts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, drafts: _Optional[_Iterable[int]] = ...) -> None: ...

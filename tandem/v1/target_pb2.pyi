@@ -1,0 +1,102 @@
+from tandem.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TargetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TargetInfo(_message.Message):
+    __slots__ = ("model", "vocab_size", "hidden_size", "num_layers", "layer_ids", "eos_token_ids", "max_context", "dtype", "device", "tokenizer_size", "num_sessions")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_context: int
+    dtype: str
+    device: str
+    tokenizer_size: int
+    num_sessions: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_ids: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_size: _Optional[int] = ..., num_sessions: _Optional[int] = ...) -> None: ...
+
+class GetTokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class TargetRequest(_message.Message):
+    __slots__ = ("prefill", "verify")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    prefill: Prefill
+    verify: Verify
+    def __init__(self, prefill: _Optional[_Union[Prefill, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ...) -> None: ...
+
+class Prefill(_message.Message):
+    __slots__ = ("session_id", "prompt_ids", "sampling", "want_features")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    want_features: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., want_features: _Optional[bool] = ...) -> None: ...
+
+class Verify(_message.Message):
+    __slots__ = ("token", "drafts", "want_features")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    drafts: _containers.RepeatedScalarFieldContainer[int]
+    want_features: bool
+    def __init__(self, token: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., want_features: _Optional[bool] = ...) -> None: ...
+
+class TargetResponse(_message.Message):
+    __slots__ = ("prefilled", "verified", "features")
+    PREFILLED_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    prefilled: Prefilled
+    verified: Verified
+    features: _common_pb2.Features
+    def __init__(self, prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
+
+class Prefilled(_message.Message):
+    __slots__ = ("token",)
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    def __init__(self, token: _Optional[int] = ...) -> None: ...
+
+class Verified(_message.Message):
+    __slots__ = ("accepted", "bonus")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BONUS_FIELD_NUMBER: _ClassVar[int]
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    bonus: int
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ...) -> None: ...
