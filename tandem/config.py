@@ -1,0 +1,207 @@
+"""Typed configuration of the services, from flags and TANDEM_* environment variables.
+
+Each command has its own prefix: TANDEM_TARGET_*, TANDEM_DRAFT_*, TANDEM_COORDINATOR_*, TANDEM_SERVE_*
+(e.g. TANDEM_TARGET_MODEL, TANDEM_DRAFT_DEVICE, TANDEM_COORDINATOR_PORT). A flag overrides the
+variable; both are validated at start-up, and the error names the flag, the variable and the value.
+No torch here: the coordinator reads its config too.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+_DEVICE = re.compile(r"^(cpu|mps|(cuda|xpu)(:\d+)?)$")
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
+
+DEFAULT_COORDINATOR_PORT = 50050
+DEFAULT_TARGET_PORT = 50051
+DEFAULT_DRAFT_PORT = 50052
+
+
+# Two model processes on one CPU must not both spin a thread per core: oversubscribed, a round on
+# a busy 2-core machine took 100x longer than with one thread each. `serve` splits the cores.
+THREADS_HELP = "torch CPU threads (default: torch's choice, one per core)"
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names every bad setting."""
+
+
+def _check_device(v: str) -> str:
+    if not _DEVICE.match(v):
+        raise ValueError(f"device must look like cpu, cuda, cuda:1 or mps, got {v!r}")
+    return v
+
+
+def _check_checkpoint(v: Path | None, what: str) -> Path | None:
+    if v is not None and not (v / "config.json").is_file():
+        raise ValueError(f"{what} {str(v)!r} is not a checkpoint directory (no config.json)")
+    return v
+
+
+def check_address(v: str) -> str:
+    if not _ADDRESS.match(v) or not 0 < int(v.rsplit(":", 1)[1]) < 65536:
+        raise ValueError(f"address must be HOST:PORT, got {v!r}")
+    return v
+
+
+class ServiceSettings(BaseSettings):
+    """What every gRPC service shares."""
+
+    host: str = Field("127.0.0.1", description="interface to bind; internal services stay on loopback by default")
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    # Each open generation holds a server thread for its stream; past this limit new ones get
+    # RESOURCE_EXHAUSTED at once instead of queueing behind a full thread pool.
+    max_sessions: int = Field(64, ge=1, le=4096)
+    # SIGTERM: health goes NOT_SERVING, new requests get UNAVAILABLE, in-flight ones get this long.
+    grace_period: float = Field(30.0, ge=0)
+    # gRPC's 4 MiB default is raised deliberately, not removed: feature chunks are 2 MiB, and a big
+    # tokenizer travels in chunks too, so 16 MiB leaves room without inviting unbounded messages.
+    max_message_mib: int = Field(16, ge=1, le=1024)
+    announce_file: Path | None = Field(None, description="write HOST:PORT here once listening (used by serve)")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    model_config = SettingsConfigDict(extra="ignore")
+
+
+class TargetSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_TARGET_", extra="ignore")
+
+    port: int = Field(DEFAULT_TARGET_PORT, ge=0, le=65535)
+    model: Path
+    # Only the draft's config.json is read, for eagle_aux_hidden_state_layer_ids: the target must
+    # capture the layers the head was trained on.
+    draft: Path | None = None
+    device: str = "cpu"
+    dtype: Dtype = "float32"
+    feature_chunk_mib: float = Field(2.0, gt=0)
+    threads: int | None = Field(None, ge=1, description=THREADS_HELP)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        return _check_device(v)
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: Path) -> Path:
+        return _check_checkpoint(v, "target model")
+
+    @field_validator("draft")
+    @classmethod
+    def _draft(cls, v: Path | None) -> Path | None:
+        return _check_checkpoint(v, "draft model")
+
+    @model_validator(mode="after")
+    def _chunk_fits(self) -> TargetSettings:
+        if self.feature_chunk_mib >= self.max_message_mib:
+            raise ValueError(
+                f"feature_chunk_mib ({self.feature_chunk_mib}) must be below max_message_mib ({self.max_message_mib})"
+            )
+        return self
+
+
+class DraftSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_DRAFT_", extra="ignore")
+
+    port: int = Field(DEFAULT_DRAFT_PORT, ge=0, le=65535)
+    model: Path
+    target: Path  # the draft reads the target's embed_tokens (that one tensor)
+    device: str = "cpu"
+    dtype: Dtype = "float32"
+    threads: int | None = Field(None, ge=1, description=THREADS_HELP)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        return _check_device(v)
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: Path) -> Path:
+        return _check_checkpoint(v, "draft model")
+
+    @field_validator("target")
+    @classmethod
+    def _target(cls, v: Path) -> Path:
+        return _check_checkpoint(v, "target model")
+
+
+class CoordinatorSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_COORDINATOR_", extra="ignore")
+
+    port: int = Field(DEFAULT_COORDINATOR_PORT, ge=0, le=65535)
+    target_addr: str
+    draft_addr: str | None = None  # none: target-only decoding
+    # How long to wait at start-up for the target and draft to report SERVING (a large model loads slowly).
+    connect_timeout: float = Field(600.0, gt=0)
+
+    @field_validator("target_addr", "draft_addr")
+    @classmethod
+    def _addr(cls, v: str | None) -> str | None:
+        return v if v is None else check_address(v)
+
+
+class ServeSettings(BaseSettings):
+    """`tandem serve`: the three services as child processes."""
+
+    model_config = SettingsConfigDict(env_prefix="TANDEM_SERVE_", extra="ignore")
+
+    target: Path | None = None  # none: the built-in tiny pair
+    draft: Path | None = None
+    target_device: str = "cpu"
+    draft_device: str = "cpu"
+    dtype: Dtype = "float32"
+    host: str = "127.0.0.1"
+    port: int = Field(DEFAULT_COORDINATOR_PORT, ge=0, le=65535)
+    startup_timeout: float = Field(600.0, gt=0)
+    grace_period: float = Field(30.0, ge=0)
+
+    @field_validator("target_device", "draft_device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        return _check_device(v)
+
+    @field_validator("target")
+    @classmethod
+    def _target(cls, v: Path | None) -> Path | None:
+        return _check_checkpoint(v, "target model")
+
+    @field_validator("draft")
+    @classmethod
+    def _draft(cls, v: Path | None) -> Path | None:
+        return _check_checkpoint(v, "draft model")
+
+
+def load_settings(cls: type[BaseSettings], **flags) -> BaseSettings:
+    """Settings from flags (None = not given) over TANDEM_* variables, or ConfigError naming what is wrong."""
+    given = {k: v for k, v in flags.items() if v is not None and k in cls.model_fields}
+    try:
+        return cls(**given)
+    except ValidationError as exc:
+        raise ConfigError(describe_errors(exc, cls)) from None
+
+
+def describe_errors(exc: ValidationError, cls: type[BaseSettings] | None = None) -> str:
+    """One line per error: the flag, the variable and the bad value."""
+    prefix = (cls.model_config.get("env_prefix") or "") if cls is not None else ""
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(part) for part in err["loc"])
+        where = f"--{field.replace('_', '-')} / {prefix}{field.upper()}" if field and cls is not None else field
+        msg = err["msg"].removeprefix("Value error, ")
+        value = err.get("input")
+        if err["type"] == "missing":
+            lines.append(f"{where}: required")
+        elif isinstance(value, dict) or not field or repr(value) in msg:
+            lines.append(f"{where + ': ' if where else ''}{msg}")
+        else:
+            lines.append(f"{where}: {msg} (got {value!r})")
+    return "invalid configuration: " + "; ".join(lines)
