@@ -27,7 +27,10 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-token-ids", type=_ids, default=[])
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--no-speculation", action="store_true", help="target-only decoding")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string (repeatable): the text ends before it, finish_reason 'stop'")
+    p.add_argument("--stream", action="store_true", help="print the text as it arrives")
+    p.add_argument("--json", action="store_true", help="print one JSON object (with --stream: one per delta)")
 
 
 def build_request(args: argparse.Namespace, prompt_ids: list[int]):
@@ -77,9 +80,30 @@ def _resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
     return target, draft
 
 
+def print_deltas(deltas, as_json: bool) -> None:
+    """--stream: the text as it arrives (or one JSON object per delta), then the summary."""
+    last = None
+    for delta in deltas:
+        last = delta
+        if as_json:
+            print(json.dumps(delta.model_dump()), flush=True)
+        else:
+            print(delta.text, end="", flush=True)
+    if not as_json and last is not None:
+        print()
+        s = last.stats or {}
+        print(
+            f"[finish={last.finish_reason}, rounds={s.get('num_rounds')}, "
+            f"mean acceptance length={s.get('mean_acceptance_length', 0.0):.2f}]",
+            file=sys.stderr,
+        )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.server:
+        return _generate_remote(args)
     if not args.in_process:
-        print("tandem generate: give --in-process (the gRPC client arrives with the services)", file=sys.stderr)
+        print("tandem generate: give --server HOST:PORT (a running coordinator) or --in-process", file=sys.stderr)
         return 2
     from tandem.inprocess import InProcessGenerator
 
@@ -90,9 +114,104 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt_ids = args.prompt_ids
     if prompt_ids is None:
         prompt_ids = generator.tokenizer(args.prompt)["input_ids"]
-    result = generator.generate(build_request(args, prompt_ids), detokenize=True)
+    request = build_request(args, prompt_ids)
+    if args.stop or args.stream:  # the coordinator's text path: incremental detokenizer and stop strings
+        from coordinator.client import GenerateDelta, GenerateResult
+        from coordinator.text import text_deltas
+
+        deltas = (
+            GenerateDelta(token_ids=d.token_ids, text=d.text, finish_reason=d.finish_reason,
+                          stats=d.stats.as_dict() if d.stats is not None else None)
+            for d in text_deltas(generator.stream(request), generator.tokenizer.backend_tokenizer, args.stop)
+        )
+        if args.stream:
+            print_deltas(deltas, args.json)
+            return 0
+        pieces = list(deltas)
+        result = GenerateResult(
+            token_ids=[t for d in pieces for t in d.token_ids], text="".join(d.text for d in pieces),
+            finish_reason=pieces[-1].finish_reason, stats=pieces[-1].stats,
+        )
+    else:
+        result = generator.generate(request, detokenize=True)
     print_result(result, args.json)
     return 0
+
+
+def _generate_remote(args: argparse.Namespace) -> int:
+    """`generate --server`: the gRPC client only (no torch in this process)."""
+    from coordinator.client import TandemClient, TandemError
+
+    params = {
+        "max_new_tokens": args.max_new_tokens,
+        "num_draft_tokens": args.num_draft_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop_token_ids": args.stop_token_ids,
+        "stop": args.stop,
+        "ignore_eos": args.ignore_eos,
+        "speculate": not args.no_speculation,
+    }
+    try:
+        with TandemClient(args.server, timeout=args.timeout) as client:
+            if args.stream:
+                print_deltas(client.generate_stream(args.prompt, args.prompt_ids, **params), args.json)
+            else:
+                print_result(client.generate(args.prompt, args.prompt_ids, **params), args.json)
+    except TandemError as exc:
+        print(f"tandem generate: {exc.code.name}: {exc.details}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# -- the services -------------------------------------------------------------------------------
+
+
+def add_service_args(p: argparse.ArgumentParser, port_help: str) -> None:
+    """Flags every service takes; unset flags fall back to TANDEM_<SERVICE>_* variables, then defaults."""
+    p.add_argument("--host", help="interface to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help=port_help)
+    p.add_argument("--max-sessions", type=int, help="concurrent generations before RESOURCE_EXHAUSTED (default 64)")
+    p.add_argument("--grace-period", type=float, help="seconds in-flight requests get on SIGTERM (default 30)")
+    p.add_argument("--max-message-mib", type=int, help="gRPC message size limit (default 16)")
+    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--announce-file", help=argparse.SUPPRESS)  # `serve` learns the bound port from it
+
+
+def _settings(cls_name: str, args: argparse.Namespace):
+    from tandem import config
+
+    return config.load_settings(getattr(config, cls_name), **vars(args))
+
+
+def cmd_target(args: argparse.Namespace) -> int:
+    settings = _settings("TargetSettings", args)
+    from target_server.service import serve
+
+    return serve(settings)
+
+
+def cmd_draft(args: argparse.Namespace) -> int:
+    settings = _settings("DraftSettings", args)
+    from draft_server.service import serve
+
+    return serve(settings)
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    settings = _settings("CoordinatorSettings", args)
+    from coordinator.server import serve
+
+    return serve(settings)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    settings = _settings("ServeSettings", args)
+    from tandem.serve import serve
+
+    return serve(settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,14 +223,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_tiny)
 
-    p = sub.add_parser("generate", help="generate once, in-process or against a running coordinator")
-    p.add_argument("--in-process", action="store_true", help="load both engines in this process")
+    p = sub.add_parser("generate", help="generate once, against a running coordinator or in-process")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--server", metavar="HOST:PORT", help="the coordinator to call (e.g. from `tandem serve`)")
+    where.add_argument("--in-process", action="store_true", help="load both engines in this process")
+    p.add_argument("--timeout", type=float, default=None, help="--server: deadline in seconds")
     p.add_argument("--target", help="target checkpoint directory (default: the built-in tiny pair)")
     p.add_argument("--draft", help="EAGLE-3 head directory")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     add_generation_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="start the target, draft and coordinator services (three processes)")
+    p.add_argument("--target", help="target checkpoint directory (default: the built-in tiny pair)")
+    p.add_argument("--draft", help="EAGLE-3 head directory (default with no --target: the tiny head)")
+    p.add_argument("--target-device", help="device of the target process (default cpu)")
+    p.add_argument("--draft-device", help="device of the draft process (default cpu)")
+    p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--host", help="interface the coordinator binds (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="the coordinator's port (default 50050; 0 = any free port)")
+    p.add_argument("--grace-period", type=float, help="seconds in-flight requests get on SIGTERM (default 30)")
+    p.add_argument("--startup-timeout", type=float, help="seconds to wait for the services (default 600)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("target", help="run the target service (one process, one device)")
+    p.add_argument("--model", help="target checkpoint directory (TANDEM_TARGET_MODEL)")
+    p.add_argument("--draft", help="draft directory: only its config.json is read, for the capture layer ids")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--feature-chunk-mib", type=float, help="size of feature chunks on the wire (default 2)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
+    add_service_args(p, "port (default 50051; 0 = any free port)")
+    p.set_defaults(func=cmd_target)
+
+    p = sub.add_parser("draft", help="run the draft service (one process, one device)")
+    p.add_argument("--model", help="EAGLE-3 head directory (TANDEM_DRAFT_MODEL)")
+    p.add_argument("--target", help="target checkpoint directory: its embed_tokens is read")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
+    add_service_args(p, "port (default 50052; 0 = any free port)")
+    p.set_defaults(func=cmd_draft)
+
+    p = sub.add_parser("coordinator", help="run the coordinator service (no model, no torch)")
+    p.add_argument("--target-addr", metavar="HOST:PORT", help="the target service")
+    p.add_argument("--draft-addr", metavar="HOST:PORT", help="the draft service (none: target-only decoding)")
+    p.add_argument("--connect-timeout", type=float, help="seconds to wait for the services (default 600)")
+    add_service_args(p, "port (default 50050; 0 = any free port)")
+    p.set_defaults(func=cmd_coordinator)
     return parser
 
 
@@ -119,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, OSError) as exc:  # ConfigError and PairMismatch are ValueErrors
         print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

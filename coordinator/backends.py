@@ -1,0 +1,187 @@
+"""gRPC implementations of TargetBackend and DraftBackend (tandem/protocol.py) for run_rounds.
+
+One object per generation: it opens one bidirectional stream to its service and sends one step
+per round on it, so a round costs one message each way and no per-call set-up. Closing the stream
+releases the session on the service; cancelling it (client cancel, deadline) does the same.
+
+Features are relayed, never decoded: the target's feature chunks are read off its stream lazily
+(RelayedFeatures) and forwarded to the draft chunk by chunk, so the coordinator holds one chunk
+at a time and the draft receives the first rows while the last are still on their way.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from tandem.params import SamplingParams
+from tandem.protocol import PrefillResult, VerifyResult
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tandem.wire import is_last_chunk
+
+_CLOSE = object()
+
+
+class BackendError(Exception):
+    """A target or draft service failed a step; carries its status code to pass on to the client."""
+
+    def __init__(self, service: str, code: grpc.StatusCode, details: str):
+        super().__init__(f"{service} service: {details}")
+        self.service = service
+        self.code = code
+        self.details = details
+
+
+class _Stream:
+    """A bidirectional call driven step by step: send() queues a message, recv() waits for the next."""
+
+    def __init__(self, service: str, method: Callable, timeout: float | None):
+        self.service = service
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._call = method(iter(self._requests.get, _CLOSE), timeout=timeout)
+        self._closed = False
+
+    def send(self, message) -> None:
+        self._requests.put(message)
+
+    def recv(self):
+        try:
+            return next(self._call)
+        except StopIteration:
+            raise BackendError(self.service, grpc.StatusCode.INTERNAL, "the session stream ended early") from None
+        except grpc.RpcError as exc:
+            raise BackendError(self.service, exc.code(), exc.details() or "") from None
+
+    def close(self) -> None:
+        """Half-close and wait for the service to end the stream (it has released the session then)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._requests.put(_CLOSE)
+        try:
+            for _ in self._call:
+                pass
+        except grpc.RpcError:
+            pass  # cancelled or failed: the service releases the session either way
+
+    def cancel(self) -> None:
+        self._closed = True
+        self._requests.put(_CLOSE)
+        self._call.cancel()
+
+
+class RelayedFeatures:
+    """The feature chunks of one target step, as they come off the target's stream.
+
+    The first chunk came with the step's result; iterating yields it and then reads the rest.
+    Whatever nobody iterated is read (and dropped) before the next step goes out.
+    """
+
+    def __init__(self, first: common_pb2.Features, stream: _Stream):
+        self._first: common_pb2.Features | None = first
+        self._stream = stream
+        self._done = is_last_chunk(first)
+
+    def __iter__(self) -> Iterator[common_pb2.Features]:
+        if self._first is None:
+            raise RuntimeError("these features have been relayed already")
+        first, self._first = self._first, None
+        yield first
+        while not self._done:
+            chunk = self._stream.recv().features
+            self._done = is_last_chunk(chunk)
+            yield chunk
+
+    def drain(self) -> None:
+        self._first = None
+        while not self._done:
+            self._done = is_last_chunk(self._stream.recv().features)
+
+
+def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+class GrpcTarget:
+    """TargetBackend over one TargetService.Session stream (one generation)."""
+
+    def __init__(self, stub: target_pb2_grpc.TargetServiceStub, eos_token_ids: list[int], timeout: float | None):
+        self.eos_token_ids = eos_token_ids
+        self._stream = _Stream("target", stub.Session, timeout)
+        self._features: RelayedFeatures | None = None
+
+    def _answer(self, expected: str) -> tuple[target_pb2.TargetResponse, RelayedFeatures | None]:
+        response = self._stream.recv()
+        if response.WhichOneof("result") != expected:
+            raise BackendError("target", grpc.StatusCode.INTERNAL, f"expected {expected}, got {response}")
+        features = RelayedFeatures(response.features, self._stream) if response.HasField("features") else None
+        self._features = features
+        return response, features
+
+    def _drain(self) -> None:
+        if self._features is not None:
+            self._features.drain()
+            self._features = None
+
+    def prefill(
+        self, session_id: str, prompt_ids: list[int], params: SamplingParams, want_features: bool = True
+    ) -> PrefillResult:
+        prefill = target_pb2.Prefill(
+            session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_pb(params), want_features=want_features
+        )
+        self._stream.send(target_pb2.TargetRequest(prefill=prefill))
+        response, features = self._answer("prefilled")
+        return PrefillResult(token=response.prefilled.token, features=features)
+
+    def verify(self, session_id: str, token: int, drafts: list[int], want_features: bool = True) -> VerifyResult:
+        self._drain()
+        verify = target_pb2.Verify(token=token, drafts=drafts, want_features=want_features)
+        self._stream.send(target_pb2.TargetRequest(verify=verify))
+        response, features = self._answer("verified")
+        return VerifyResult(accepted=list(response.verified.accepted), bonus=response.verified.bonus, features=features)
+
+    def release(self, session_id: str) -> bool:
+        self._stream.close()
+        return True
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+
+class GrpcDraft:
+    """DraftBackend over one DraftService.Session stream (one generation)."""
+
+    def __init__(self, stub: draft_pb2_grpc.DraftServiceStub, timeout: float | None):
+        self._stream = _Stream("draft", stub.Session, timeout)
+
+    def propose(
+        self,
+        session_id: str,
+        features: RelayedFeatures,
+        next_tokens: list[int],
+        num_draft_tokens: int,
+        create: bool = False,
+    ) -> list[int]:
+        first = True
+        for chunk in features:
+            request = draft_pb2.DraftRequest(features=chunk)
+            if first:
+                request.next_tokens.extend(next_tokens)
+                request.num_draft_tokens = num_draft_tokens
+                if create:
+                    request.session_id = session_id
+                first = False
+            self._stream.send(request)
+        return list(self._stream.recv().drafts)
+
+    def release(self, session_id: str) -> bool:
+        self._stream.close()
+        return True
+
+    def cancel(self) -> None:
+        self._stream.cancel()

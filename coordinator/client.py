@@ -1,0 +1,176 @@
+"""The Python client of a Tandem coordinator (no torch needed).
+
+    from coordinator.client import TandemClient
+    with TandemClient("127.0.0.1:50050") as client:
+        result = client.generate(prompt="def main(", max_new_tokens=32)
+        for delta in client.generate_stream(prompt="def main(", stop=["\\n\\n"]):
+            print(delta.text, end="", flush=True)
+
+Generation parameters: max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed,
+stop_token_ids, stop (strings), ignore_eos, speculate. Errors raise TandemError with the gRPC
+status code (INVALID_ARGUMENT for bad parameters, UNAVAILABLE while the server drains, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import grpc
+from pydantic import BaseModel
+
+from tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+DEFAULT_MAX_MESSAGE_MIB = 16
+
+
+class TandemError(RuntimeError):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class GenerateResult(BaseModel):
+    """The same fields as `generate --in-process`: generated ids, their text, why it stopped, stats."""
+
+    token_ids: list[int]
+    text: str | None = None
+    finish_reason: str
+    stats: dict
+
+
+class GenerateDelta(BaseModel):
+    """One streamed piece; the last one has finish_reason and stats."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stats: dict | None = None
+
+
+def stats_from_pb(msg: coordinator_pb2.GenerationStats) -> dict:
+    # the key order of GenerationStats.as_dict(), so that --json output is byte-identical
+    return {
+        "num_rounds": msg.num_rounds,
+        "num_draft_tokens": msg.num_draft_tokens,
+        "num_accepted_tokens": msg.num_accepted_tokens,
+        "accepted_per_position": list(msg.accepted_per_position),
+        "mean_acceptance_length": msg.mean_acceptance_length,
+    }
+
+
+def build_request(
+    prompt: str | None = None,
+    prompt_ids: Sequence[int] | None = None,
+    *,
+    max_new_tokens: int | None = None,
+    num_draft_tokens: int | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_token_ids: Sequence[int] = (),
+    stop: Sequence[str] | str = (),
+    ignore_eos: bool = False,
+    speculate: bool | None = None,
+) -> coordinator_pb2.GenerateRequest:
+    if (prompt is None) == (prompt_ids is None):
+        raise ValueError("give exactly one of prompt and prompt_ids")
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k)
+    if top_p is not None:
+        sampling.top_p = top_p
+    if seed is not None:
+        sampling.seed = seed
+    request = coordinator_pb2.GenerateRequest(
+        prompt=prompt or "",
+        prompt_ids=list(prompt_ids or []),
+        sampling=sampling,
+        stop_token_ids=list(stop_token_ids),
+        stop=[stop] if isinstance(stop, str) else list(stop),
+        ignore_eos=ignore_eos,
+    )
+    if max_new_tokens is not None:
+        request.max_new_tokens = max_new_tokens
+    if num_draft_tokens is not None:
+        request.num_draft_tokens = num_draft_tokens
+    if speculate is not None:
+        request.speculate = speculate
+    return request
+
+
+class TandemClient:
+    def __init__(self, address: str, timeout: float | None = None, max_message_mib: int = DEFAULT_MAX_MESSAGE_MIB):
+        """`timeout`: the default deadline of each call in seconds (None: none); the server then
+        cancels the generation and frees its sessions when the deadline passes."""
+        self.address = address
+        self.timeout = timeout
+        limit = max_message_mib << 20
+        self._channel = grpc.insecure_channel(
+            address, options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+        )
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def generate(
+        self, prompt: str | None = None, prompt_ids: Sequence[int] | None = None, *, timeout: float | None = None,
+        **params,
+    ) -> GenerateResult:
+        request = build_request(prompt, prompt_ids, **params)
+        try:
+            response = self._stub.Generate(request, timeout=timeout if timeout is not None else self.timeout)
+        except grpc.RpcError as exc:
+            raise TandemError(exc.code(), exc.details() or "") from None
+        return GenerateResult(
+            token_ids=list(response.token_ids),
+            text=response.text,
+            finish_reason=response.finish_reason,
+            stats=stats_from_pb(response.stats),
+        )
+
+    def generate_stream(
+        self, prompt: str | None = None, prompt_ids: Sequence[int] | None = None, *, timeout: float | None = None,
+        **params,
+    ) -> Iterator[GenerateDelta]:
+        """Deltas as tokens commit; closing the iterator early cancels the generation on the server."""
+        request = build_request(prompt, prompt_ids, **params)
+        call = self._stub.GenerateStream(request, timeout=timeout if timeout is not None else self.timeout)
+        try:
+            for msg in call:
+                yield GenerateDelta(
+                    token_ids=list(msg.token_ids),
+                    text=msg.text,
+                    finish_reason=msg.finish_reason or None,
+                    stats=stats_from_pb(msg.stats) if msg.finish_reason else None,
+                )
+        except grpc.RpcError as exc:
+            raise TandemError(exc.code(), exc.details() or "") from None
+        finally:
+            call.cancel()  # a no-op once finished; frees the server's sessions when the caller stopped early
+
+    def server_info(self) -> coordinator_pb2.ServerInfoResponse:
+        try:
+            return self._stub.ServerInfo(coordinator_pb2.ServerInfoRequest(), timeout=self.timeout or 30)
+        except grpc.RpcError as exc:
+            raise TandemError(exc.code(), exc.details() or "") from None
+
+
+def generate(address: str, prompt: str | None = None, prompt_ids: Sequence[int] | None = None, **params) -> GenerateResult:
+    """One generation against the coordinator at `address`."""
+    with TandemClient(address) as client:
+        return client.generate(prompt, prompt_ids, **params)
+
+
+def generate_stream(
+    address: str, prompt: str | None = None, prompt_ids: Sequence[int] | None = None, **params
+) -> Iterator[GenerateDelta]:
+    """Deltas of one generation against the coordinator at `address`."""
+    with TandemClient(address) as client:
+        yield from client.generate_stream(prompt, prompt_ids, **params)

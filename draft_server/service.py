@@ -1,0 +1,116 @@
+"""The draft gRPC service: a thin shell over DraftEngine.
+
+One bidirectional stream per generation (proto/tandem/v1/draft.proto). A step's features arrive in
+one or more messages (chunks of rows); the step runs when the last chunk is in.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+
+import grpc
+import torch
+
+from draft_server.engine import DraftEngine
+from tandem.config import DraftSettings
+from tandem.params import MAX_DRAFT_TOKENS
+from tandem.service import Abort, Service, errors_to_status, setup_logging
+from tandem.v1 import draft_pb2, draft_pb2_grpc
+from tandem.wire import FeatureAssembler, WireError
+from target_server.engine import InvalidRequest, SessionNotFound
+
+log = logging.getLogger("tandem.draft")
+
+ERRORS = (
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (WireError, grpc.StatusCode.INVALID_ARGUMENT),
+    (SessionNotFound, grpc.StatusCode.NOT_FOUND),
+)
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, service: Service):
+        self.service = service
+        self.engine: DraftEngine | None = None
+        self.model_dir = ""
+
+    def attach(self, engine: DraftEngine, model_dir: str) -> None:
+        self.engine, self.model_dir = engine, model_dir
+
+    def _engine(self) -> DraftEngine:
+        if self.engine is None:
+            raise Abort(grpc.StatusCode.UNAVAILABLE, "the draft service is still loading")
+        return self.engine
+
+    def ModelInfo(self, request, context):
+        with errors_to_status(context):
+            engine = self._engine()
+            shape = engine.shape()
+            return draft_pb2.DraftInfo(
+                model=self.model_dir,
+                vocab_size=shape.vocab_size,
+                draft_vocab_size=engine.config.draft_vocab_size,
+                target_hidden_size=shape.target_hidden_size,
+                max_target_id=shape.max_target_id,
+                aux_layer_ids=shape.aux_layer_ids or [],
+                dtype=str(engine.dtype).removeprefix("torch."),
+                device=str(engine.device),
+                num_sessions=engine.num_sessions,
+            )
+
+    def Session(self, request_iterator, context) -> Iterator[draft_pb2.DraftResponse]:
+        session_id = None
+        created = False
+        with errors_to_status(context, ERRORS), self.service.admission.admit():
+            engine = self._engine()
+            try:
+                assembler = FeatureAssembler()
+                next_tokens: list[int] = []
+                k = 0
+                for request in request_iterator:
+                    if session_id is None:
+                        if not request.session_id:
+                            raise InvalidRequest("the first message of a draft stream names the session")
+                        session_id = request.session_id
+                    if not assembler.started:  # the first message of a step
+                        next_tokens, k = list(request.next_tokens), request.num_draft_tokens
+                        if not 0 <= k <= MAX_DRAFT_TOKENS:
+                            raise InvalidRequest(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {k}")
+                    features = assembler.add(request.features)  # [m, 3Ht] once the step is complete
+                    if features is None:
+                        continue
+                    create = not created
+                    if create:
+                        if session_id in engine.session_ids():
+                            raise InvalidRequest(f"draft session {session_id!r} already exists")
+                        created = True  # from here on the session is ours to release, even if propose fails
+                    drafts = engine.propose(session_id, features, next_tokens, k, create=create)
+                    yield draft_pb2.DraftResponse(drafts=drafts)
+            finally:
+                if created:
+                    engine.release(session_id)
+
+
+def serve(settings: DraftSettings) -> int:
+    setup_logging(settings.log_level)
+    service = Service("draft", settings, [draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name])
+    servicer = DraftServicer(service)
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, service.server)
+    service.start()
+    service.handle_signals()
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    engine = DraftEngine(settings.model, settings.target, device=settings.device, dtype=settings.dtype)
+    servicer.attach(engine, str(settings.model))
+    log.info("draft %s (%s layout) on %s (%s)", settings.model, engine.layout, settings.device, settings.dtype)
+    if not service.stopping:
+        service.ready()
+    return service.run()
+
+
+if __name__ == "__main__":
+    from tandem.config import load_settings
+
+    sys.exit(serve(load_settings(DraftSettings)))

@@ -1,0 +1,152 @@
+"""`tandem serve`: the target, draft and coordinator services as three child processes.
+
+    target  (its own process and device) --+
+                                           +-- coordinator (HOST:PORT, what clients call)
+    draft   (its own process and device) --+
+
+The internal services bind 127.0.0.1 on ports the OS picks (each writes its address to an
+announce file); the coordinator binds --host:--port. SIGTERM/SIGINT drains the coordinator first
+(in-flight generations finish), then the target and the draft.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from tandem.config import ServeSettings
+from tandem.service import PARENT_PID_ENV, setup_logging, wait_for_serving
+
+log = logging.getLogger("tandem.serve")
+
+
+class Child:
+    def __init__(self, name: str, args: list[str], announce: Path):
+        self.name = name
+        self.announce = announce
+        # -m tandem.cli: the same interpreter and code as this process, whatever is on PATH.
+        # A session of its own: a Ctrl-C in the terminal reaches only `serve`, which then stops the
+        # children in order; TANDEM_PARENT_PID makes a child drain if `serve` dies without doing so.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", name, *args, "--announce-file", str(announce)],
+            env={**os.environ, PARENT_PID_ENV: str(os.getpid())},
+            start_new_session=True,
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def address(self, deadline: float) -> str:
+        """Wait for the child to bind and announce its HOST:PORT."""
+        while not self.announce.is_file():
+            if not self.alive:
+                raise RuntimeError(f"the {self.name} service exited with status {self.proc.returncode} while starting")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {self.name} service did not start listening in time")
+            time.sleep(0.05)
+        return self.announce.read_text().strip()
+
+    def terminate(self) -> None:
+        if self.alive:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("the %s service did not stop in %.0fs; killing it", self.name, timeout)
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def serve(settings: ServeSettings) -> int:
+    setup_logging()
+    target, draft = settings.target, settings.draft
+    if target is None:
+        from tandem.tiny import ensure_tiny
+
+        tiny = ensure_tiny()
+        target, draft = tiny / "target", draft or tiny / "draft"
+    stop = threading.Event()
+
+    def handle(signum, frame):
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+
+    children: list[Child] = []
+    with tempfile.TemporaryDirectory(prefix="tandem-serve-") as tmp:
+        run = Path(tmp)
+        common = ["--host", "127.0.0.1", "--port", "0", "--grace-period", str(settings.grace_period)]
+        threads = cpu_threads(settings.target_device, settings.draft_device if draft is not None else None)
+        try:
+            target_args = ["--model", str(target), "--device", settings.target_device, "--dtype", settings.dtype,
+                           *threads["target"]]
+            if draft is not None:
+                target_args += ["--draft", str(draft)]
+            children.append(Child("target", [*target_args, *common], run / "target.addr"))
+            if draft is not None:
+                draft_args = ["--model", str(draft), "--target", str(target), "--device", settings.draft_device,
+                              "--dtype", settings.dtype, *threads["draft"]]
+                children.append(Child("draft", [*draft_args, *common], run / "draft.addr"))
+            deadline = time.monotonic() + settings.startup_timeout
+            addresses = {child.name: child.address(deadline) for child in children}
+            coordinator_args = ["--target-addr", addresses["target"], "--host", settings.host,
+                                "--port", str(settings.port), "--grace-period", str(settings.grace_period),
+                                "--connect-timeout", str(settings.startup_timeout)]
+            if "draft" in addresses:
+                coordinator_args += ["--draft-addr", addresses["draft"]]
+            coordinator = Child("coordinator", coordinator_args, run / "coordinator.addr")
+            children.insert(0, coordinator)  # stopped first: it drains while the services still answer
+            address = coordinator.address(deadline)
+            wait_for_serving(address, max(1.0, deadline - time.monotonic()), alive=lambda: _all_alive(children),
+                             what="coordinator")
+        except (RuntimeError, TimeoutError) as exc:
+            if not stop.is_set():
+                log.error("tandem serve: %s", exc)
+            _shutdown(children, settings.grace_period)
+            return 1
+        print(f"tandem serve: {', '.join(f'{k} {v}' for k, v in addresses.items())}", flush=True)
+        print(f"tandem serve: listening on {address}", flush=True)
+        while not stop.wait(0.5):
+            dead = [c for c in children if not c.alive]
+            if dead:
+                log.error("the %s service exited with status %s; stopping", dead[0].name, dead[0].proc.returncode)
+                _shutdown(children, settings.grace_period)
+                return 1
+        log.info("stopping: draining the coordinator, then the target and the draft")
+        return _shutdown(children, settings.grace_period)
+
+
+def cpu_threads(target_device: str, draft_device: str | None) -> dict[str, list[str]]:
+    """--threads for the model processes on the CPU: the cores split between them, so that two
+    torch thread pools do not oversubscribe the machine (spinning workers slow a round 100x)."""
+    on_cpu = [name for name, device in (("target", target_device), ("draft", draft_device)) if device == "cpu"]
+    share = max(1, (os.cpu_count() or 1) // max(1, len(on_cpu)))
+    return {name: (["--threads", str(share)] if name in on_cpu else []) for name in ("target", "draft")}
+
+
+def _all_alive(children: list[Child]) -> bool:
+    return all(c.alive for c in children)
+
+
+def _shutdown(children: list[Child], grace: float) -> int:
+    """The coordinator first (its in-flight generations still need the services), then the rest."""
+    status = 0
+    coordinator = [c for c in children if c.name == "coordinator"]
+    services = [c for c in children if c.name != "coordinator"]
+    for group in (coordinator, services):
+        for child in group:
+            child.terminate()
+        for child in group:
+            status |= child.wait(grace + 10) != 0
+    return int(status)

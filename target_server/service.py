@@ -1,0 +1,162 @@
+"""The target gRPC service: a thin shell over TargetEngine (unpack, call the engine, pack).
+
+One bidirectional stream per generation (proto/tandem/v1/target.proto): the session lives as long
+as its stream, so a client that goes away (cancel, deadline, crash) frees its KV cache too.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import torch
+
+from tandem.config import TargetSettings
+from tandem.params import SamplingParams
+from tandem.service import Abort, Service, errors_to_status, setup_logging
+from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
+from tandem.wire import encode_features
+from target_server.engine import InvalidRequest, SessionNotFound, TargetEngine, aux_layer_ids_from_draft
+
+log = logging.getLogger("tandem.target")
+
+ERRORS = (
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (SessionNotFound, grpc.StatusCode.NOT_FOUND),
+)
+TOKENIZER_CHUNK_BYTES = 2 << 20
+
+
+def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+    )
+
+
+def load_tokenizer_json(model_dir) -> bytes:
+    """The target's tokenizer as tokenizer.json, as transformers loads it (so that the coordinator
+    tokenizes exactly as `generate --in-process` does); empty when the checkpoint has none."""
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            return backend.to_str().encode()
+    except (OSError, ValueError) as exc:
+        log.warning("no tokenizer for %s (%s): clients must send token ids", model_dir, exc)
+    return b""
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, service: Service, chunk_bytes: int):
+        self.service = service
+        self.chunk_bytes = chunk_bytes
+        self.engine: TargetEngine | None = None
+        self.tokenizer_json = b""
+
+    def attach(self, engine: TargetEngine, tokenizer_json: bytes) -> None:
+        self.engine, self.tokenizer_json = engine, tokenizer_json
+
+    def _engine(self) -> TargetEngine:
+        if self.engine is None:
+            raise Abort(grpc.StatusCode.UNAVAILABLE, "the target service is still loading")
+        return self.engine
+
+    def ModelInfo(self, request, context):
+        with errors_to_status(context):
+            engine = self._engine()
+            return target_pb2.TargetInfo(
+                model=str(engine.model_dir),
+                vocab_size=engine.vocab_size,
+                hidden_size=engine.hidden_size,
+                num_layers=engine.num_layers,
+                layer_ids=list(engine.layer_ids),
+                eos_token_ids=engine.eos_token_ids,
+                max_context=engine.max_context,
+                dtype=str(engine.dtype).removeprefix("torch."),
+                device=str(engine.device),
+                tokenizer_size=len(self.tokenizer_json),
+                num_sessions=engine.num_sessions,
+            )
+
+    def GetTokenizer(self, request, context):
+        with errors_to_status(context):
+            self._engine()
+            data = self.tokenizer_json
+            for start in range(0, len(data), TOKENIZER_CHUNK_BYTES):
+                yield target_pb2.FileChunk(data=data[start : start + TOKENIZER_CHUNK_BYTES])
+
+    def Session(self, request_iterator, context) -> Iterator[target_pb2.TargetResponse]:
+        session_id = None
+        with errors_to_status(context, ERRORS), self.service.admission.admit():
+            engine = self._engine()
+            try:
+                for request in request_iterator:
+                    step = request.WhichOneof("step")
+                    if step == "prefill":
+                        if session_id is not None:
+                            raise InvalidRequest("a session stream takes one prefill, at the start")
+                        p = request.prefill
+                        sid = p.session_id or uuid.uuid4().hex
+                        result = engine.prefill(sid, list(p.prompt_ids), sampling_from_pb(p.sampling), p.want_features)
+                        session_id = sid  # only now is it ours to release
+                        head = target_pb2.TargetResponse(prefilled=target_pb2.Prefilled(token=result.token))
+                    elif step == "verify":
+                        if session_id is None:
+                            raise InvalidRequest("verify before prefill: a session stream starts with a prefill")
+                        v = request.verify
+                        result = engine.verify(session_id, v.token, list(v.drafts), v.want_features)
+                        head = target_pb2.TargetResponse(
+                            verified=target_pb2.Verified(accepted=result.accepted, bonus=result.bonus)
+                        )
+                    else:
+                        raise InvalidRequest("a TargetRequest needs a prefill or a verify")
+                    yield from self._with_features(head, result.features)
+            finally:
+                if session_id is not None:
+                    engine.release(session_id)
+
+    def _with_features(self, head: target_pb2.TargetResponse, features) -> Iterator[target_pb2.TargetResponse]:
+        """The step's answer: the result and the first feature chunk, then one message per further chunk."""
+        if features is None:
+            yield head
+            return
+        chunks = encode_features(features, self.chunk_bytes)
+        head.features.CopyFrom(chunks[0])
+        yield head
+        for chunk in chunks[1:]:
+            yield target_pb2.TargetResponse(features=chunk)
+
+
+def serve(settings: TargetSettings) -> int:
+    setup_logging(settings.log_level)
+    service = Service("target", settings, [target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name])
+    servicer = TargetServicer(service, chunk_bytes=int(settings.feature_chunk_mib * (1 << 20)))
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, service.server)
+    service.start()
+    service.handle_signals()
+    layer_ids = aux_layer_ids_from_draft(settings.draft) if settings.draft is not None else None
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    engine = TargetEngine(settings.model, device=settings.device, dtype=settings.dtype, layer_ids=layer_ids)
+    servicer.attach(engine, load_tokenizer_json(settings.model))
+    log.info(
+        "target %s on %s (%s): vocab %d, hidden %d, capture layers %s",
+        settings.model, settings.device, settings.dtype, engine.vocab_size, engine.hidden_size, engine.layer_ids,
+    )
+    if not service.stopping:
+        service.ready()
+    return service.run()
+
+
+if __name__ == "__main__":
+    from tandem.config import load_settings
+
+    sys.exit(serve(load_settings(TargetSettings)))

@@ -1,0 +1,185 @@
+"""The tensor wire codec and the chunked relay of features target -> coordinator -> draft over real gRPC."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from coordinator.backends import GrpcDraft, GrpcTarget
+from draft_server.service import DraftServicer
+from tandem.config import DraftSettings, TargetSettings
+from tandem.params import SamplingParams
+from tandem.protocol import PrefillResult, VerifyResult
+from tandem.service import Service
+from tandem.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
+from tandem.wire import (
+    DEFAULT_CHUNK_BYTES,
+    FeatureAssembler,
+    WireError,
+    decode_features,
+    decode_tensor,
+    encode_features,
+    encode_tensor,
+    is_last_chunk,
+)
+from target_server.service import TargetServicer
+
+GRPC_DEFAULT_LIMIT = 4 << 20
+# A 4096-token prefill of an 8B target (H = 4096) in bf16: 4096 x 3 x 4096 x 2 bytes = 96 MiB.
+PREFILL_8B = (4096, 3 * 4096)
+
+
+def features_8b() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(PREFILL_8B, generator=g).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tensor_round_trips_bit_exactly(dtype):
+    t = torch.randn(3, 5, 7).to(dtype)
+    msg = encode_tensor(t)
+    assert (msg.dtype, list(msg.shape), len(msg.data)) == (str(dtype)[6:], [3, 5, 7], t.numel() * t.element_size())
+    assert torch.equal(decode_tensor(msg), t)
+
+
+def test_an_8b_sized_prefill_travels_in_chunks_under_the_message_limit():
+    features = features_8b()
+    assert features.numel() * 2 == 96 << 20
+    chunks = encode_features(features)
+    assert len(chunks) >= 48
+    assert all(len(c.tensor.data) <= DEFAULT_CHUNK_BYTES for c in chunks)
+    assert all(c.ByteSize() < GRPC_DEFAULT_LIMIT for c in chunks)
+    assert [is_last_chunk(c) for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert sum(c.num_rows for c in chunks) == PREFILL_8B[0]
+    # each chunk survives serialization on its own, as each is its own message on the stream
+    wire = [common_pb2.Features.FromString(c.SerializeToString()) for c in chunks]
+    assert torch.equal(decode_features(wire), features)
+
+
+def test_small_features_are_one_chunk():
+    features = torch.randn(3, 192)
+    [chunk] = encode_features(features)
+    assert is_last_chunk(chunk) and chunk.total_rows == 3
+    assert torch.equal(decode_features([chunk]), features)
+
+
+def test_malformed_chunks_are_refused():
+    chunks = encode_features(torch.randn(10, 8), chunk_bytes=4 * 8 * 3)  # 3 rows a chunk
+    assert len(chunks) == 4
+    with pytest.raises(WireError, match="starts at row"):
+        decode_features([chunks[0], chunks[2]])
+    with pytest.raises(WireError, match="ended before"):
+        decode_features(chunks[:3])
+    bad = common_pb2.Features()
+    bad.CopyFrom(chunks[0])
+    bad.tensor.data = bad.tensor.data[:-1]
+    with pytest.raises(WireError, match="bytes"):
+        FeatureAssembler().add(bad)
+    bad.CopyFrom(chunks[0])
+    bad.tensor.dtype = "int8"
+    with pytest.raises(WireError, match="dtype"):
+        FeatureAssembler().add(bad)
+
+
+# -- the relay over gRPC, with engines that stand in for the models --------------------------------
+
+
+class BigFeaturesTarget:
+    """Answers a prefill with 8B-sized features (the transport is under test, not the model)."""
+
+    vocab_size, hidden_size, num_layers, max_context = 1000, 4096, 32, 8192
+
+    def __init__(self):
+        self.features = features_8b()
+        self.sessions: set[str] = set()
+
+    def prefill(self, session_id, prompt_ids, params, want_features=True):
+        self.sessions.add(session_id)
+        return PrefillResult(token=7, features=self.features[: len(prompt_ids)])
+
+    def verify(self, session_id, token, drafts, want_features=True):
+        return VerifyResult(accepted=drafts[:1], bonus=9, features=self.features[:2])
+
+    def release(self, session_id):
+        return self.sessions.discard(session_id) is None
+
+
+class RecordingDraftEngine:
+    def __init__(self):
+        self.received: list[torch.Tensor] = []
+        self.sessions: set[str] = set()
+
+    def session_ids(self):
+        return list(self.sessions)
+
+    def propose(self, session_id, features, next_tokens, num_draft_tokens, create=False):
+        assert features.shape[0] == len(next_tokens)
+        self.sessions.add(session_id)
+        self.received.append(features)
+        return [len(self.received)] * num_draft_tokens
+
+    def release(self, session_id):
+        self.sessions.discard(session_id)
+        return True
+
+
+@pytest.fixture
+def relay_pair(tmp_path):
+    """A target and a draft servicer on loopback, each with the services' 16 MiB message limit."""
+    (tmp_path / "config.json").write_text("{}")
+    target_service = Service("target", TargetSettings(model=tmp_path, port=0), ["tandem.v1.TargetService"])
+    target = TargetServicer(target_service, chunk_bytes=DEFAULT_CHUNK_BYTES)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(target, target_service.server)
+    draft_service = Service("draft", DraftSettings(model=tmp_path, target=tmp_path, port=0), ["tandem.v1.DraftService"])
+    draft = DraftServicer(draft_service)
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(draft, draft_service.server)
+    channels = []
+    for service, servicer, engine in ((target_service, target, BigFeaturesTarget()),
+                                      (draft_service, draft, RecordingDraftEngine())):
+        service.start()
+        servicer.engine = engine
+        service.ready()
+        channels.append(grpc.insecure_channel(service.address, options=[
+            ("grpc.max_send_message_length", 16 << 20), ("grpc.max_receive_message_length", 16 << 20)]))
+    yield (target_pb2_grpc.TargetServiceStub(channels[0]), target.engine,
+           draft_pb2_grpc.DraftServiceStub(channels[1]), draft.engine)
+    for channel in channels:
+        channel.close()
+    for service in (target_service, draft_service):
+        service.server.stop(None)
+
+
+def test_a_96_mib_prefill_is_relayed_to_the_draft_in_chunks(relay_pair):
+    target_stub, target_engine, draft_stub, draft_engine = relay_pair
+    target, draft = GrpcTarget(target_stub, [], timeout=60), GrpcDraft(draft_stub, timeout=60)
+    prompt = list(range(PREFILL_8B[0]))
+    prefill = target.prefill("s1", prompt, SamplingParams(), want_features=True)
+    assert prefill.token == 7
+    chunks = []
+
+    def counted():
+        for chunk in prefill.features:
+            chunks.append(chunk.num_rows)
+            yield chunk
+
+    assert draft.propose("s1", counted(), prompt[1:] + [7], 3, create=True) == [1, 1, 1]
+    assert len(chunks) >= 48 and sum(chunks) == PREFILL_8B[0]
+    assert torch.equal(draft_engine.received[0], target_engine.features)
+
+    result = target.verify("s1", 7, [1, 1, 1])  # features of t, d_1: one small chunk
+    assert (result.accepted, result.bonus) == ([1], 9)
+    assert draft.propose("s1", result.features, [1, 9], 2) == [2, 2]
+    assert torch.equal(draft_engine.received[1], target_engine.features[:2])
+    target.release("s1")
+    draft.release("s1")
+    assert target_engine.sessions == set() and draft_engine.sessions == set()
+
+
+def test_unread_feature_chunks_are_skipped_before_the_next_step(relay_pair):
+    target_stub, _, _, _ = relay_pair
+    target = GrpcTarget(target_stub, [], timeout=60)
+    target.prefill("s2", list(range(1000)), SamplingParams(), want_features=True)  # 1000 rows: 12 chunks, unread
+    result = target.verify("s2", 7, [4, 5])
+    assert (result.accepted, result.bonus) == ([4], 9)
+    target.release("s2")
