@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from tandem.params import GenerationRequest
 from tandem.protocol import DraftBackend, TargetBackend
 
+
 class GenerationStats(BaseModel):
     num_rounds: int = 0  # verify forwards after the prefill
     num_draft_tokens: int = 0

@@ -102,7 +102,7 @@ def read_target_embedding(target_dir: str | Path) -> torch.Tensor:
         if not path.is_file():
             raise DraftLoadError(f"target checkpoint {directory} has no model.safetensors to read embeddings from")
     with safe_open(path, framework="pt") as f:
-        if TARGET_EMBED_KEY not in f.keys():
+        if TARGET_EMBED_KEY not in set(f.keys()):
             raise DraftLoadError(f"{path} has no {TARGET_EMBED_KEY}")
         return f.get_tensor(TARGET_EMBED_KEY)
 

@@ -8,6 +8,7 @@ The rollout's KV is dropped at the end, so the next round's exact target feature
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ import torch
 
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.model import DraftKV, Eagle3Draft
+from tandem.pairing import DraftShape, TargetShape, check_pair
 from target_server.engine import DTYPES, InvalidRequest, SessionNotFound
 
 
@@ -40,10 +42,25 @@ class DraftEngine:
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.config, self.layout = read_config(draft_dir)
+        if target_dir is not None:  # refuse a head made for another target before reading its weights
+            check_pair(read_target_shape(target_dir), self.shape(max_target_id=0))
         self.model: Eagle3Draft = load_draft(draft_dir, target_dir, device=device, dtype=self.dtype)
+        if target_dir is not None:
+            check_pair(read_target_shape(target_dir), self.shape())
         self.feature_size = 3 * self.config.target_hidden_size
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()
+
+    def shape(self, max_target_id: int | None = None) -> DraftShape:
+        if max_target_id is None:
+            d2t = self.model.d2t
+            max_target_id = int((d2t + torch.arange(d2t.numel(), device=d2t.device)).max())
+        return DraftShape(
+            vocab_size=self.config.vocab_size,
+            target_hidden_size=self.config.target_hidden_size,
+            max_target_id=max_target_id,
+            aux_layer_ids=self.config.aux_layer_ids,
+        )
 
     @property
     def num_sessions(self) -> int:
@@ -65,15 +82,6 @@ class DraftEngine:
         create: bool = False,
     ) -> list[int]:
         """Append the m new committed pairs and return K draft tokens (target ids)."""
-        if create:
-            if session_id in self._sessions:
-                raise InvalidRequest(f"draft session {session_id!r} already exists")
-            self._sessions[session_id] = _Session()
-        try:
-            session = self._sessions[session_id]
-        except KeyError:
-            raise SessionNotFound(f"unknown draft session {session_id!r}") from None
-        session.last_used = time.monotonic()
         m = len(next_tokens)
         if m == 0 or features.shape != (m, self.feature_size):
             raise InvalidRequest(
@@ -82,6 +90,15 @@ class DraftEngine:
         bad = [t for t in next_tokens if not 0 <= t < self.config.vocab_size]
         if bad:
             raise InvalidRequest(f"draft tokens outside the vocabulary: {bad[:5]}")
+        if create:  # only once the input is known good: a bad first request leaves nothing behind
+            if session_id in self._sessions:
+                raise InvalidRequest(f"draft session {session_id!r} already exists")
+            self._sessions[session_id] = _Session()
+        try:
+            session = self._sessions[session_id]
+        except KeyError:
+            raise SessionNotFound(f"unknown draft session {session_id!r}") from None
+        session.last_used = time.monotonic()
         model = self.model
         with self._lock:
             kv = session.kv
@@ -100,3 +117,14 @@ class DraftEngine:
                     position += 1
             kv.crop(session.length)  # the rollout's KV is dropped: exact target features replace it
         return drafts
+
+
+def read_target_shape(target_dir: str | Path) -> TargetShape:
+    """The target's vocabulary, width and depth from its config.json alone."""
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    return TargetShape(
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=int(config["hidden_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+    )

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from coordinator.rounds import RoundEvent, run_rounds
 from draft_server.engine import DraftEngine
-from tandem.pairing import DraftShape, TargetShape, check_pair
+from tandem.pairing import TargetShape, check_pair
 from tandem.params import GenerationRequest
 from target_server.engine import TargetEngine
 
@@ -24,17 +24,6 @@ class GenerationResult(BaseModel):
 
 def target_shape(engine: TargetEngine) -> TargetShape:
     return TargetShape(vocab_size=engine.vocab_size, hidden_size=engine.hidden_size, num_layers=engine.num_layers)
-
-
-def draft_shape(engine: DraftEngine) -> DraftShape:
-    model = engine.model
-    max_target = int((model.d2t + model.d2t.new_tensor(range(model.d2t.numel()))).max())
-    return DraftShape(
-        vocab_size=engine.config.vocab_size,
-        target_hidden_size=engine.config.target_hidden_size,
-        max_target_id=max_target,
-        aux_layer_ids=engine.config.aux_layer_ids,
-    )
 
 
 class InProcessGenerator:
@@ -52,7 +41,7 @@ class InProcessGenerator:
         layer_ids = self.draft.config.aux_layer_ids if self.draft else None
         self.target = TargetEngine(target_dir, device=device, dtype=dtype, layer_ids=layer_ids)
         if self.draft is not None:
-            check_pair(target_shape(self.target), draft_shape(self.draft))
+            check_pair(target_shape(self.target), self.draft.shape())
         self._tokenizer = None
         self.target_dir = Path(target_dir)
 

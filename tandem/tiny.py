@@ -53,20 +53,20 @@ def build_tokenizer(vocab_size: int, text: str) -> PreTrainedTokenizerFast:
 
 
 def tiny_target_config(vocab_size: int, **overrides) -> LlamaConfig:
-    defaults = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=8,  # capture ids (2, 4, 5): three distinct layers
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-        rope_theta=10000.0,
-        initializer_range=0.15,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
+    defaults = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 8,  # capture ids (2, 4, 5): three distinct layers
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 8192,
+        "rope_theta": 10000.0,
+        "initializer_range": 0.15,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
     defaults.update(overrides)
     return LlamaConfig(**defaults)
 

@@ -1,0 +1,65 @@
+"""Test doubles that are not mocks of the math: drafts that propose from the target model itself."""
+
+from __future__ import annotations
+
+import torch
+
+
+class OracleDraft:
+    """A DraftBackend that proposes the target's own greedy continuation, each token replaced with
+    probability `corrupt` by one of the target's other top-5 choices. High, varied acceptance
+    exercises every accepted length in verify; the target model stands in for a perfect head."""
+
+    def __init__(self, model, corrupt: float, seed: int = 0):
+        self.model = model
+        self.corrupt = corrupt
+        self.rng = torch.Generator().manual_seed(seed)
+        self.first_token: dict[str, int] = {}  # the prompt's x_0, which the pairs (F_i, x_{i+1}) never carry
+        self.context: dict[str, list[int]] = {}
+        self._logits_cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def expect(self, first_token: int) -> None:
+        self._next_first = first_token
+
+    def _last_logits(self, ids: list[int]) -> torch.Tensor:
+        key = tuple(ids)
+        if key not in self._logits_cache:
+            with torch.inference_mode():
+                self._logits_cache[key] = self.model(torch.tensor([ids])).logits[0, -1]
+        return self._logits_cache[key]
+
+    def propose(self, session_id, features, next_tokens, num_draft_tokens, create=False):
+        if create:
+            self.context[session_id] = [self._next_first]
+        context = self.context[session_id]
+        context.extend(next_tokens)
+        rollout = list(context)
+        drafts = []
+        for _ in range(num_draft_tokens):
+            top = self._last_logits(rollout).topk(5).indices
+            pick = 0
+            if float(torch.rand(1, generator=self.rng)) < self.corrupt:
+                pick = int(torch.randint(1, 5, (1,), generator=self.rng))
+            drafts.append(int(top[pick]))
+            rollout.append(drafts[-1])
+        return drafts
+
+    def release(self, session_id):
+        self.context.pop(session_id, None)
+        return True
+
+
+class RecordingDraft:
+    """Wraps a DraftEngine and keeps every propose() call's inputs and outputs."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.calls: list[tuple[torch.Tensor, list[int], int, list[int]]] = []
+
+    def propose(self, session_id, features, next_tokens, num_draft_tokens, create=False):
+        drafts = self.engine.propose(session_id, features, next_tokens, num_draft_tokens, create)
+        self.calls.append((features.clone(), list(next_tokens), num_draft_tokens, drafts))
+        return drafts
+
+    def release(self, session_id):
+        return self.engine.release(session_id)
