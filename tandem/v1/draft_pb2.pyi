@@ -1,4 +1,5 @@
 from tandem.v1 import common_pb2 as _common_pb2
+from tandem.v1 import profile_pb2 as _profile_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -34,19 +35,23 @@ class DraftInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_hidden_size: _Optional[int] = ..., max_target_id: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_sessions: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "next_tokens", "num_draft_tokens", "features")
+    __slots__ = ("session_id", "next_tokens", "num_draft_tokens", "features", "want_timing")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    WANT_TIMING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     next_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
     features: _common_pb2.Features
-    def __init__(self, session_id: _Optional[str] = ..., next_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
+    want_timing: bool
+    def __init__(self, session_id: _Optional[str] = ..., next_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., want_timing: _Optional[bool] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("drafts",)
+    __slots__ = ("drafts", "timing")
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     drafts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, drafts: _Optional[_Iterable[int]] = ...) -> None: ...
+    timing: _profile_pb2.StepTiming
+    def __init__(self, drafts: _Optional[_Iterable[int]] = ..., timing: _Optional[_Union[_profile_pb2.StepTiming, _Mapping]] = ...) -> None: ...

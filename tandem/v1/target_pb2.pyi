@@ -1,4 +1,5 @@
 from tandem.v1 import common_pb2 as _common_pb2
+from tandem.v1 import profile_pb2 as _profile_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -56,16 +57,18 @@ class TargetRequest(_message.Message):
     def __init__(self, prefill: _Optional[_Union[Prefill, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ...) -> None: ...
 
 class Prefill(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "want_features")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "want_features", "want_timing")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    WANT_TIMING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     want_features: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., want_features: _Optional[bool] = ...) -> None: ...
+    want_timing: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., want_features: _Optional[bool] = ..., want_timing: _Optional[bool] = ...) -> None: ...
 
 class Verify(_message.Message):
     __slots__ = ("token", "drafts", "want_features")
@@ -78,14 +81,16 @@ class Verify(_message.Message):
     def __init__(self, token: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., want_features: _Optional[bool] = ...) -> None: ...
 
 class TargetResponse(_message.Message):
-    __slots__ = ("prefilled", "verified", "features")
+    __slots__ = ("prefilled", "verified", "features", "timing")
     PREFILLED_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     prefilled: Prefilled
     verified: Verified
     features: _common_pb2.Features
-    def __init__(self, prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
+    timing: _profile_pb2.StepTiming
+    def __init__(self, prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., timing: _Optional[_Union[_profile_pb2.StepTiming, _Mapping]] = ...) -> None: ...
 
 class Prefilled(_message.Message):
     __slots__ = ("token",)
