@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -20,6 +21,9 @@ from tandem.params import SamplingParams
 from tandem.protocol import PrefillResult, VerifyResult
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire import is_last_chunk
+
+if TYPE_CHECKING:
+    from coordinator.probe import RequestProbe
 
 _CLOSE = object()
 
@@ -37,22 +41,28 @@ class BackendError(Exception):
 class _Stream:
     """A bidirectional call driven step by step: send() queues a message, recv() waits for the next."""
 
-    def __init__(self, service: str, method: Callable, timeout: float | None):
+    def __init__(self, service: str, method: Callable, timeout: float | None, probe: RequestProbe | None = None):
         self.service = service
+        self.probe = probe  # a profiled request: every message is reported to it
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._call = method(iter(self._requests.get, _CLOSE), timeout=timeout)
         self._closed = False
 
     def send(self, message) -> None:
+        if self.probe is not None:
+            self.probe.sent(f"coordinator->{self.service}", message)
         self._requests.put(message)
 
     def recv(self):
         try:
-            return next(self._call)
+            message = next(self._call)
         except StopIteration:
             raise BackendError(self.service, grpc.StatusCode.INTERNAL, "the session stream ended early") from None
         except grpc.RpcError as exc:
             raise BackendError(self.service, exc.code(), exc.details() or "") from None
+        if self.probe is not None:
+            self.probe.received(f"{self.service}->coordinator", message)
+        return message
 
     def close(self) -> None:
         """Half-close and wait for the service to end the stream (it has released the session then)."""
@@ -110,9 +120,15 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
 class GrpcTarget:
     """TargetBackend over one TargetService.Session stream (one generation)."""
 
-    def __init__(self, stub: target_pb2_grpc.TargetServiceStub, eos_token_ids: list[int], timeout: float | None):
+    def __init__(
+        self,
+        stub: target_pb2_grpc.TargetServiceStub,
+        eos_token_ids: list[int],
+        timeout: float | None,
+        probe: RequestProbe | None = None,
+    ):
         self.eos_token_ids = eos_token_ids
-        self._stream = _Stream("target", stub.Session, timeout)
+        self._stream = _Stream("target", stub.Session, timeout, probe)
         self._features: RelayedFeatures | None = None
 
     def _answer(self, expected: str) -> tuple[target_pb2.TargetResponse, RelayedFeatures | None]:
@@ -132,7 +148,8 @@ class GrpcTarget:
         self, session_id: str, prompt_ids: list[int], params: SamplingParams, want_features: bool = True
     ) -> PrefillResult:
         prefill = target_pb2.Prefill(
-            session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_pb(params), want_features=want_features
+            session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_pb(params), want_features=want_features,
+            want_timing=self._stream.probe is not None,
         )
         self._stream.send(target_pb2.TargetRequest(prefill=prefill))
         response, features = self._answer("prefilled")
@@ -156,8 +173,10 @@ class GrpcTarget:
 class GrpcDraft:
     """DraftBackend over one DraftService.Session stream (one generation)."""
 
-    def __init__(self, stub: draft_pb2_grpc.DraftServiceStub, timeout: float | None):
-        self._stream = _Stream("draft", stub.Session, timeout)
+    def __init__(
+        self, stub: draft_pb2_grpc.DraftServiceStub, timeout: float | None, probe: RequestProbe | None = None
+    ):
+        self._stream = _Stream("draft", stub.Session, timeout, probe)
 
     def propose(
         self,
@@ -175,6 +194,7 @@ class GrpcDraft:
                 request.num_draft_tokens = num_draft_tokens
                 if create:
                     request.session_id = session_id
+                    request.want_timing = self._stream.probe is not None
                 first = False
             self._stream.send(request)
         return list(self._stream.recv().drafts)

@@ -17,12 +17,15 @@ import grpc
 from tokenizers import Tokenizer
 
 from coordinator.backends import BackendError, GrpcDraft, GrpcTarget
+from coordinator.probe import RequestObserver, RequestProbe
 from coordinator.rounds import GenerationStats, run_rounds
 from coordinator.text import TextDelta, text_deltas
 from tandem.config import CoordinatorSettings
+from tandem.metrics import CoordinatorMetrics
 from tandem.pairing import DraftShape, PairMismatch, TargetShape, check_pair
 from tandem.params import GenerationRequest, SamplingParams
 from tandem.service import Abort, Service, channel_options, errors_to_status, setup_logging, wait_for_serving
+from tandem.traffic import MeteredChannel, Traffic
 from tandem.v1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,
@@ -106,11 +109,18 @@ class Backends:
     tokenizer: Tokenizer | None
 
 
-def connect(settings: CoordinatorSettings) -> Backends:
-    """Wait for the target (and draft) to be SERVING, read what they are, check they fit together."""
+def connect(settings: CoordinatorSettings, traffic: Traffic | None = None) -> Backends:
+    """Wait for the target (and draft) to be SERVING, read what they are, check they fit together.
+    With `traffic`, the channels count what they send and receive."""
     options = channel_options(settings.max_message_mib)
+
+    def channel(address: str, service: str) -> grpc.Channel:
+        plain = grpc.insecure_channel(address, options=options)
+        return plain if traffic is None else MeteredChannel(plain, traffic, f"coordinator->{service}",
+                                                            f"{service}->coordinator")
+
     wait_for_serving(settings.target_addr, settings.connect_timeout, what="target service")
-    target = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(settings.target_addr, options=options))
+    target = target_pb2_grpc.TargetServiceStub(channel(settings.target_addr, "target"))
     target_info = target.ModelInfo(target_pb2.TargetInfoRequest(), timeout=30)
     tokenizer = None
     if target_info.tokenizer_size:
@@ -119,7 +129,7 @@ def connect(settings: CoordinatorSettings) -> Backends:
     draft = draft_info = None
     if settings.draft_addr is not None:
         wait_for_serving(settings.draft_addr, settings.connect_timeout, what="draft service")
-        draft = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(settings.draft_addr, options=options))
+        draft = draft_pb2_grpc.DraftServiceStub(channel(settings.draft_addr, "draft"))
         draft_info = draft.ModelInfo(draft_pb2.DraftInfoRequest(), timeout=30)
         check_services_pair(target_info, draft_info)
     return Backends(target, target_info, draft, draft_info, tokenizer)
@@ -156,6 +166,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, service: Service):
         self.service = service
         self.backends: Backends | None = None
+        self.metrics = CoordinatorMetrics(service.registry)
 
     def attach(self, backends: Backends) -> None:
         self.backends = backends
@@ -176,29 +187,42 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 has_tokenizer=b.tokenizer is not None,
             )
 
+    def _probe(self, request: coordinator_pb2.GenerateRequest) -> RequestProbe | None:
+        if not request.profile:
+            return None
+        b = self.backends
+        return RequestProbe(request, b.target_info if b else None, b.draft_info if b else None)
+
     def Generate(self, request, context):
         response = coordinator_pb2.GenerateResponse()
         text = []
-        for delta in self._deltas(request, context):
+        probe = self._probe(request)
+        for delta in self._deltas(request, context, probe):
             response.token_ids.extend(delta.token_ids)
             text.append(delta.text)
             if delta.finish_reason is not None:
                 response.finish_reason = delta.finish_reason
                 response.stats.CopyFrom(stats_to_pb(delta.stats))
         response.text = "".join(text)
+        if probe is not None:
+            probe.to_client(response, last=True)
         return response
 
     def GenerateStream(self, request, context):
-        for delta in self._deltas(request, context):
-            yield delta_to_pb(delta)
+        probe = self._probe(request)
+        for delta in self._deltas(request, context, probe):
+            msg = delta_to_pb(delta)
+            if probe is not None:
+                probe.to_client(msg, last=delta.finish_reason is not None)
+            yield msg
 
-    def _deltas(self, request, context) -> Iterator[TextDelta]:
+    def _deltas(self, request, context, probe: RequestProbe | None = None) -> Iterator[TextDelta]:
         with errors_to_status(context, ERRORS), self.service.admission.admit():
             b = self._backends()
             gen = generation_request_from_pb(request, b.tokenizer)
             timeout = _timeout(context)
-            target = GrpcTarget(b.target, list(b.target_info.eos_token_ids), timeout)
-            draft = GrpcDraft(b.draft, timeout) if b.draft is not None and gen.speculate else None
+            target = GrpcTarget(b.target, list(b.target_info.eos_token_ids), timeout, probe=probe)
+            draft = GrpcDraft(b.draft, timeout, probe=probe) if b.draft is not None and gen.speculate else None
 
             def cancel() -> None:  # the client went away or its deadline passed: free both sessions now
                 target.cancel()
@@ -206,9 +230,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     draft.cancel()
 
             context.add_callback(cancel)
-            events = run_rounds(target, draft, gen, max_context=b.target_info.max_context)
+            observer = RequestObserver(self.metrics, probe, len(gen.prompt_ids), context.is_active)
+            events = observer.rounds(run_rounds(target, draft, gen, max_context=b.target_info.max_context))
             try:
-                for delta in text_deltas(events, b.tokenizer, list(request.stop)):
+                for delta in observer.deltas(text_deltas(events, b.tokenizer, list(request.stop))):
                     if not context.is_active():
                         break
                     yield delta
@@ -229,7 +254,7 @@ def serve(settings: CoordinatorSettings) -> int:
     service.start()
     service.handle_signals()
     try:
-        backends = connect(settings)
+        backends = connect(settings, service.traffic)
     except (TimeoutError, RuntimeError, PairMismatch, grpc.RpcError) as exc:
         log.error("cannot start: %s", exc)
         service.server.stop(grace=None)

@@ -19,6 +19,7 @@ import torch
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.model import DraftKV, Eagle3Draft
 from tandem.pairing import DraftShape, TargetShape, check_pair
+from tandem.timing import engine_lock
 from target_server.engine import DTYPES, InvalidRequest, SessionNotFound
 
 
@@ -100,7 +101,7 @@ class DraftEngine:
             raise SessionNotFound(f"unknown draft session {session_id!r}") from None
         session.last_used = time.monotonic()
         model = self.model
-        with self._lock:
+        with engine_lock(self._lock):  # the wait counts as queueing in the step timing
             kv = session.kv
             hidden = model.fc(features.to(self.device, self.dtype))[None]  # [1, m, H]
             tokens = torch.tensor([next_tokens], device=self.device)  # [1, m]

@@ -15,8 +15,10 @@ import torch
 
 from draft_server.engine import DraftEngine
 from tandem.config import DraftSettings
+from tandem.metrics import StepMetrics
 from tandem.params import MAX_DRAFT_TOKENS
 from tandem.service import Abort, Service, errors_to_status, setup_logging
+from tandem.timing import StepClock
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 from tandem.wire import FeatureAssembler, WireError
 from target_server.engine import InvalidRequest, SessionNotFound
@@ -35,9 +37,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.service = service
         self.engine: DraftEngine | None = None
         self.model_dir = ""
+        self.metrics = StepMetrics(service.registry)
 
     def attach(self, engine: DraftEngine, model_dir: str) -> None:
         self.engine, self.model_dir = engine, model_dir
+        self.metrics.count_sessions(lambda: engine.num_sessions)
 
     def _engine(self) -> DraftEngine:
         if self.engine is None:
@@ -74,11 +78,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                         if not request.session_id:
                             raise InvalidRequest("the first message of a draft stream names the session")
                         session_id = request.session_id
+                        timed = request.want_timing  # answers carry StepTiming
                     if not assembler.started:  # the first message of a step
+                        clock = StepClock(getattr(engine, "device", None))
                         next_tokens, k = list(request.next_tokens), request.num_draft_tokens
                         if not 0 <= k <= MAX_DRAFT_TOKENS:
                             raise InvalidRequest(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {k}")
-                    features = assembler.add(request.features)  # [m, 3Ht] once the step is complete
+                    with clock.codec():
+                        features = assembler.add(request.features)  # [m, 3Ht] once the step is complete
                     if features is None:
                         continue
                     create = not created
@@ -86,8 +93,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                         if session_id in engine.session_ids():
                             raise InvalidRequest(f"draft session {session_id!r} already exists")
                         created = True  # from here on the session is ours to release, even if propose fails
-                    drafts = engine.propose(session_id, features, next_tokens, k, create=create)
-                    yield draft_pb2.DraftResponse(drafts=drafts)
+                    with clock.compute():
+                        drafts = engine.propose(session_id, features, next_tokens, k, create=create)
+                    self.metrics.observe("propose", clock)
+                    response = draft_pb2.DraftResponse(drafts=drafts)
+                    if timed:
+                        response.timing.CopyFrom(clock.to_pb())
+                    yield response
             finally:
                 if created:
                     engine.release(session_id)

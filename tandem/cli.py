@@ -177,6 +177,8 @@ def add_service_args(p: argparse.ArgumentParser, port_help: str) -> None:
     p.add_argument("--grace-period", type=float, help="seconds in-flight requests get on SIGTERM (default 30)")
     p.add_argument("--max-message-mib", type=int, help="gRPC message size limit (default 16)")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--metrics-port", type=int,
+                   help="serve Prometheus /metrics on this port (default: off; 0 = any free port)")
     p.add_argument("--announce-file", help=argparse.SUPPRESS)  # `serve` learns the bound port from it
 
 
@@ -214,6 +216,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(settings)
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tandem.profile import ProfileConfig, profile
+
+    if args.num_requests < 1 or args.concurrency < 1:
+        raise ValueError("--num-requests and --concurrency must be at least 1")
+    config = ProfileConfig(
+        out=Path(args.out), server=args.server, target=args.target, draft=args.draft,
+        prompts=Path(args.prompts) if args.prompts else None, num_requests=args.num_requests,
+        concurrency=args.concurrency, max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+        temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos, timeout=args.timeout,
+        target_device=args.target_device, draft_device=args.draft_device, dtype=args.dtype,
+    )
+    report = profile(config)
+    return 1 if report["totals"]["completed"] == 0 else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -245,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="the coordinator's port (default 50050; 0 = any free port)")
     p.add_argument("--grace-period", type=float, help="seconds in-flight requests get on SIGTERM (default 30)")
     p.add_argument("--startup-timeout", type=float, help="seconds to wait for the services (default 600)")
+    for name in ("coordinator", "target", "draft"):
+        p.add_argument(f"--{name}-metrics-port", type=int, help=f"the {name}'s Prometheus /metrics port (default: off)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("target", help="run the target service (one process, one device)")
@@ -272,6 +294,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout", type=float, help="seconds to wait for the services (default 600)")
     add_service_args(p, "port (default 50050; 0 = any free port)")
     p.set_defaults(func=cmd_coordinator)
+
+    p = sub.add_parser("profile", help="profile a workload: traffic per link and kind, time per stage, a trace")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--server", metavar="HOST:PORT", help="a running coordinator")
+    where.add_argument("--target", help="start the three services on this target checkpoint (default: tiny pair)")
+    p.add_argument("--draft", help="with --target: the EAGLE-3 head directory")
+    p.add_argument("--target-device", default="cpu", help="with --target: the target's device")
+    p.add_argument("--draft-device", default="cpu", help="with --target: the draft's device")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--prompts", metavar="FILE", help="one prompt per line, or .jsonl with prompt / prompt_ids")
+    p.add_argument("--num-requests", "-n", type=int, default=16)
+    p.add_argument("--concurrency", "-c", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None, help="request i gets seed + i")
+    p.add_argument("--ignore-eos", action="store_true", help="every request generates --max-new-tokens")
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline of each request in seconds")
+    p.add_argument("--out", default="tandem-profile", metavar="DIR",
+                   help="where report.json, trace.json and traffic.png go (default ./tandem-profile)")
+    p.set_defaults(func=cmd_profile)
     return parser
 
 

@@ -30,6 +30,9 @@ DEFAULT_DRAFT_PORT = 50052
 THREADS_HELP = "torch CPU threads (default: torch's choice, one per core)"
 
 
+METRICS_PORT_HELP = "serve Prometheus /metrics on this port (default: off; 0 = any free port)"
+
+
 class ConfigError(ValueError):
     """Invalid configuration; the message names every bad setting."""
 
@@ -67,6 +70,8 @@ class ServiceSettings(BaseSettings):
     max_message_mib: int = Field(16, ge=1, le=1024)
     announce_file: Path | None = Field(None, description="write HOST:PORT here once listening (used by serve)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # Prometheus /metrics over HTTP on the same interface as the service; off unless a port is given.
+    metrics_port: int | None = Field(None, ge=0, le=65535, description=METRICS_PORT_HELP)
 
     model_config = SettingsConfigDict(extra="ignore")
 
@@ -163,6 +168,10 @@ class ServeSettings(BaseSettings):
     port: int = Field(DEFAULT_COORDINATOR_PORT, ge=0, le=65535)
     startup_timeout: float = Field(600.0, gt=0)
     grace_period: float = Field(30.0, ge=0)
+    # Prometheus /metrics of each child (none: off, or the child's own TANDEM_<SERVICE>_METRICS_PORT)
+    coordinator_metrics_port: int | None = Field(None, ge=0, le=65535)
+    target_metrics_port: int | None = Field(None, ge=0, le=65535)
+    draft_metrics_port: int | None = Field(None, ge=0, le=65535)
 
     @field_validator("target_device", "draft_device")
     @classmethod

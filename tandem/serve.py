@@ -93,10 +93,12 @@ def serve(settings: ServeSettings) -> int:
                            *threads["target"]]
             if draft is not None:
                 target_args += ["--draft", str(draft)]
+            target_args += _metrics(settings.target_metrics_port)
             children.append(Child("target", [*target_args, *common], run / "target.addr"))
             if draft is not None:
                 draft_args = ["--model", str(draft), "--target", str(target), "--device", settings.draft_device,
                               "--dtype", settings.dtype, *threads["draft"]]
+                draft_args += _metrics(settings.draft_metrics_port)
                 children.append(Child("draft", [*draft_args, *common], run / "draft.addr"))
             deadline = time.monotonic() + settings.startup_timeout
             addresses = {child.name: child.address(deadline) for child in children}
@@ -105,6 +107,7 @@ def serve(settings: ServeSettings) -> int:
                                 "--connect-timeout", str(settings.startup_timeout)]
             if "draft" in addresses:
                 coordinator_args += ["--draft-addr", addresses["draft"]]
+            coordinator_args += _metrics(settings.coordinator_metrics_port)
             coordinator = Child("coordinator", coordinator_args, run / "coordinator.addr")
             children.insert(0, coordinator)  # stopped first: it drains while the services still answer
             address = coordinator.address(deadline)
@@ -133,6 +136,11 @@ def cpu_threads(target_device: str, draft_device: str | None) -> dict[str, list[
     on_cpu = [name for name, device in (("target", target_device), ("draft", draft_device)) if device == "cpu"]
     share = max(1, (os.cpu_count() or 1) // max(1, len(on_cpu)))
     return {name: (["--threads", str(share)] if name in on_cpu else []) for name in ("target", "draft")}
+
+
+def _metrics(port: int | None) -> list[str]:
+    """A child's --metrics-port; none given leaves it to the child's TANDEM_<SERVICE>_METRICS_PORT."""
+    return ["--metrics-port", str(port)] if port is not None else []
 
 
 def _all_alive(children: list[Child]) -> bool:

@@ -28,6 +28,8 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
 from tandem.config import ServiceSettings
+from tandem.metrics import new_registry, serve_metrics
+from tandem.traffic import SERVER_LINKS, Traffic, TrafficInterceptor
 
 log = logging.getLogger("tandem")
 
@@ -143,10 +145,15 @@ class Service:
         self.name = name  # "target", "draft", "coordinator": for messages
         self.settings = settings
         self.service_names = list(service_names)
+        # what this process sends and receives, counted at the serializers; exported on /metrics
+        self.traffic = Traffic()
+        self.registry = new_registry(self.traffic)
+        self.metrics_address = ""
         # +8 threads beyond the sessions: health checks and info calls must get through under full load
         self.server = grpc.server(
             ThreadPoolExecutor(max_workers=settings.max_sessions + 8, thread_name_prefix=f"tandem-{name}"),
             options=channel_options(settings.max_message_mib),
+            interceptors=[TrafficInterceptor(self.traffic, *SERVER_LINKS[name])] if name in SERVER_LINKS else [],
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -172,6 +179,9 @@ class Service:
         self.server.start()
         self.address = f"{bind_host}:{port}"
         log.info("tandem %s listening on %s (loading)", self.name, self.address)
+        if self.settings.metrics_port is not None:
+            self.metrics_address = serve_metrics(self.registry, host, self.settings.metrics_port)
+            log.info("tandem %s metrics on http://%s/metrics", self.name, self.metrics_address)
         if self.settings.announce_file is not None:
             _write_atomically(self.settings.announce_file, self.address)
         return self.address

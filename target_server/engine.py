@@ -21,6 +21,7 @@ from transformers.utils import logging as hf_logging
 
 from tandem.params import SamplingParams
 from tandem.protocol import PrefillResult, VerifyResult
+from tandem.timing import engine_lock
 from target_server.acceptance import accept
 from target_server.capture import FeatureCapture, default_layer_ids
 
@@ -166,7 +167,7 @@ class TargetEngine:
         )
 
     def _forward(self, ids: torch.Tensor, session: _Session, logits_to_keep: int):
-        with self._lock:
+        with engine_lock(self._lock):  # the wait counts as queueing in the step timing
             out = self.model(
                 input_ids=ids, past_key_values=session.cache, use_cache=True, logits_to_keep=logits_to_keep
             )

@@ -15,8 +15,10 @@ import grpc
 import torch
 
 from tandem.config import TargetSettings
+from tandem.metrics import StepMetrics
 from tandem.params import SamplingParams
 from tandem.service import Abort, Service, errors_to_status, setup_logging
+from tandem.timing import StepClock
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire import encode_features
 from target_server.engine import InvalidRequest, SessionNotFound, TargetEngine, aux_layer_ids_from_draft
@@ -58,11 +60,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, service: Service, chunk_bytes: int):
         self.service = service
         self.chunk_bytes = chunk_bytes
+        self.metrics = StepMetrics(service.registry)
         self.engine: TargetEngine | None = None
         self.tokenizer_json = b""
 
     def attach(self, engine: TargetEngine, tokenizer_json: bytes) -> None:
         self.engine, self.tokenizer_json = engine, tokenizer_json
+        self.metrics.count_sessions(lambda: engine.num_sessions)
 
     def _engine(self) -> TargetEngine:
         if self.engine is None:
@@ -97,39 +101,50 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         session_id = None
         with errors_to_status(context, ERRORS), self.service.admission.admit():
             engine = self._engine()
+            timed = False  # the session asked for StepTiming in its answers
             try:
                 for request in request_iterator:
+                    clock = StepClock(getattr(engine, "device", None))
                     step = request.WhichOneof("step")
                     if step == "prefill":
                         if session_id is not None:
                             raise InvalidRequest("a session stream takes one prefill, at the start")
                         p = request.prefill
                         sid = p.session_id or uuid.uuid4().hex
-                        result = engine.prefill(sid, list(p.prompt_ids), sampling_from_pb(p.sampling), p.want_features)
+                        with clock.compute():
+                            result = engine.prefill(sid, list(p.prompt_ids), sampling_from_pb(p.sampling),
+                                                    p.want_features)
+                        timed = p.want_timing
                         session_id = sid  # only now is it ours to release
                         head = target_pb2.TargetResponse(prefilled=target_pb2.Prefilled(token=result.token))
                     elif step == "verify":
                         if session_id is None:
                             raise InvalidRequest("verify before prefill: a session stream starts with a prefill")
                         v = request.verify
-                        result = engine.verify(session_id, v.token, list(v.drafts), v.want_features)
+                        with clock.compute():
+                            result = engine.verify(session_id, v.token, list(v.drafts), v.want_features)
                         head = target_pb2.TargetResponse(
                             verified=target_pb2.Verified(accepted=result.accepted, bonus=result.bonus)
                         )
                     else:
                         raise InvalidRequest("a TargetRequest needs a prefill or a verify")
-                    yield from self._with_features(head, result.features)
+                    yield from self._with_features(head, result.features, step, clock, timed)
             finally:
                 if session_id is not None:
                     engine.release(session_id)
 
-    def _with_features(self, head: target_pb2.TargetResponse, features) -> Iterator[target_pb2.TargetResponse]:
+    def _with_features(
+        self, head: target_pb2.TargetResponse, features, step: str, clock: StepClock, timed: bool
+    ) -> Iterator[target_pb2.TargetResponse]:
         """The step's answer: the result and the first feature chunk, then one message per further chunk."""
-        if features is None:
-            yield head
-            return
-        chunks = encode_features(features, self.chunk_bytes)
-        head.features.CopyFrom(chunks[0])
+        chunks = []
+        if features is not None:
+            with clock.codec():
+                chunks = encode_features(features, self.chunk_bytes)
+            head.features.CopyFrom(chunks[0])
+        self.metrics.observe(step, clock)
+        if timed:
+            head.timing.CopyFrom(clock.to_pb())
         yield head
         for chunk in chunks[1:]:
             yield target_pb2.TargetResponse(features=chunk)

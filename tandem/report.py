@@ -1,0 +1,271 @@
+"""The profile report: per-request profiles (coordinator/probe.py) -> report.json and the terminal summary.
+
+Where a round's time goes (all from the coordinator's clock and the services' StepTiming; the
+services' durations are differences on their own clocks, so no clock alignment is needed here):
+
+    target_compute  the target engine's step (forward, acceptance, feature capture)
+    draft_compute   the draft engine's step (fc fusion, extend, K-step rollout)
+    queueing        a step waiting for its engine behind another session's step
+    transport       the rest of each step's round trip: serialization, the wire, gRPC, the feature
+                    codec, the service shell, and relaying the previous step's feature chunks
+    coordinator     the rest of the round: the round loop, detokenizing, stop strings, the client send
+
+They add up to the round's wall time. Rounds run propose then verify, one after the other.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from tandem.traffic import KINDS, LINKS
+from tandem.v1 import profile_pb2
+from tandem.wire import ITEMSIZE
+
+STAGES = ("target_compute", "draft_compute", "transport", "coordinator", "queueing")
+# the gRPC connections and the links they carry; a fast path adds target->draft
+CONNECTIONS = {
+    "client<->coordinator": ("client->coordinator", "coordinator->client"),
+    "coordinator<->target": ("coordinator->target", "target->coordinator"),
+    "coordinator<->draft": ("coordinator->draft", "draft->coordinator"),
+    "target->draft": ("target->draft",),
+}
+
+
+@dataclass
+class RequestRecord:
+    """One profiled request as the client saw it, with the coordinator's profile."""
+
+    index: int
+    sent_ns: int  # the client's CLOCK_MONOTONIC
+    delta_ns: list[int] = field(default_factory=list)  # when each answer arrived
+    delta_tokens: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    stats: dict = field(default_factory=dict)
+    profile: profile_pb2.RequestProfile | None = None
+    error: str | None = None
+
+
+def round_stages(r: profile_pb2.RoundProfile) -> dict[str, int]:
+    """One round's wall time split into STAGES (ns)."""
+    wall = r.end_ns - r.start_ns
+    stages = dict.fromkeys(STAGES, 0)
+    waited = 0
+    for step, sent, received, who in (
+        (r.target, r.target_sent_ns, r.target_received_ns, "target"),
+        (r.draft, r.draft_sent_ns, r.draft_received_ns, "draft"),
+    ):
+        if not sent or not received:
+            continue
+        rtt = received - sent
+        stages[f"{who}_compute"] += step.compute_ns
+        stages["queueing"] += step.queue_ns
+        stages["transport"] += rtt - step.compute_ns - step.queue_ns
+        waited += rtt
+    stages["coordinator"] = wall - waited
+    return stages
+
+
+def connection_transport(r: profile_pb2.RoundProfile) -> dict[str, int]:
+    """A round's transport time per connection (ns)."""
+    out = {}
+    for step, sent, received, name in (
+        (r.target, r.target_sent_ns, r.target_received_ns, "coordinator<->target"),
+        (r.draft, r.draft_sent_ns, r.draft_received_ns, "coordinator<->draft"),
+    ):
+        if sent and received:
+            out[name] = received - sent - step.compute_ns - step.queue_ns
+    return out
+
+
+def _dist(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0, "count": 0}
+    ordered = sorted(values)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"mean": statistics.fmean(ordered), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99),
+            "max": ordered[-1], "count": len(ordered)}
+
+
+def build_report(records: list[RequestRecord], wall_s: float, config: dict, send_site: dict | None = None) -> dict:
+    """report.json: links, totals, latency, acceptance, transport, and per request, per round detail."""
+    done = [r for r in records if r.error is None and r.profile is not None]
+    links = {link: {"bytes": 0, "messages": 0, "by_kind": dict.fromkeys(KINDS, 0), "token_ids": 0,
+                    "feature_rows": 0, "transport": "grpc"} for link in LINKS}
+    stage_ns = dict.fromkeys(STAGES, 0)
+    prefill_ns = dict.fromkeys(STAGES, 0)
+    conn_ns: dict[str, int] = defaultdict(int)
+    codec_ns = 0
+    wall_rounds_ns = 0
+    verify_rounds = 0
+    prompt_tokens = generated = 0
+    requests = []
+    ttft, itl, e2e = [], [], []
+    accepted_per_position: list[int] = []
+    num_draft_tokens = num_accepted = num_drafts = 0
+    profile0 = done[0].profile if done else None
+
+    for rec in done:
+        p = rec.profile
+        rounds_out = []
+        req_links: dict[str, int] = defaultdict(int)
+        for r in p.rounds:
+            stages = round_stages(r)
+            target = prefill_ns if r.index == 0 else stage_ns
+            for stage, ns in stages.items():
+                target[stage] += ns
+            if r.index > 0:
+                verify_rounds += 1
+                wall_rounds_ns += r.end_ns - r.start_ns
+            for name, ns in connection_transport(r).items():
+                conn_ns[name] += ns
+            codec_ns += r.target.codec_ns + r.draft.codec_ns
+            round_bytes = {}
+            for t in r.traffic:
+                link = links.setdefault(t.link, {"bytes": 0, "messages": 0, "by_kind": dict.fromkeys(KINDS, 0),
+                                                 "token_ids": 0, "feature_rows": 0, "transport": t.transport})
+                link["messages"] += t.messages
+                for kind, n in t.bytes.items():
+                    link["by_kind"][kind] = link["by_kind"].get(kind, 0) + n
+                    link["bytes"] += n
+                link["token_ids"] += t.token_ids
+                link["feature_rows"] += t.feature_rows
+                size = sum(t.bytes.values())
+                round_bytes[t.link] = size
+                req_links[t.link] += size
+                if r.index == 0 and t.link == "coordinator->target":
+                    prompt_tokens += t.token_ids
+            rounds_out.append({
+                "index": r.index, "wall_ms": (r.end_ns - r.start_ns) / 1e6,
+                "stages_ms": {k: v / 1e6 for k, v in stages.items()},
+                "num_drafts": r.num_drafts, "num_accepted": r.num_accepted, "num_tokens": r.num_tokens,
+                "bytes": round_bytes,
+            })
+        generated += len(rec.token_ids)
+        if rec.delta_ns:
+            ttft.append((rec.delta_ns[0] - rec.sent_ns) / 1e9)
+            e2e.append((rec.delta_ns[-1] - rec.sent_ns) / 1e9)
+            for before, now, n in zip(rec.delta_ns, rec.delta_ns[1:], rec.delta_tokens[1:], strict=False):
+                if n:
+                    itl.append((now - before) / 1e9 / n)
+        s = rec.stats
+        num_draft_tokens += s.get("num_draft_tokens", 0)
+        num_accepted += s.get("num_accepted_tokens", 0)
+        if s.get("accepted_per_position"):
+            num_drafts += s.get("num_rounds", 0) - s.get("num_rounds_without_draft", 0)
+        for k, n in enumerate(s.get("accepted_per_position", [])):
+            if k >= len(accepted_per_position):
+                accepted_per_position.append(0)
+            accepted_per_position[k] += n
+        requests.append({
+            "index": rec.index, "prompt_tokens": next((t.token_ids for t in p.rounds[0].traffic
+                                                       if t.link == "coordinator->target"), 0),
+            "generated_tokens": len(rec.token_ids), "finish_reason": rec.finish_reason,
+            "num_rounds": len(p.rounds) - 1, "mean_acceptance_length": s.get("mean_acceptance_length", 0.0),
+            "ttft_s": ttft[-1] if rec.delta_ns else None, "e2e_s": e2e[-1] if rec.delta_ns else None,
+            "bytes": dict(req_links), "rounds": rounds_out,
+        })
+
+    per_token = max(generated, 1)
+    for link in links.values():
+        link["bytes_per_token"] = link["bytes"] / per_token
+        link["by_kind_per_token"] = {k: v / per_token for k, v in link["by_kind"].items()}
+    total_ns = sum(stage_ns.values()) + sum(prefill_ns.values())
+    all_ns = {k: stage_ns[k] + prefill_ns[k] for k in STAGES}
+    rounds = max(verify_rounds, 1)
+    hidden = profile0.target_hidden_size if profile0 else 0
+    dtype = profile0.target_dtype if profile0 else ""
+    transport_ns = all_ns["transport"]
+    report = {
+        "config": config,
+        "totals": {
+            "requests": len(records), "completed": len(done), "errors": len(records) - len(done),
+            "prompt_tokens": prompt_tokens, "generated_tokens": generated, "rounds": verify_rounds,
+            "wall_s": wall_s, "output_tokens_per_s": generated / wall_s if wall_s > 0 else 0.0,
+            "requests_per_s": len(done) / wall_s if wall_s > 0 else 0.0,
+        },
+        "links": links,
+        "latency": {
+            "stages": {k: v / 1e9 for k, v in all_ns.items()},
+            "share": {k: (v / total_ns if total_ns else 0.0) for k, v in all_ns.items()},
+            "per_round_ms": {k: v / 1e6 / rounds for k, v in stage_ns.items()},
+            "round_ms": wall_rounds_ns / 1e6 / rounds,
+            "prefill_ms": {k: v / 1e6 / max(len(done), 1) for k, v in prefill_ns.items()},
+            "ttft_s": _dist(ttft), "itl_s": _dist(itl), "e2e_s": _dist(e2e),
+        },
+        "acceptance": {
+            "mean_acceptance_length": 1.0 + num_accepted / verify_rounds if verify_rounds else 0.0,
+            "accepted_per_position": accepted_per_position,
+            "acceptance_rate_per_position": [n / num_drafts if num_drafts else 0.0 for n in accepted_per_position],
+            "num_drafts": num_drafts, "num_draft_tokens": num_draft_tokens, "num_accepted_tokens": num_accepted,
+            "draft_acceptance_rate": num_accepted / num_draft_tokens if num_draft_tokens else 0.0,
+        },
+        "transport": {
+            "name": profile0.transport if profile0 else "grpc",
+            "features": "target -> coordinator -> draft, relayed in chunks over gRPC",
+            "target_hidden_size": hidden, "target_dtype": dtype,
+            "feature_row_bytes": 3 * hidden * ITEMSIZE.get(dtype, 0),
+            "target_device": profile0.target_device if profile0 else "",
+            "draft_device": profile0.draft_device if profile0 else "",
+            "seconds": transport_ns / 1e9, "share": transport_ns / total_ns if total_ns else 0.0,
+            "codec_seconds": codec_ns / 1e9,
+            "connections": {
+                name: {"bytes": sum(links[link]["bytes"] for link in members if link in links),
+                       "seconds": conn_ns.get(name, 0) / 1e9,
+                       "share": conn_ns.get(name, 0) / total_ns if total_ns else 0.0}
+                for name, members in CONNECTIONS.items()
+            },
+        },
+        "requests": requests,
+        "errors": [{"index": r.index, "error": r.error} for r in records if r.error is not None],
+    }
+    if send_site is not None:
+        report["transport"]["send_site"] = send_site
+    return report
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def summary(report: dict) -> str:
+    """The terminal table: per link, bytes per generated token and the share of round time, then stages."""
+    t = report["totals"]
+    head = (f"{t['completed']}/{t['requests']} requests, {t['prompt_tokens']} prompt + {t['generated_tokens']} "
+            f"generated tokens, {t['rounds']} rounds in {t['wall_s']:.2f}s ({t['output_tokens_per_s']:.1f} tok/s); "
+            f"mean acceptance length {report['acceptance']['mean_acceptance_length']:.2f}")
+    columns = (f"{'link':<22}{'msgs':>8}{'total':>12}{'B/token':>10}{'features':>10}{'token_ids':>10}{'text':>7}"
+               f"{'control':>9}   time share (connection)")
+    lines = [head, "", columns]
+    share_of = {link: (name, c["share"]) for name, c in report["transport"]["connections"].items()
+                for link in CONNECTIONS[name]}
+    for name, link in report["links"].items():
+        if not link["messages"]:
+            continue
+        per = link["by_kind_per_token"]
+        conn, share = share_of.get(name, ("", 0.0))
+        shown = f"{100 * share:5.1f}% ({conn})" if conn != "client<->coordinator" else "   in coordinator"
+        lines.append(
+            f"{name:<22}{link['messages']:>8}{_human_bytes(link['bytes']):>12}{link['bytes_per_token']:>10.1f}"
+            f"{per['features']:>10.1f}{per['token_ids']:>10.2f}{per['text']:>7.2f}{per['control']:>9.1f}   {shown}"
+        )
+    lat = report["latency"]
+    lines += ["", f"{'stage':<16}{'total s':>10}{'ms/round':>10}{'share':>8}"]
+    for stage in STAGES:
+        lines.append(f"{stage:<16}{lat['stages'][stage]:>10.3f}{lat['per_round_ms'][stage]:>10.2f}"
+                     f"{100 * lat['share'][stage]:>7.1f}%")
+    lines.append(
+        f"TTFT p50 {1e3 * lat['ttft_s']['p50']:.1f} ms, ITL p50 {1e3 * lat['itl_s']['p50']:.2f} ms, "
+        f"e2e p50 {lat['e2e_s']['p50']:.3f} s; features: {report['transport']['feature_row_bytes']} B per position "
+        f"({report['transport']['target_dtype']}, 3 x {report['transport']['target_hidden_size']})"
+    )
+    return "\n".join(lines)

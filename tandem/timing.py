@@ -1,0 +1,101 @@
+"""Per-step timing inside a service: how long a step waited for the engine, computed, and spent on
+the feature codec.
+
+    clock = StepClock(engine.device)     # when the step's request arrived
+    with clock.compute():                # the engine call; its lock goes through engine_lock()
+        result = engine.verify(...)
+    with clock.codec():
+        chunks = encode_features(result.features)
+    clock.to_pb()                        # StepTiming, stamped "sent" now
+
+Timestamps are time.monotonic_ns(): CLOCK_MONOTONIC, one clock for every process of a host, so the
+coordinator can put the steps of three processes on one timeline. On a CPU, compute is the engine
+call's wall time less its wait for the lock. On a GPU it is measured with CUDA events from the moment
+the step holds the engine to the end of the call (the engine has synchronised by then: it returns
+token ids), so a late kernel is not missed and no extra synchronisation is added.
+
+No torch at import: the coordinator imports the clock helpers too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from tandem.v1 import profile_pb2
+
+_current = threading.local()  # the StepClock of the step this thread is computing, if any
+
+
+class StepClock:
+    __slots__ = ("_cuda", "_start_event", "codec_ns", "compute_ns", "queue_ns", "received_ns")
+
+    def __init__(self, device=None):
+        self.received_ns = time.monotonic_ns()
+        self.queue_ns = 0
+        self.compute_ns = 0
+        self.codec_ns = 0
+        self._cuda = getattr(device, "type", str(device or "")).startswith("cuda")
+        self._start_event = None
+
+    @contextmanager
+    def compute(self) -> Iterator[None]:
+        _current.clock = self
+        queued = self.queue_ns
+        start = time.monotonic_ns()
+        try:
+            yield
+        finally:
+            _current.clock = None
+            wall = time.monotonic_ns() - start - (self.queue_ns - queued)
+            if self._start_event is not None:
+                import torch
+
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                end.synchronize()
+                self.compute_ns += int(self._start_event.elapsed_time(end) * 1e6)
+                self._start_event = None
+            else:
+                self.compute_ns += wall
+
+    @contextmanager
+    def codec(self) -> Iterator[None]:
+        start = time.monotonic_ns()
+        try:
+            yield
+        finally:
+            self.codec_ns += time.monotonic_ns() - start
+
+    def _holding_engine(self) -> None:
+        if self._cuda and self._start_event is None:
+            import torch
+
+            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._start_event.record()
+
+    def to_pb(self) -> profile_pb2.StepTiming:
+        return profile_pb2.StepTiming(
+            received_ns=self.received_ns,
+            sent_ns=time.monotonic_ns(),
+            queue_ns=self.queue_ns,
+            compute_ns=self.compute_ns,
+            codec_ns=self.codec_ns,
+        )
+
+
+@contextmanager
+def engine_lock(lock: threading.Lock) -> Iterator[None]:
+    """`with lock:` for an engine's one-forward-at-a-time lock, charging the wait to the step's clock."""
+    clock: StepClock | None = getattr(_current, "clock", None)
+    if clock is None:
+        with lock:
+            yield
+        return
+    start = time.monotonic_ns()
+    with lock:
+        clock.queue_ns += time.monotonic_ns() - start
+        clock._holding_engine()
+        yield
