@@ -43,8 +43,12 @@ class DraftEngine:
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.config, self.layout = read_config(draft_dir)
+        # the head's trained context; RoPE is computed per position, so longer sequences still run
+        self.max_context = int(getattr(self.config.layer, "max_position_embeddings", 0) or 0)
+        self.target_max_context: int | None = None  # the context of the target checkpoint we were given
         if target_dir is not None:  # refuse a head made for another target before reading its weights
             check_pair(read_target_shape(target_dir), self.shape(max_target_id=0))
+            self.target_max_context = read_target_shape(target_dir).max_context
         self.model: Eagle3Draft = load_draft(draft_dir, target_dir, device=device, dtype=self.dtype)
         if target_dir is not None:
             check_pair(read_target_shape(target_dir), self.shape())
@@ -72,6 +76,12 @@ class DraftEngine:
 
     def release(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None
+
+    def evict_idle(self, ttl: float) -> list[str]:
+        """Drop the sessions no step has touched for `ttl` seconds (their client hung or vanished)."""
+        cutoff = time.monotonic() - ttl
+        stale = [sid for sid, session in list(self._sessions.items()) if session.last_used < cutoff]
+        return [sid for sid in stale if self._sessions.pop(sid, None) is not None]
 
     @torch.inference_mode()
     def propose(
@@ -117,6 +127,7 @@ class DraftEngine:
                     a = model(a, draft.view(1, 1), torch.tensor([[position]], device=self.device), kv)
                     position += 1
             kv.crop(session.length)  # the rollout's KV is dropped: exact target features replace it
+        session.last_used = time.monotonic()
         return drafts
 
 
@@ -128,4 +139,6 @@ def read_target_shape(target_dir: str | Path) -> TargetShape:
         vocab_size=int(config["vocab_size"]),
         hidden_size=int(config["hidden_size"]),
         num_layers=int(config["num_hidden_layers"]),
+        # as TargetEngine.max_context reads it
+        max_context=int(config.get("max_position_embeddings") or 1 << 30),
     )

@@ -17,7 +17,7 @@ from draft_server.engine import DraftEngine
 from tandem.config import DraftSettings
 from tandem.metrics import StepMetrics
 from tandem.params import MAX_DRAFT_TOKENS
-from tandem.service import Abort, Service, errors_to_status, setup_logging
+from tandem.service import Abort, Service, SessionReaper, errors_to_status, setup_logging
 from tandem.timing import StepClock
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 from tandem.wire import FeatureAssembler, WireError
@@ -37,11 +37,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.service = service
         self.engine: DraftEngine | None = None
         self.model_dir = ""
+        self.reaper: SessionReaper | None = None
         self.metrics = StepMetrics(service.registry)
 
-    def attach(self, engine: DraftEngine, model_dir: str) -> None:
+    def attach(self, engine: DraftEngine, model_dir: str, session_ttl: float | None = None) -> None:
         self.engine, self.model_dir = engine, model_dir
         self.metrics.count_sessions(lambda: engine.num_sessions)
+        if session_ttl is not None:
+            self.reaper = SessionReaper("draft", session_ttl, engine.evict_idle)
+            self.reaper.start()
 
     def _engine(self) -> DraftEngine:
         if self.engine is None:
@@ -62,6 +66,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 dtype=str(engine.dtype).removeprefix("torch."),
                 device=str(engine.device),
                 num_sessions=engine.num_sessions,
+                max_context=engine.max_context,
+                target_max_context=engine.target_max_context or 0,
             )
 
     def Session(self, request_iterator, context) -> Iterator[draft_pb2.DraftResponse]:
@@ -93,6 +99,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                         if session_id in engine.session_ids():
                             raise InvalidRequest(f"draft session {session_id!r} already exists")
                         created = True  # from here on the session is ours to release, even if propose fails
+                        if self.reaper is not None:
+                            self.reaper.register(session_id, context)
                     with clock.compute():
                         drafts = engine.propose(session_id, features, next_tokens, k, create=create)
                     self.metrics.observe("propose", clock)
@@ -103,6 +111,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             finally:
                 if created:
                     engine.release(session_id)
+                    if self.reaper is not None:
+                        self.reaper.unregister(session_id)
 
 
 def serve(settings: DraftSettings) -> int:
@@ -115,7 +125,7 @@ def serve(settings: DraftSettings) -> int:
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     engine = DraftEngine(settings.model, settings.target, device=settings.device, dtype=settings.dtype)
-    servicer.attach(engine, str(settings.model))
+    servicer.attach(engine, str(settings.model), settings.session_ttl)
     log.info("draft %s (%s layout) on %s (%s)", settings.model, engine.layout, settings.device, settings.dtype)
     if not service.stopping:
         service.ready()

@@ -265,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="the coordinator's port (default 50050; 0 = any free port)")
     p.add_argument("--grace-period", type=float, help="seconds in-flight requests get on SIGTERM (default 30)")
     p.add_argument("--startup-timeout", type=float, help="seconds to wait for the services (default 600)")
+    p.add_argument("--session-ttl", type=float, help="target and draft: evict sessions idle this long (default 600)")
     for name in ("coordinator", "target", "draft"):
         p.add_argument(f"--{name}-metrics-port", type=int, help=f"the {name}'s Prometheus /metrics port (default: off)")
     p.set_defaults(func=cmd_serve)
@@ -276,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default float32)")
     p.add_argument("--feature-chunk-mib", type=float, help="size of feature chunks on the wire (default 2)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
+    p.add_argument("--session-ttl", type=float, help="seconds a session may sit idle before eviction (default 600)")
     add_service_args(p, "port (default 50051; 0 = any free port)")
     p.set_defaults(func=cmd_target)
 
@@ -285,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default float32)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
+    p.add_argument("--session-ttl", type=float, help="seconds a session may sit idle before eviction (default 600)")
     add_service_args(p, "port (default 50052; 0 = any free port)")
     p.set_defaults(func=cmd_draft)
 
@@ -292,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-addr", metavar="HOST:PORT", help="the target service")
     p.add_argument("--draft-addr", metavar="HOST:PORT", help="the draft service (none: target-only decoding)")
     p.add_argument("--connect-timeout", type=float, help="seconds to wait for the services (default 600)")
+    p.add_argument("--draft-timeout", type=float,
+                   help="seconds a draft step may take before the generation goes on target-only (default 10)")
+    p.add_argument("--health-interval", type=float,
+                   help="seconds between health checks of the target and draft (default 1)")
     add_service_args(p, "port (default 50050; 0 = any free port)")
     p.set_defaults(func=cmd_coordinator)
 

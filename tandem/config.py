@@ -29,6 +29,11 @@ DEFAULT_DRAFT_PORT = 50052
 # a busy 2-core machine took 100x longer than with one thread each. `serve` splits the cores.
 THREADS_HELP = "torch CPU threads (default: torch's choice, one per core)"
 
+# A session lives as long as its stream; this evicts the ones whose client hangs with the stream open.
+# Long enough for any step of a slow model under full load, short enough not to hold KV for hours.
+DEFAULT_SESSION_TTL = 600.0
+SESSION_TTL_HELP = "seconds a session may sit idle before it is evicted (default 600)"
+
 
 METRICS_PORT_HELP = "serve Prometheus /metrics on this port (default: off; 0 = any free port)"
 
@@ -88,6 +93,7 @@ class TargetSettings(ServiceSettings):
     dtype: Dtype = "float32"
     feature_chunk_mib: float = Field(2.0, gt=0)
     threads: int | None = Field(None, ge=1, description=THREADS_HELP)
+    session_ttl: float = Field(DEFAULT_SESSION_TTL, gt=0, description=SESSION_TTL_HELP)
 
     @field_validator("device")
     @classmethod
@@ -122,6 +128,7 @@ class DraftSettings(ServiceSettings):
     device: str = "cpu"
     dtype: Dtype = "float32"
     threads: int | None = Field(None, ge=1, description=THREADS_HELP)
+    session_ttl: float = Field(DEFAULT_SESSION_TTL, gt=0, description=SESSION_TTL_HELP)
 
     @field_validator("device")
     @classmethod
@@ -147,6 +154,12 @@ class CoordinatorSettings(ServiceSettings):
     draft_addr: str | None = None  # none: target-only decoding
     # How long to wait at start-up for the target and draft to report SERVING (a large model loads slowly).
     connect_timeout: float = Field(600.0, gt=0)
+    # A draft step that takes longer counts as a hung draft: the generation goes on target-only.
+    # Far above a real step (ms), even a long prompt's first extend under full load.
+    draft_timeout: float = Field(10.0, gt=0)
+    # How often the health of the target and draft is checked while they are up (while one is
+    # down it is retried with backoff, from 0.1 s up to this).
+    health_interval: float = Field(1.0, gt=0)
 
     @field_validator("target_addr", "draft_addr")
     @classmethod
@@ -168,6 +181,7 @@ class ServeSettings(BaseSettings):
     port: int = Field(DEFAULT_COORDINATOR_PORT, ge=0, le=65535)
     startup_timeout: float = Field(600.0, gt=0)
     grace_period: float = Field(30.0, ge=0)
+    session_ttl: float | None = Field(None, gt=0, description=SESSION_TTL_HELP)
     # Prometheus /metrics of each child (none: off, or the child's own TANDEM_<SERVICE>_METRICS_PORT)
     coordinator_metrics_port: int | None = Field(None, ge=0, le=65535)
     target_metrics_port: int | None = Field(None, ge=0, le=65535)

@@ -9,11 +9,20 @@ class PairMismatch(ValueError):
     """The draft head was not made for this target; the message lists every mismatch."""
 
 
+def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's choice: low, mid and high, in the input-of-layer convention."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
 @dataclass
 class TargetShape:
     vocab_size: int
     hidden_size: int
     num_layers: int
+    # what a running target service reports; None where only the checkpoint is known
+    layer_ids: list[int] | None = None  # the layers it captures
+    dtype: str | None = None
+    max_context: int | None = None
 
 
 @dataclass
@@ -22,6 +31,8 @@ class DraftShape:
     target_hidden_size: int  # fc reads 3 * this
     max_target_id: int  # the largest target id d2t maps to
     aux_layer_ids: list[int] | None
+    dtype: str | None = None
+    target_max_context: int | None = None  # the context of the target checkpoint the draft was set up with
 
 
 def check_pair(target: TargetShape, draft: DraftShape) -> None:
@@ -42,5 +53,21 @@ def check_pair(target: TargetShape, draft: DraftShape) -> None:
                 f"layer ids: the draft asks for target layers {draft.aux_layer_ids}, "
                 f"the target has {target.num_layers} decoder layers (3 ids in [0, {target.num_layers}) needed)"
             )
+    if target.layer_ids is not None:
+        wanted = list(draft.aux_layer_ids or default_layer_ids(target.num_layers))
+        if list(target.layer_ids) != wanted:
+            problems.append(
+                f"layer ids: the draft reads target layers {wanted}, the target captures {list(target.layer_ids)} "
+                f"(start the target with --draft pointing at the draft checkpoint)"
+            )
+    if target.dtype and draft.dtype and target.dtype != draft.dtype:
+        problems.append(
+            f"dtype: the target runs in {target.dtype}, the draft in {draft.dtype} (start both with the same --dtype)"
+        )
+    if target.max_context and draft.target_max_context and target.max_context != draft.target_max_context:
+        problems.append(
+            f"context length: the target serves {target.max_context} tokens, the draft was set up with a "
+            f"target of {draft.target_max_context} (point the draft's --target at the target's checkpoint)"
+        )
     if problems:
         raise PairMismatch("draft does not fit the target: " + "; ".join(problems))

@@ -58,7 +58,7 @@ def _links(ax, report: dict) -> None:
             if value <= 0:
                 continue
             y = i + (j - (len(kinds) - 1) / 2) * height
-            ax.barh(y, value, height=height * 0.95, color=KIND_COLORS[kind], label=kind)
+            ax.barh(y, value, height=height * 0.95, color=KIND_COLORS[kind])
             ax.text(value * 1.08, y, _bytes_label(value), va="center", fontsize=8)
     ax.set_yticks(range(len(links)))
     ax.set_yticklabels([f"{name}\n{_bytes_label(link['bytes_per_token'])}/token" for name, link in links],
@@ -70,9 +70,9 @@ def _links(ax, report: dict) -> None:
     positive = [v for v in values if v > 0]
     if positive:
         ax.set_xlim(min(positive) / 2, max(positive) * 8)
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles, strict=False))
-    ax.legend(unique.values(), unique.keys(), loc="lower right", fontsize=9, title="kind")
+    from matplotlib.patches import Patch
+
+    ax.legend([Patch(color=KIND_COLORS[k]) for k in kinds], kinds, loc="lower right", fontsize=9, title="kind")
     ax.grid(axis="x", which="major", alpha=0.3)
     tr = report["transport"]
     ax.set_title(

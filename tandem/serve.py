@@ -88,6 +88,8 @@ def serve(settings: ServeSettings) -> int:
         run = Path(tmp)
         common = ["--host", "127.0.0.1", "--port", "0", "--grace-period", str(settings.grace_period)]
         threads = cpu_threads(settings.target_device, settings.draft_device if draft is not None else None)
+        if settings.session_ttl is not None:
+            common += ["--session-ttl", str(settings.session_ttl)]
         try:
             target_args = ["--model", str(target), "--device", settings.target_device, "--dtype", settings.dtype,
                            *threads["target"]]

@@ -17,7 +17,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -188,9 +188,16 @@ class Service:
 
     def ready(self) -> None:
         self.admission.ready = True
-        for service in ["", *self.service_names]:
-            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self.set_serving(True)
         log.info("tandem %s serving on %s", self.name, self.address)
+
+    def set_serving(self, serving: bool) -> None:
+        """What health reports (the coordinator goes NOT_SERVING while its target is down); a no-op once draining."""
+        if serving and not self.admission.ready:
+            return  # still loading: ready() says when
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ["", *self.service_names]:
+            self.health.set(service, status)
 
     @property
     def stopping(self) -> bool:
@@ -240,6 +247,61 @@ class Service:
         self.wait_for_signal()
         self.drain()
         return 0
+
+
+def end_call(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """End an RPC with this status from outside its handler's thread (abort() only works inside it).
+
+    grpc's Python API can only cancel a call from another thread (the client then sees CANCELLED);
+    its core call can cancel with a status, which the client receives as is. Fall back to the plain
+    cancel where that is not there.
+    """
+    try:
+        context._rpc_event.call.cancel(code.value[0], message)
+    except (AttributeError, TypeError, ValueError):
+        context.cancel()
+
+
+class SessionReaper:
+    """Evicts sessions idle for longer than `ttl` seconds, and ends their streams with NOT_FOUND.
+
+    A session lives as long as its stream, and a client that closes, cancels or loses its connection
+    frees it at once; this catches the rest: a client that hangs with the stream open. The engine
+    frees the KV (`evict(ttl)` returns the ids it dropped), the reaper ends the streams.
+    """
+
+    def __init__(self, what: str, ttl: float, evict: Callable[[float], list[str]]):
+        self.what = what
+        self.ttl = ttl
+        self._evict = evict
+        self._streams: dict[str, grpc.ServicerContext] = {}
+        self._stop = threading.Event()
+
+    def register(self, session_id: str, context: grpc.ServicerContext) -> None:
+        self._streams[session_id] = context
+
+    def unregister(self, session_id: str) -> None:
+        self._streams.pop(session_id, None)
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name=f"tandem-{self.what}-reaper", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(max(self.ttl / 4, 0.05), 10.0)):
+            self.sweep()
+
+    def sweep(self) -> list[str]:
+        evicted = self._evict(self.ttl)
+        for session_id in evicted:
+            log.warning("%s session %s idle for over %gs: evicted (--session-ttl)", self.what, session_id, self.ttl)
+            context = self._streams.pop(session_id, None)
+            if context is not None:
+                end_call(context, grpc.StatusCode.NOT_FOUND,
+                         f"{self.what} session {session_id!r} was evicted after {self.ttl:g}s idle (--session-ttl)")
+        return evicted
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -12,10 +12,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from tandem.pairing import default_layer_ids
 
-def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's choice: low, mid and high, in the input-of-layer convention."""
-    return (2, num_layers // 2, num_layers - 3)
+__all__ = ["FeatureCapture", "default_layer_ids"]
 
 
 class FeatureCapture:

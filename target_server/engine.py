@@ -109,6 +109,12 @@ class TargetEngine:
     def release(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None
 
+    def evict_idle(self, ttl: float) -> list[str]:
+        """Drop the sessions no step has touched for `ttl` seconds (their client hung or vanished)."""
+        cutoff = time.monotonic() - ttl
+        stale = [sid for sid, session in list(self._sessions.items()) if session.last_used < cutoff]
+        return [sid for sid in stale if self._sessions.pop(sid, None) is not None]
+
     def _session(self, session_id: str) -> _Session:
         try:
             session = self._sessions[session_id]
@@ -144,6 +150,7 @@ class TargetEngine:
         logits, features = self._forward(ids, session, logits_to_keep=1)
         session.length = len(prompt_ids)
         token = accept(logits[-1:], ids.new_empty(0), params, generator)[1]
+        session.last_used = time.monotonic()
         self._sessions[session_id] = session
         return PrefillResult(token=token, features=features if want_features else None)
 
@@ -160,6 +167,7 @@ class TargetEngine:
         accepted, bonus = accept(logits, ids[0, 1:], session.params, session.generator)
         session.length += 1 + accepted
         crop_cache(session.cache, session.length)
+        session.last_used = time.monotonic()
         return VerifyResult(
             accepted=list(drafts[:accepted]),
             bonus=bonus,

@@ -17,7 +17,7 @@ import torch
 from tandem.config import TargetSettings
 from tandem.metrics import StepMetrics
 from tandem.params import SamplingParams
-from tandem.service import Abort, Service, errors_to_status, setup_logging
+from tandem.service import Abort, Service, SessionReaper, errors_to_status, setup_logging
 from tandem.timing import StepClock
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire import encode_features
@@ -63,10 +63,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.metrics = StepMetrics(service.registry)
         self.engine: TargetEngine | None = None
         self.tokenizer_json = b""
+        self.reaper: SessionReaper | None = None
 
-    def attach(self, engine: TargetEngine, tokenizer_json: bytes) -> None:
+    def attach(self, engine: TargetEngine, tokenizer_json: bytes, session_ttl: float | None = None) -> None:
         self.engine, self.tokenizer_json = engine, tokenizer_json
         self.metrics.count_sessions(lambda: engine.num_sessions)
+        if session_ttl is not None:
+            self.reaper = SessionReaper("target", session_ttl, engine.evict_idle)
+            self.reaper.start()
 
     def _engine(self) -> TargetEngine:
         if self.engine is None:
@@ -116,6 +120,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                                     p.want_features)
                         timed = p.want_timing
                         session_id = sid  # only now is it ours to release
+                        if self.reaper is not None:
+                            self.reaper.register(session_id, context)
                         head = target_pb2.TargetResponse(prefilled=target_pb2.Prefilled(token=result.token))
                     elif step == "verify":
                         if session_id is None:
@@ -132,6 +138,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             finally:
                 if session_id is not None:
                     engine.release(session_id)
+                    if self.reaper is not None:
+                        self.reaper.unregister(session_id)
 
     def _with_features(
         self, head: target_pb2.TargetResponse, features, step: str, clock: StepClock, timed: bool
@@ -161,7 +169,7 @@ def serve(settings: TargetSettings) -> int:
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     engine = TargetEngine(settings.model, device=settings.device, dtype=settings.dtype, layer_ids=layer_ids)
-    servicer.attach(engine, load_tokenizer_json(settings.model))
+    servicer.attach(engine, load_tokenizer_json(settings.model), settings.session_ttl)
     log.info(
         "target %s on %s (%s): vocab %d, hidden %d, capture layers %s",
         settings.model, settings.device, settings.dtype, engine.vocab_size, engine.hidden_size, engine.layer_ids,
