@@ -7,18 +7,25 @@ releases the session on the service; cancelling it (client cancel, deadline) doe
 Features are relayed, never decoded: the target's feature chunks are read off its stream lazily
 (RelayedFeatures) and forwarded to the draft chunk by chunk, so the coordinator holds one chunk
 at a time and the draft receives the first rows while the last are still on their way.
+
+A draft step has a deadline of its own (--draft-timeout): a draft that dies, hangs or fails raises
+DraftUnavailable, and the round loop finishes the generation target-only.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import queue
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import grpc
 
 from tandem.params import SamplingParams
-from tandem.protocol import PrefillResult, VerifyResult
+from tandem.protocol import DraftUnavailable, PrefillResult, VerifyResult
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire import is_last_chunk
 
@@ -38,6 +45,46 @@ class BackendError(Exception):
         self.details = details
 
 
+class _Watchdog:
+    """Cancels streams whose answer is overdue: one thread for all of them, instead of a timer per step."""
+
+    def __init__(self):
+        self._due: list[tuple[float, int, _Stream]] = []  # heap of (deadline, arm id, stream)
+        self._armed: dict[_Stream, int] = {}  # the stream's current arm id; older heap entries are stale
+        self._ids = itertools.count()
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, stream: _Stream, seconds: float) -> None:
+        with self._changed:
+            arm_id = next(self._ids)
+            self._armed[stream] = arm_id
+            heapq.heappush(self._due, (time.monotonic() + seconds, arm_id, stream))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tandem-watchdog", daemon=True)
+                self._thread.start()
+            elif self._due[0][1] == arm_id:  # the new deadline is the earliest: wake the thread for it
+                self._changed.notify()
+
+    def disarm(self, stream: _Stream) -> None:
+        with self._changed:
+            self._armed.pop(stream, None)
+
+    def _run(self) -> None:
+        with self._changed:
+            while True:
+                now = time.monotonic()
+                while self._due and (self._due[0][0] <= now or self._armed.get(self._due[0][2]) != self._due[0][1]):
+                    _, arm_id, stream = heapq.heappop(self._due)
+                    if self._armed.get(stream) == arm_id:
+                        del self._armed[stream]
+                        stream.expire()
+                self._changed.wait(self._due[0][0] - now if self._due else None)
+
+
+_watchdog = _Watchdog()
+
+
 class _Stream:
     """A bidirectional call driven step by step: send() queues a message, recv() waits for the next."""
 
@@ -47,22 +94,39 @@ class _Stream:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._call = method(iter(self._requests.get, _CLOSE), timeout=timeout)
         self._closed = False
+        self.cancelled = False  # by us (cancel()), not by the service or the network
+        self._expired = False  # the watchdog cancelled the call: a step's deadline passed
 
     def send(self, message) -> None:
         if self.probe is not None:
             self.probe.sent(f"coordinator->{self.service}", message)
         self._requests.put(message)
 
-    def recv(self):
+    def recv(self, step_timeout: float | None = None):
+        """The next message; with `step_timeout`, give up (DEADLINE_EXCEEDED) after that many seconds."""
+        if step_timeout is not None:
+            _watchdog.arm(self, step_timeout)
         try:
             message = next(self._call)
         except StopIteration:
             raise BackendError(self.service, grpc.StatusCode.INTERNAL, "the session stream ended early") from None
         except grpc.RpcError as exc:
+            if self._expired:
+                raise BackendError(
+                    self.service, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {step_timeout:g}s"
+                ) from None
             raise BackendError(self.service, exc.code(), exc.details() or "") from None
+        finally:
+            if step_timeout is not None:
+                _watchdog.disarm(self)
         if self.probe is not None:
             self.probe.received(f"{self.service}->coordinator", message)
         return message
+
+    def expire(self) -> None:
+        """Called by the watchdog when a step's deadline passed: the waiting recv() fails."""
+        self._expired = True
+        self._call.cancel()
 
     def close(self) -> None:
         """Half-close and wait for the service to end the stream (it has released the session then)."""
@@ -77,7 +141,7 @@ class _Stream:
             pass  # cancelled or failed: the service releases the session either way
 
     def cancel(self) -> None:
-        self._closed = True
+        self.cancelled = self._closed = True
         self._requests.put(_CLOSE)
         self._call.cancel()
 
@@ -171,12 +235,24 @@ class GrpcTarget:
 
 
 class GrpcDraft:
-    """DraftBackend over one DraftService.Session stream (one generation)."""
+    """DraftBackend over one DraftService.Session stream (one generation).
+
+    A step gets `step_timeout` seconds to answer. A failed step (the service died, hung past the
+    deadline, or answered with an error) cancels the stream, tells `on_fault` (the coordinator's
+    health monitor) unless we cancelled it ourselves, and raises DraftUnavailable.
+    """
 
     def __init__(
-        self, stub: draft_pb2_grpc.DraftServiceStub, timeout: float | None, probe: RequestProbe | None = None
+        self,
+        stub: draft_pb2_grpc.DraftServiceStub,
+        timeout: float | None,
+        step_timeout: float | None = None,
+        on_fault: Callable[[BackendError], None] | None = None,
+        probe: RequestProbe | None = None,
     ):
         self._stream = _Stream("draft", stub.Session, timeout, probe)
+        self._step_timeout = step_timeout
+        self._on_fault = on_fault
 
     def propose(
         self,
@@ -197,7 +273,15 @@ class GrpcDraft:
                     request.want_timing = self._stream.probe is not None
                 first = False
             self._stream.send(request)
-        return list(self._stream.recv().drafts)
+        try:
+            response = self._stream.recv(self._step_timeout)
+        except BackendError as exc:
+            ours = self._stream.cancelled
+            self._stream.cancel()
+            if self._on_fault is not None and not ours:
+                self._on_fault(exc)
+            raise DraftUnavailable(str(exc)) from exc
+        return list(response.drafts)
 
     def release(self, session_id: str) -> bool:
         self._stream.close()

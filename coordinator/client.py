@@ -55,6 +55,7 @@ def stats_from_pb(msg: coordinator_pb2.GenerationStats) -> dict:
         "num_draft_tokens": msg.num_draft_tokens,
         "num_accepted_tokens": msg.num_accepted_tokens,
         "accepted_per_position": list(msg.accepted_per_position),
+        "num_rounds_without_draft": msg.num_rounds_without_draft,
         "mean_acceptance_length": msg.mean_acceptance_length,
     }
 

@@ -6,6 +6,7 @@ Features are opaque here (a tensor in-process, a wire message over gRPC): the lo
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -13,7 +14,9 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from tandem.params import GenerationRequest
-from tandem.protocol import DraftBackend, TargetBackend
+from tandem.protocol import DraftBackend, DraftUnavailable, TargetBackend
+
+log = logging.getLogger("tandem.rounds")
 
 
 class GenerationStats(BaseModel):
@@ -21,6 +24,8 @@ class GenerationStats(BaseModel):
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = []  # [K]: rounds in which draft k was accepted
+    # rounds that asked for drafts and ran without (no draft, or it was lost mid-request)
+    num_rounds_without_draft: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -68,9 +73,12 @@ def run_rounds(
     """Prefill, then verify rounds until a stop condition; yields committed tokens as they commit.
 
     Closing the iterator early (a client went away, a stop string matched) releases both sessions.
+    A draft that fails (DraftUnavailable) is released and the rest of the request runs with k=0:
+    the target alone decides every token, so only the speed-up is lost.
     """
     session = uuid.uuid4().hex
-    speculate = draft is not None and request.speculate and request.num_draft_tokens > 0
+    want_drafts = request.speculate and request.num_draft_tokens > 0
+    speculate = want_drafts and draft is not None
     stop_ids = set(request.stop_token_ids)
     if not request.ignore_eos:
         stop_ids |= set(target.eos_token_ids)
@@ -89,11 +97,18 @@ def run_rounds(
         pending_tokens = [*request.prompt_ids[1:], token]
         while finish is None:
             # never draft past the limit: verify commits up to k+1 tokens
-            k = min(request.num_draft_tokens, limit - stopper.produced - 1) if speculate else 0
+            k = min(request.num_draft_tokens, limit - stopper.produced - 1) if want_drafts else 0
             drafts: list[int] = []
-            if k > 0:
-                drafts = draft.propose(session, features, pending_tokens, k, create=not draft_open)
-                draft_open = True
+            if k > 0 and speculate:
+                try:
+                    drafts = draft.propose(session, features, pending_tokens, k, create=not draft_open)
+                    draft_open = True
+                except DraftUnavailable as exc:
+                    log.warning("session %s: the draft is lost (%s); going on target-only", session, exc)
+                    speculate = draft_open = False
+                    draft.release(session)
+            if k > 0 and not speculate:
+                stats.num_rounds_without_draft += 1
             result = target.verify(session, token, drafts, speculate)
             accepted, bonus, features = result.accepted, result.bonus, result.features
             a = len(accepted)

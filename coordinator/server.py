@@ -10,30 +10,23 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 
 import grpc
 from tokenizers import Tokenizer
 
 from coordinator.backends import BackendError, GrpcDraft, GrpcTarget
+from coordinator.links import Backends, Monitor
 from coordinator.probe import RequestObserver, RequestProbe
 from coordinator.rounds import GenerationStats, run_rounds
 from coordinator.text import TextDelta, text_deltas
 from tandem.config import CoordinatorSettings
 from tandem.metrics import CoordinatorMetrics
-from tandem.pairing import DraftShape, PairMismatch, TargetShape, check_pair
-from tandem.params import GenerationRequest, SamplingParams
-from tandem.service import Abort, Service, channel_options, errors_to_status, setup_logging, wait_for_serving
-from tandem.traffic import MeteredChannel, Traffic
-from tandem.v1 import (
-    coordinator_pb2,
-    coordinator_pb2_grpc,
-    draft_pb2,
-    draft_pb2_grpc,
-    target_pb2,
-    target_pb2_grpc,
-)
+from tandem.pairing import PairMismatch
+from tandem.params import MAX_STOP_LENGTH, MAX_STOP_STRINGS, GenerationRequest, SamplingParams
+from tandem.service import Abort, Service, errors_to_status, setup_logging
+from tandem.traffic import MeteredChannel
+from tandem.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("tandem.coordinator")
 
@@ -42,17 +35,34 @@ class BadRequest(ValueError):
     """A client request the coordinator refuses before any service sees it."""
 
 
-ERRORS = ((BadRequest, grpc.StatusCode.INVALID_ARGUMENT),)
+class OutOfRange(ValueError):
+    """A request that does not fit the model's context."""
+
+
+ERRORS = ((OutOfRange, grpc.StatusCode.OUT_OF_RANGE), (BadRequest, grpc.StatusCode.INVALID_ARGUMENT))
+
+# A target step that failed with one of these did not fail for this request's sake: the service is
+# gone or going, and the client hears UNAVAILABLE (retry later) rather than the transport's detail.
+TARGET_LOST = (
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED,
+)
 
 
 # -- protobuf <-> the round loop's types (the edge) ---------------------------------------------
 
 
 def generation_request_from_pb(
-    msg: coordinator_pb2.GenerateRequest, tokenizer: Tokenizer | None
+    msg: coordinator_pb2.GenerateRequest,
+    tokenizer: Tokenizer | None,
+    vocab_size: int | None = None,
+    max_context: int | None = None,
 ) -> GenerationRequest:
+    """The request as the round loop takes it, or BadRequest / OutOfRange / ValidationError naming what is
+    wrong: nothing a model could choke on gets past here."""
     if msg.prompt and msg.prompt_ids:
-        raise BadRequest("give either prompt or prompt_ids, not both")
+        raise BadRequest("give either prompt (text) or prompt_ids, not both")
+    if not msg.prompt and not msg.prompt_ids:
+        raise BadRequest("the prompt is empty: give prompt (text) or prompt_ids")
     if msg.prompt:
         if tokenizer is None:
             raise BadRequest("the target has no tokenizer: send prompt_ids instead of prompt")
@@ -65,7 +75,7 @@ def generation_request_from_pb(
         for name in ("max_new_tokens", "num_draft_tokens", "speculate")
         if msg.HasField(name)
     }
-    return GenerationRequest(
+    request = GenerationRequest(
         prompt_ids=prompt_ids,
         sampling=SamplingParams(
             temperature=s.temperature,
@@ -77,6 +87,38 @@ def generation_request_from_pb(
         ignore_eos=msg.ignore_eos,
         **optional,
     )
+    if vocab_size is not None:
+        for what, ids in (("prompt_ids", request.prompt_ids), ("stop_token_ids", request.stop_token_ids)):
+            bad = [i for i in ids if not 0 <= i < vocab_size]
+            if bad:
+                raise BadRequest(f"{what} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if max_context is not None:
+        n = len(request.prompt_ids)
+        if n >= max_context:
+            raise OutOfRange(f"the prompt has {n} tokens; the model's context is {max_context} tokens")
+        if n + request.max_new_tokens > max_context:
+            if msg.HasField("max_new_tokens"):
+                raise OutOfRange(
+                    f"the prompt has {n} tokens and max_new_tokens is {request.max_new_tokens}: "
+                    f"{n + request.max_new_tokens} is past the model's context of {max_context} tokens"
+                )
+            request.max_new_tokens = max_context - n  # the default, not asked for: what fits (as vLLM does)
+    return request
+
+
+def check_stop_strings(stop: Sequence[str], tokenizer: Tokenizer | None) -> list[str]:
+    if not stop:
+        return []
+    if tokenizer is None:
+        raise BadRequest("stop strings need a tokenizer and the target has none: use stop_token_ids")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for i, text in enumerate(stop):
+        if not text:
+            raise BadRequest(f"stop[{i}] is empty")
+        if len(text) > MAX_STOP_LENGTH:
+            raise BadRequest(f"stop[{i}] has {len(text)} characters; at most {MAX_STOP_LENGTH}")
+    return list(stop)
 
 
 def stats_to_pb(stats: GenerationStats) -> coordinator_pb2.GenerationStats:
@@ -86,6 +128,7 @@ def stats_to_pb(stats: GenerationStats) -> coordinator_pb2.GenerationStats:
         num_accepted_tokens=stats.num_accepted_tokens,
         mean_acceptance_length=stats.mean_acceptance_length,
         accepted_per_position=stats.accepted_per_position,
+        num_rounds_without_draft=stats.num_rounds_without_draft,
     )
 
 
@@ -95,62 +138,6 @@ def delta_to_pb(delta: TextDelta) -> coordinator_pb2.GenerateResponse:
         msg.finish_reason = delta.finish_reason
         msg.stats.CopyFrom(stats_to_pb(delta.stats))
     return msg
-
-
-# -- the services behind ------------------------------------------------------------------------
-
-
-@dataclass
-class Backends:
-    target: target_pb2_grpc.TargetServiceStub
-    target_info: target_pb2.TargetInfo
-    draft: draft_pb2_grpc.DraftServiceStub | None
-    draft_info: draft_pb2.DraftInfo | None
-    tokenizer: Tokenizer | None
-
-
-def connect(settings: CoordinatorSettings, traffic: Traffic | None = None) -> Backends:
-    """Wait for the target (and draft) to be SERVING, read what they are, check they fit together.
-    With `traffic`, the channels count what they send and receive."""
-    options = channel_options(settings.max_message_mib)
-
-    def channel(address: str, service: str) -> grpc.Channel:
-        plain = grpc.insecure_channel(address, options=options)
-        return plain if traffic is None else MeteredChannel(plain, traffic, f"coordinator->{service}",
-                                                            f"{service}->coordinator")
-
-    wait_for_serving(settings.target_addr, settings.connect_timeout, what="target service")
-    target = target_pb2_grpc.TargetServiceStub(channel(settings.target_addr, "target"))
-    target_info = target.ModelInfo(target_pb2.TargetInfoRequest(), timeout=30)
-    tokenizer = None
-    if target_info.tokenizer_size:
-        data = b"".join(chunk.data for chunk in target.GetTokenizer(target_pb2.GetTokenizerRequest(), timeout=60))
-        tokenizer = Tokenizer.from_str(data.decode())
-    draft = draft_info = None
-    if settings.draft_addr is not None:
-        wait_for_serving(settings.draft_addr, settings.connect_timeout, what="draft service")
-        draft = draft_pb2_grpc.DraftServiceStub(channel(settings.draft_addr, "draft"))
-        draft_info = draft.ModelInfo(draft_pb2.DraftInfoRequest(), timeout=30)
-        check_services_pair(target_info, draft_info)
-    return Backends(target, target_info, draft, draft_info, tokenizer)
-
-
-def check_services_pair(target: target_pb2.TargetInfo, draft: draft_pb2.DraftInfo) -> None:
-    aux = list(draft.aux_layer_ids) or None
-    check_pair(
-        TargetShape(vocab_size=target.vocab_size, hidden_size=target.hidden_size, num_layers=target.num_layers),
-        DraftShape(
-            vocab_size=draft.vocab_size,
-            target_hidden_size=draft.target_hidden_size,
-            max_target_id=draft.max_target_id,
-            aux_layer_ids=aux,
-        ),
-    )
-    if aux is not None and aux != list(target.layer_ids):
-        raise PairMismatch(
-            f"the draft was trained on target layers {aux}, the target captures {list(target.layer_ids)}: "
-            f"start the target with --draft pointing at the draft checkpoint"
-        )
 
 
 # -- the servicer -------------------------------------------------------------------------------
@@ -165,16 +152,16 @@ def _timeout(context: grpc.ServicerContext) -> float | None:
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, service: Service):
         self.service = service
-        self.backends: Backends | None = None
+        self.monitor: Monitor | None = None
         self.metrics = CoordinatorMetrics(service.registry)
 
-    def attach(self, backends: Backends) -> None:
-        self.backends = backends
+    def attach(self, monitor: Monitor) -> None:
+        self.monitor = monitor
 
     def _backends(self) -> Backends:
-        if self.backends is None:
+        if self.monitor is None:
             raise Abort(grpc.StatusCode.UNAVAILABLE, "the coordinator is still connecting to its services")
-        return self.backends
+        return self.monitor.backends()
 
     def ServerInfo(self, request, context):
         with errors_to_status(context):
@@ -185,12 +172,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 vocab_size=b.target_info.vocab_size,
                 max_context=b.target_info.max_context,
                 has_tokenizer=b.tokenizer is not None,
+                draft_attached=b.draft is not None,
             )
 
     def _probe(self, request: coordinator_pb2.GenerateRequest) -> RequestProbe | None:
         if not request.profile:
             return None
-        b = self.backends
+        b = self.monitor.current if self.monitor is not None else None
         return RequestProbe(request, b.target_info if b else None, b.draft_info if b else None)
 
     def Generate(self, request, context):
@@ -219,10 +207,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def _deltas(self, request, context, probe: RequestProbe | None = None) -> Iterator[TextDelta]:
         with errors_to_status(context, ERRORS), self.service.admission.admit():
             b = self._backends()
-            gen = generation_request_from_pb(request, b.tokenizer)
+            gen = generation_request_from_pb(request, b.tokenizer, b.target_info.vocab_size, b.target_info.max_context)
+            stop = check_stop_strings(list(request.stop), b.tokenizer)
             timeout = _timeout(context)
             target = GrpcTarget(b.target, list(b.target_info.eos_token_ids), timeout, probe=probe)
-            draft = GrpcDraft(b.draft, timeout, probe=probe) if b.draft is not None and gen.speculate else None
+            draft = None
+            if b.draft is not None and gen.speculate:  # no draft (or it is down): run_rounds goes target-only
+                draft = GrpcDraft(b.draft, timeout, step_timeout=self.service.settings.draft_timeout,
+                                  on_fault=lambda error: self.monitor.fault("draft", error), probe=probe)
 
             def cancel() -> None:  # the client went away or its deadline passed: free both sessions now
                 target.cancel()
@@ -233,11 +225,21 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             observer = RequestObserver(self.metrics, probe, len(gen.prompt_ids), context.is_active)
             events = observer.rounds(run_rounds(target, draft, gen, max_context=b.target_info.max_context))
             try:
-                for delta in observer.deltas(text_deltas(events, b.tokenizer, list(request.stop))):
+                produced = 0
+                for delta in observer.deltas(text_deltas(events, b.tokenizer, stop)):
                     if not context.is_active():
                         break
+                    produced += len(delta.token_ids)
                     yield delta
             except BackendError as exc:
+                if exc.service == "target" and exc.code in TARGET_LOST and context.is_active():
+                    self.monitor.fault("target", exc)
+                    raise Abort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"the target service at {self.service.settings.target_addr} failed after {produced} "
+                        f"generated tokens ({exc.code.name}: {exc.details}); retry once the coordinator "
+                        f"reports SERVING again",
+                    ) from None
                 raise Abort(exc.code, str(exc)) from None
             finally:
                 events.close()
@@ -253,13 +255,20 @@ def serve(settings: CoordinatorSettings) -> int:
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, service.server)
     service.start()
     service.handle_signals()
+
+    def metered(channel: grpc.Channel, name: str) -> grpc.Channel:
+        return MeteredChannel(channel, service.traffic, f"coordinator->{name}", f"{name}->coordinator")
+
+    monitor = Monitor(settings, on_target=service.set_serving, wrap_channel=metered)
     try:
-        backends = connect(settings, service.traffic)
+        monitor.connect()
     except (TimeoutError, RuntimeError, PairMismatch, grpc.RpcError) as exc:
-        log.error("cannot start: %s", exc)
+        log.error("coordinator cannot start: %s", exc)
         service.server.stop(grace=None)
         return 1
-    servicer.attach(backends)
+    servicer.attach(monitor)
+    monitor.start()
+    backends = monitor.current
     info = backends.target_info
     log.info(
         "coordinator: target %s at %s, draft %s at %s, tokenizer %s",

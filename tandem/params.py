@@ -10,6 +10,14 @@ from pydantic import BaseModel, Field, field_validator
 # negligible and the verify forward only gets longer.
 MAX_DRAFT_TOKENS = 16
 
+# Below this a temperature divides the logits into inf/NaN; vLLM treats it as greedy, and so do we.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+# Stop strings: text that might start one is held back from the stream, so their length bounds the
+# delay of every delta; TGI allows 4 of them, we allow more but keep both bounded.
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+
 
 class SamplingParams(BaseModel):
     """How the target picks tokens. temperature 0 means greedy (argmax); then top-k/top-p are ignored."""
@@ -42,7 +50,7 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 class GenerationRequest(BaseModel):

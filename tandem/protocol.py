@@ -13,6 +13,12 @@ from tandem.params import SamplingParams
 Features = Any
 
 
+class DraftUnavailable(Exception):
+    """The draft cannot serve this generation any more: its service died, hung past its step deadline,
+    or failed a step. The round loop goes on without drafts: the target alone decides every token, so
+    greedy output is unchanged and only the speed-up is lost."""
+
+
 @dataclass
 class PrefillResult:
     token: int  # t = x_n, sampled from the logits at the last prompt position
@@ -41,6 +47,7 @@ class TargetBackend(Protocol):
 
 
 class DraftBackend(Protocol):
+    # may raise DraftUnavailable
     def propose(
         self, session_id: str, features: Features, next_tokens: list[int], num_draft_tokens: int,
         create: bool = False,

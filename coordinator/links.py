@@ -1,0 +1,290 @@
+"""The coordinator's view of its target and draft services: up or down, what they are, whether they fit.
+
+A monitor thread checks each service's health: every `health_interval` seconds while it is up, and
+with backoff (0.1 s, doubling, up to RETRY_MAX) while it is down. A generation that sees a service
+fail reports it (`fault`), so that the next generations do not wait for the next check.
+
+  target down   the coordinator reports NOT_SERVING and refuses generations with UNAVAILABLE; when the
+                target is back it reads what it is again (a restart may bring another model), checks
+                the pair, and serves again.
+  draft down    generations run target-only (the same greedy output, without the speed-up); when the
+                draft is back and still fits the target, new generations get draft sessions again.
+
+No torch here: only health checks, ModelInfo and the tokenizer cross.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tokenizers import Tokenizer
+
+from coordinator.backends import BackendError
+from tandem.config import CoordinatorSettings
+from tandem.pairing import DraftShape, PairMismatch, TargetShape, check_pair
+from tandem.service import Abort, channel_options, wait_for_serving
+from tandem.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+log = logging.getLogger("tandem.coordinator")
+
+# gRPC's own reconnect backoff grows to 120 s: a service restarted on its port would sit unused
+# for minutes. Keep the channel's retries as quick as the health checks.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+CHECK_TIMEOUT = 1.0  # a health check that takes longer means a hung service
+RETRY_MIN, RETRY_MAX = 0.1, 2.0
+# Statuses of a failed step that mean the service itself is gone (or, for the draft, stuck past its
+# step deadline), not that this request went wrong. Others only trigger a health check.
+DOWN_CODES = {
+    "target": (grpc.StatusCode.UNAVAILABLE,),
+    "draft": (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED),
+}
+
+
+# (channel, service name) -> the channel the service's stub uses (e.g. one that meters traffic)
+WrapChannel = Callable[[grpc.Channel, str], grpc.Channel]
+
+
+@dataclass(frozen=True)
+class Backends:
+    """What one generation uses, taken at its start."""
+
+    target: target_pb2_grpc.TargetServiceStub
+    target_info: target_pb2.TargetInfo
+    draft: draft_pb2_grpc.DraftServiceStub | None  # None: no draft service, or it is down
+    draft_info: draft_pb2.DraftInfo | None
+    tokenizer: Tokenizer | None
+
+
+def check_services_pair(target: target_pb2.TargetInfo, draft: draft_pb2.DraftInfo) -> None:
+    """PairMismatch, naming every problem in one message, unless the draft fits the target."""
+    check_pair(
+        TargetShape(
+            vocab_size=target.vocab_size, hidden_size=target.hidden_size, num_layers=target.num_layers,
+            layer_ids=list(target.layer_ids), dtype=target.dtype or None, max_context=target.max_context or None,
+        ),
+        DraftShape(
+            vocab_size=draft.vocab_size,
+            target_hidden_size=draft.target_hidden_size,
+            max_target_id=draft.max_target_id,
+            aux_layer_ids=list(draft.aux_layer_ids) or None,
+            dtype=draft.dtype or None,
+            target_max_context=draft.target_max_context or None,
+        ),
+    )
+
+
+class Link:
+    """One internal service: a channel that reconnects by itself, what the service said it is, up or down."""
+
+    def __init__(self, name: str, address: str, options: list, stub_class, wrap: WrapChannel | None = None):
+        self.name = name
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=[*options, *RECONNECT_OPTIONS])
+        self.stub = stub_class(wrap(self.channel, name) if wrap is not None else self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)  # unwrapped: checks are not traffic
+        self.info = None
+        self.up = False
+        self.reason = "not connected yet"
+        self.retry_in = RETRY_MIN
+        self.next_check = 0.0
+
+    def problem(self) -> str | None:
+        """None when the service reports SERVING; otherwise what is wrong."""
+        try:
+            response = self._health.Check(health_pb2.HealthCheckRequest(), timeout=CHECK_TIMEOUT)
+        except grpc.RpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+        if response.status != health_pb2.HealthCheckResponse.SERVING:
+            return f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}"
+        return None
+
+
+class Monitor:
+    """Keeps the target and draft links current; `backends()` is what a new generation gets."""
+
+    def __init__(
+        self,
+        settings: CoordinatorSettings,
+        on_target: Callable[[bool], None] = lambda up: None,
+        wrap_channel: WrapChannel | None = None,
+    ):
+        """`on_target(up)` is told when the target goes down and comes back (the coordinator's health)."""
+        options = channel_options(settings.max_message_mib)
+        self.target = Link("target", settings.target_addr, options, target_pb2_grpc.TargetServiceStub, wrap_channel)
+        self.draft = (
+            Link("draft", settings.draft_addr, options, draft_pb2_grpc.DraftServiceStub, wrap_channel)
+            if settings.draft_addr is not None else None
+        )
+        self.interval = settings.health_interval
+        self.connect_timeout = settings.connect_timeout
+        self._on_target = on_target
+        self._tokenizer: Tokenizer | None = None
+        self._current: Backends | None = None
+        self._lock = threading.Lock()  # link state and the published Backends
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+
+    @property
+    def links(self) -> list[Link]:
+        return [self.target, *([self.draft] if self.draft is not None else [])]
+
+    # -- start-up -----------------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Wait for the services to be SERVING, read what they are, check they fit (PairMismatch if not)."""
+        wait_for_serving(self.target.address, self.connect_timeout, what="target service")
+        self._read_target()
+        if self.draft is not None:
+            wait_for_serving(self.draft.address, self.connect_timeout, what="draft service")
+            self._read_draft()
+        now = time.monotonic()
+        for link in self.links:
+            link.up, link.reason, link.next_check = True, "", now + self.interval
+        self._publish()
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="tandem-monitor", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    # -- what generations use -----------------------------------------------------------------------
+
+    @property
+    def current(self) -> Backends | None:
+        """The services as last seen (None before connect), whether or not the target is up."""
+        return self._current
+
+    def backends(self) -> Backends:
+        """The services for a new generation; UNAVAILABLE while the target is down."""
+        current = self._current
+        if current is None or not self.target.up:
+            raise Abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the target service at {self.target.address} is unavailable ({self.target.reason}); "
+                f"the coordinator serves again as soon as it is back",
+            )
+        return current
+
+    @property
+    def draft_attached(self) -> bool:
+        current = self._current
+        return current is not None and current.draft is not None
+
+    def fault(self, service: str, error: BackendError) -> None:
+        """A generation saw `service` fail: down at once if it is gone or stuck, and checked right away."""
+        link = self.target if service == "target" else self.draft
+        if link is None:
+            return
+        if error.code in DOWN_CODES[service]:
+            self._down(link, f"{error.code.name}: {error.details}")
+        link.next_check = 0.0
+        self._wake.set()
+
+    # -- the monitor ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for link in self.links:
+                if time.monotonic() >= link.next_check:
+                    self._check(link)
+            wait = min(link.next_check for link in self.links) - time.monotonic()
+            if wait > 0:
+                self._wake.wait(wait)
+            self._wake.clear()
+
+    def _check(self, link: Link) -> None:
+        problem = link.problem()
+        if link.up:
+            if problem is not None:
+                self._down(link, problem)
+            else:
+                link.next_check = time.monotonic() + self.interval
+            return
+        if problem is None:
+            try:
+                self._read_target() if link is self.target else self._read_draft()
+            except (grpc.RpcError, PairMismatch, ValueError) as exc:
+                problem = str(exc) if not isinstance(exc, grpc.RpcError) else f"{exc.code().name}: {exc.details()}"
+        if problem is None:
+            self._up(link)
+        else:
+            if problem != link.reason:
+                (log.error if "does not fit" in problem else log.info)(
+                    "the %s service at %s is still down: %s", link.name, link.address, problem
+                )
+            link.reason = problem
+            link.next_check = time.monotonic() + link.retry_in
+            link.retry_in = min(link.retry_in * 2, RETRY_MAX)
+
+    def _read_target(self) -> None:
+        """What the target is, and its tokenizer; a draft that no longer fits it is detached."""
+        info = self.target.stub.ModelInfo(target_pb2.TargetInfoRequest(), timeout=30)
+        tokenizer = None
+        if info.tokenizer_size:
+            request = target_pb2.GetTokenizerRequest()
+            data = b"".join(chunk.data for chunk in self.target.stub.GetTokenizer(request, timeout=60))
+            tokenizer = Tokenizer.from_str(data.decode())
+        with self._lock:
+            self.target.info, self._tokenizer = info, tokenizer
+        draft = self.draft
+        if draft is not None and draft.info is not None:
+            try:
+                check_services_pair(info, draft.info)
+            except PairMismatch as exc:
+                if draft.up:
+                    self._down(draft, str(exc))
+
+    def _read_draft(self) -> None:
+        info = self.draft.stub.ModelInfo(draft_pb2.DraftInfoRequest(), timeout=30)
+        check_services_pair(self.target.info, info)
+        if info.max_context and info.max_context < self.target.info.max_context:
+            log.info("the draft was trained on %d positions, the target serves %d: acceptance may drop past %d",
+                     info.max_context, self.target.info.max_context, info.max_context)
+        with self._lock:
+            self.draft.info = info
+
+    def _up(self, link: Link) -> None:
+        with self._lock:
+            link.up, link.reason = True, ""
+            link.retry_in = RETRY_MIN
+            link.next_check = time.monotonic() + self.interval
+            self._publish()
+        log.warning("the %s service at %s is back%s", link.name, link.address,
+                    "; speculation resumes" if link is self.draft else "; serving again")
+        if link is self.target:
+            self._on_target(True)
+
+    def _down(self, link: Link, reason: str) -> None:
+        with self._lock:
+            was_up = link.up
+            link.up, link.reason = False, reason
+            link.retry_in = RETRY_MIN
+            link.next_check = time.monotonic() + RETRY_MIN
+            self._publish()
+        if was_up:
+            what = "generations run target-only until it is back" if link is self.draft else "NOT_SERVING"
+            log.warning("the %s service at %s is down (%s): %s", link.name, link.address, reason, what)
+            if link is self.target:
+                self._on_target(False)
+
+    def _publish(self) -> None:
+        draft_up = self.draft is not None and self.draft.up and self.draft.info is not None
+        self._current = Backends(
+            target=self.target.stub,
+            target_info=self.target.info,
+            draft=self.draft.stub if draft_up else None,
+            draft_info=self.draft.info if draft_up else None,
+            tokenizer=self._tokenizer,
+        )
