@@ -17,7 +17,6 @@ reference layout, so it loads like a published one: DraftEngine(out_dir, target_
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import sys
@@ -33,6 +32,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 
 from draft_server.checkpoint import REFERENCE, save_draft
 from draft_server.model import DraftKV, Eagle3Config, Eagle3Draft
+from draft_server.train_cli import add_train_parser, cmd_train_draft  # noqa: F401 (the CLI, torch-free, lives there)
 from tandem.tiny import draft_vocab_from_counts, stdlib_text
 from target_server.capture import FeatureCapture, default_layer_ids
 from target_server.engine import DTYPES
@@ -518,57 +518,3 @@ def train_tiny_draft(
     }
     options.update(kwargs)
     return train_draft(Path(tiny_dir) / "target", None, out_dir, steps=steps, seconds=seconds, **options)
-
-
-# -- command line ------------------------------------------------------------------------------------------
-
-
-def cmd_train_draft(args: argparse.Namespace) -> int:
-    texts = None
-    if args.data:
-        texts = [Path(path).read_text(encoding="utf-8", errors="replace") for path in args.data]
-    out = train_draft(
-        args.target,
-        texts,
-        args.out,
-        steps=args.steps,
-        epochs=args.epochs,
-        seconds=args.seconds,
-        ttt_steps=args.ttt_steps,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        draft_vocab_size=args.draft_vocab_size,
-        num_sequences=args.num_sequences,
-        self_distill=True if args.self_distill else None,
-        seed=args.seed,
-        device=args.device,
-        target_dtype=args.dtype,
-        progress=not args.quiet,
-    )
-    print(f"wrote {out} (reference layout, no embed_tokens: use it with --target {args.target} --draft {out})")
-    return 0
-
-
-def add_train_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `tandem train-draft` on an argparse subparsers object."""
-    p = subparsers.add_parser("train-draft", help="train an EAGLE-3 head for a local target checkpoint")
-    p.add_argument("--target", required=True, help="target checkpoint directory (HF format, with tokenizer)")
-    p.add_argument("--data", nargs="+", metavar="FILE", help="text files (default: the target's own continuations)")
-    p.add_argument("--self-distill", action="store_true", help="cut prompts from --data, train on the continuations")
-    p.add_argument("--out", required=True, help="directory to write the head to")
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps")
-    p.add_argument("--epochs", type=float, default=None, help="passes over the data (replaces --steps)")
-    p.add_argument("--seconds", type=float, default=None, help="stop after this much time")
-    p.add_argument("--ttt-steps", type=int, default=4, help="training-time-test steps (draft positions trained)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--draft-vocab-size", type=int, default=None, help="default: the target's vocabulary")
-    p.add_argument("--num-sequences", type=int, default=1024, help="self-distilled sequences to generate")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="the frozen target's dtype")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_train_draft)
-    return p

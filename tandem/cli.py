@@ -210,6 +210,13 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.demo:
+        if args.target or args.draft:
+            raise ValueError("--demo is a target and a draft: give it or --target/--draft, not both")
+        from tandem.demo import ensure_demo
+
+        demo = ensure_demo()
+        args.target, args.draft = str(demo / "target"), str(demo / "draft")
     settings = _settings("ServeSettings", args)
     from tandem.serve import serve
 
@@ -258,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start the target, draft and coordinator services (three processes)")
     p.add_argument("--target", help="target checkpoint directory (default: the built-in tiny pair)")
     p.add_argument("--draft", help="EAGLE-3 head directory (default with no --target: the tiny head)")
+    p.add_argument("--demo", action="store_true", help="the demo pair (built on first use: tandem demo build)")
     p.add_argument("--target-device", help="device of the target process (default cpu)")
     p.add_argument("--draft-device", help="device of the draft process (default cpu)")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default float32)")
@@ -328,6 +336,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="tandem-profile", metavar="DIR",
                    help="where report.json, trace.json and traffic.png go (default ./tandem-profile)")
     p.set_defaults(func=cmd_profile)
+
+    # torch-free registrations: the commands import their heavy modules when they run
+    from draft_server.train_cli import add_train_parser
+    from tandem.bench import add_bench_parser
+    from tandem.demo import add_demo_parser
+
+    add_train_parser(sub)
+    add_demo_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,376 @@
+"""The demo pair, built from local data only: a small Llama-family target trained on this machine's own
+Python standard library, its EAGLE-3 head (draft_server.train), and a small plain Llama LM, the draft a user
+of transformers' assisted generation would reach for today.
+
+    tandem demo build [--out DIR]      ->  DIR (default $TANDEM_CACHE/demo, else ~/.cache/tandem/demo)
+      target/         LlamaForCausalLM + its byte-level BPE tokenizer (tandem.tiny.build_tokenizer)
+      draft/          the EAGLE-3 head, reference layout (no embed_tokens: read from target/)
+      assistant/      a 2-layer Llama LM, same tokenizer and data (`generate(..., assistant_model=...)`)
+      prompts.jsonl   held-out prompts: cut from standard-library files no model saw in training
+      build.json      the spec, seconds per stage, final losses
+
+The standard library is split by file: every `heldout_every`-th file (sorted by name) is held out. Code is
+repetitive, so a small model learns its patterns in minutes on a 2-core CPU and its greedy continuations
+are predictable; the target is sized so that one of its forwards costs several draft steps on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# no torch at import: `tandem` registers this module's subcommand, and the coordinator has no torch
+DEMO_FILES = ("target/config.json", "draft/config.json", "assistant/config.json", "prompts.jsonl")
+
+
+@dataclass
+class DemoSpec:
+    """Defaults: minutes on a 2-core CPU. Tests shrink everything."""
+
+    # data: the standard library's top-level modules; every heldout_every-th one is held out
+    train_bytes: int = 2_000_000  # training text (the tokenizer is trained on it too)
+    heldout_every: int = 10
+    vocab_size: int = 2048
+    # the target: big enough that on a CPU one forward costs several draft steps
+    hidden_size: int = 256
+    num_layers: int = 8  # EAGLE-3 captures the inputs of layers (2, 4, 5); 6 layers would give (2, 3, 3)
+    intermediate_size: int = 688
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    target_steps: int = 300
+    target_batch: int = 16
+    target_lr: float = 3e-3
+    seq_len: int = 128
+    # the assistant of the assisted-generation peer: a plain small Llama LM on the same text
+    assistant_hidden_size: int = 128
+    assistant_layers: int = 2
+    assistant_steps: int = 300
+    assistant_lr: float = 3e-3
+    # the EAGLE-3 head: trained on the target's own continuations of prompts cut from the training text
+    head_steps: int = 300
+    head_sequences: int = 768
+    head_seq_len: int = 96
+    head_batch: int = 16
+    head_ttt_steps: int = 4
+    head_lr: float = 3e-3
+    draft_vocab_size: int = 1024
+    # held-out prompts for bench
+    num_prompts: int = 32
+    prompt_tokens: int = 48
+    seed: int = 0
+    threads: int | None = None  # torch threads while training (None: pick_threads())
+
+
+def default_demo_dir() -> Path:
+    cache = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
+    return cache / "demo"
+
+
+def is_built(directory: str | Path) -> bool:
+    return all((Path(directory) / name).is_file() for name in DEMO_FILES)
+
+
+# -- data ----------------------------------------------------------------------------------------------------
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's top-level modules in a fixed order (the files tandem.tiny.stdlib_text reads)."""
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
+def split_files(files: list[Path], heldout_every: int) -> tuple[list[Path], list[Path]]:
+    """-> (training files, held-out files): every `heldout_every`-th file, from the middle of each group."""
+    heldout = [f for i, f in enumerate(files) if i % heldout_every == heldout_every // 2]
+    train = [f for i, f in enumerate(files) if i % heldout_every != heldout_every // 2]
+    return train, heldout
+
+
+def read_texts(files: list[Path], max_bytes: int) -> list[str]:
+    texts, size = [], 0
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="ignore")
+        texts.append(text[: max_bytes - size])
+        size += len(texts[-1])
+        if size >= max_bytes:
+            break
+    return texts
+
+
+def token_stream(tokenizer, texts: list[str], eos_id: int):
+    """All texts as one stream of ids, EOS between files -> [N]."""
+    import torch
+
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text)["input_ids"])
+        ids.append(eos_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def heldout_prompts(tokenizer, files: list[Path], count: int, length: int, seed: int) -> list[dict]:
+    """`count` prompts of `length` tokens, each starting at the beginning of a random line of a held-out file."""
+    rng = random.Random(seed)
+    pool = []
+    for path in files:
+        lines = path.read_text(encoding="utf-8", errors="ignore").splitlines(keepends=True)
+        starts = [i for i, line in enumerate(lines) if line.strip() and not line.startswith((" ", "\t", "#"))]
+        pool.extend((path, lines, i) for i in starts)
+    rng.shuffle(pool)
+    prompts = []
+    for path, lines, start in pool:
+        ids = tokenizer("".join(lines[start : start + 40]))["input_ids"]
+        if len(ids) < length + 16:  # a prompt with text after it
+            continue
+        ids = ids[:length]
+        prompts.append({"file": path.name, "prompt": tokenizer.decode(ids), "prompt_ids": ids})
+        if len(prompts) == count:
+            break
+    if len(prompts) < count:
+        raise ValueError(f"the held-out files gave {len(prompts)} prompts of {length} tokens, not {count}")
+    return prompts
+
+
+def load_prompts(directory: str | Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(directory) / "prompts.jsonl").read_text().splitlines() if line]
+
+
+def pick_threads() -> int:
+    """All cores, unless the machine is busy: then torch's thread pool waits on descheduled workers and one
+    thread is faster (10x, measured on a loaded 2-core VM). A 0.1 s probe of each decides."""
+    import torch
+
+    cores = os.cpu_count() or 1
+    if cores == 1:
+        return 1
+    a, b = torch.randn(1024, 256), torch.randn(256, 688)
+    timings = {}
+    for n in (cores, 1):
+        torch.set_num_threads(n)
+        a @ b  # warm the pool
+        t0 = time.perf_counter()
+        for _ in range(20):
+            a @ b
+        timings[n] = time.perf_counter() - t0
+    return min(timings, key=timings.get)
+
+
+# -- plain LM training (the target and the assistant) --------------------------------------------------------
+
+
+def train_lm(
+    model,
+    stream,  # [N] token ids
+    *,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    lr: float,
+    seed: int,
+    desc: str,
+    progress: bool = True,
+) -> list[float]:
+    """Next-token training on random windows of the stream; AdamW, warm-up then cosine to lr/10."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, min(30, steps // 10))
+    model.train()
+    losses: list[float] = []
+    bar = _bar(steps, desc, progress)
+    for step in range(steps):
+        scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
+        for group in optimizer.param_groups:
+            group["lr"] = lr * scale
+        starts = torch.randint(0, stream.numel() - seq_len - 1, (batch_size,), generator=generator)
+        ids = torch.stack([stream[s : s + seq_len] for s in starts.tolist()])  # [B, T]
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
+    if bar is not None:
+        bar.close()
+    model.eval()
+    return losses
+
+
+def _bar(total: int, desc: str, progress: bool):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
+# -- the build -----------------------------------------------------------------------------------------------
+
+
+def build_demo(out_dir: str | Path | None = None, spec: DemoSpec | None = None, progress: bool = True) -> Path:
+    """Build the demo pair into `out_dir` (default: default_demo_dir()); returns that path. The files appear
+    at once when everything is done (built in a sibling directory, then renamed)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draft_server.train import train_draft
+    from tandem.tiny import build_tokenizer, tiny_target_config
+
+    spec = spec or DemoSpec()
+    out = Path(out_dir) if out_dir is not None else default_demo_dir()
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(spec.threads or pick_threads())
+    torch.manual_seed(spec.seed)
+    started = time.monotonic()
+    seconds: dict[str, float] = {}
+
+    def stage(name: str, t0: float) -> None:
+        seconds[name] = round(time.monotonic() - t0, 1)
+        _say(progress, f"demo: {name} done in {seconds[name]:.0f}s")
+
+    try:
+        t0 = time.monotonic()
+        train_files, heldout_files = split_files(stdlib_files(), spec.heldout_every)
+        texts = read_texts(train_files, spec.train_bytes)
+        tokenizer = build_tokenizer(spec.vocab_size, "\n".join(texts))
+        eos = tokenizer.eos_token_id
+        stream = token_stream(tokenizer, texts, eos)
+        _say(progress, f"demo: {len(texts)} training files, {stream.numel()} tokens; "
+                       f"{len(heldout_files)} held-out files")
+        stage("tokenizer", t0)
+
+        t0 = time.monotonic()
+        config = tiny_target_config(
+            len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+            num_key_value_heads=spec.num_kv_heads, initializer_range=0.02, max_position_embeddings=4096,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
+        )
+        target = LlamaForCausalLM(config)
+        target_losses = train_lm(target, stream, steps=spec.target_steps, batch_size=spec.target_batch,
+                                 seq_len=spec.seq_len, lr=spec.target_lr, seed=spec.seed, desc="demo target",
+                                 progress=progress)
+        target.save_pretrained(tmp / "target", safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "target")
+        stage("target", t0)
+
+        t0 = time.monotonic()
+        assistant_config = LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=spec.assistant_hidden_size,
+            intermediate_size=int(spec.assistant_hidden_size * 8 / 3 + 7) // 8 * 8,
+            num_hidden_layers=spec.assistant_layers, num_attention_heads=max(1, spec.assistant_hidden_size // 64),
+            max_position_embeddings=4096, initializer_range=0.02, tie_word_embeddings=False,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
+        )
+        assistant = LlamaForCausalLM(assistant_config)
+        assistant_losses = train_lm(assistant, stream, steps=spec.assistant_steps, batch_size=spec.target_batch,
+                                    seq_len=spec.seq_len, lr=spec.assistant_lr, seed=spec.seed + 1,
+                                    desc="demo assistant", progress=progress)
+        assistant.save_pretrained(tmp / "assistant", safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "assistant")
+        stage("assistant", t0)
+
+        t0 = time.monotonic()
+        _say(progress, "demo: EAGLE-3 head: the target writes its training data, then training-time test")
+        history: list = []
+        train_draft(
+            tmp / "target", ["\n".join(texts)[: spec.train_bytes // 2]], tmp / "draft", self_distill=True,
+            steps=spec.head_steps, num_sequences=spec.head_sequences, seq_len=spec.head_seq_len,
+            batch_size=spec.head_batch, ttt_steps=spec.head_ttt_steps, lr=spec.head_lr,
+            draft_vocab_size=min(spec.draft_vocab_size, len(tokenizer)), seed=spec.seed, progress=progress,
+            history=history,
+        )
+        stage("draft", t0)
+
+        prompts = heldout_prompts(tokenizer, heldout_files, spec.num_prompts, spec.prompt_tokens, spec.seed)
+        (tmp / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+        seconds["total"] = round(time.monotonic() - started, 1)
+        info = {
+            "spec": asdict(spec),
+            "seconds": seconds,
+            "threads": torch.get_num_threads(),
+            "training_tokens": stream.numel(),
+            "target_loss": _tail_mean(target_losses),
+            "assistant_loss": _tail_mean(assistant_losses),
+            "draft_loss": _tail_mean([h.loss for h in history]),
+            "draft_accuracy": [round(a, 3) for a in history[-1].accuracy] if history else [],
+            "heldout_files": [f.name for f in heldout_files],
+        }
+        (tmp / "build.json").write_text(json.dumps(info, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.rename(out)
+    finally:
+        torch.set_num_threads(threads)
+        shutil.rmtree(tmp, ignore_errors=True)
+    _say(progress, f"demo: built {out} in {seconds['total']:.0f}s (target loss {info['target_loss']:.2f}, "
+                   f"assistant loss {info['assistant_loss']:.2f}, head accuracy per step {info['draft_accuracy']})")
+    return out
+
+
+def ensure_demo(directory: str | Path | None = None, progress: bool = True) -> Path:
+    """The demo pair, built on first use."""
+    out = Path(directory) if directory is not None else default_demo_dir()
+    if not is_built(out):
+        _say(progress, f"demo: {out} is not built yet; building it (a few minutes on a 2-core CPU)")
+        build_demo(out, progress=progress)
+    return out
+
+
+def _tail_mean(values: list[float], n: int = 20) -> float:
+    tail = values[-n:]
+    return round(sum(tail) / len(tail), 4) if tail else float("nan")
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(message, file=sys.stderr, flush=True)
+
+
+# -- command line --------------------------------------------------------------------------------------------
+
+
+def cmd_demo_build(args: argparse.Namespace) -> int:
+    spec = DemoSpec()
+    for name in ("target_steps", "assistant_steps", "head_steps", "seed"):
+        if getattr(args, name) is not None:
+            setattr(spec, name, getattr(args, name))
+    out = Path(args.out) if args.out else default_demo_dir()
+    if is_built(out) and not args.force:
+        print(f"{out} is already built (--force rebuilds it)")
+        return 0
+    build_demo(out, spec, progress=not args.quiet)
+    print(f"wrote {out}: target/, draft/ (EAGLE-3, reference layout), assistant/, prompts.jsonl, build.json")
+    return 0
+
+
+def add_demo_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `tandem demo build` on an argparse subparsers object."""
+    p = subparsers.add_parser("demo", help="the demo pair: a target trained here on the Python stdlib + its head")
+    sub = p.add_subparsers(dest="demo_command", required=True)
+    b = sub.add_parser("build", help="train the demo target, its EAGLE-3 head and an assistant LM (minutes)")
+    b.add_argument("--out", help=f"where to write it (default {default_demo_dir()}, from $TANDEM_CACHE)")
+    b.add_argument("--force", action="store_true", help="rebuild even if it is there")
+    b.add_argument("--target-steps", type=int, help=f"target training steps (default {DemoSpec.target_steps})")
+    b.add_argument("--assistant-steps", type=int, help=f"assistant steps (default {DemoSpec.assistant_steps})")
+    b.add_argument("--head-steps", type=int, help=f"EAGLE-3 head steps (default {DemoSpec.head_steps})")
+    b.add_argument("--seed", type=int)
+    b.add_argument("--quiet", action="store_true", help="no progress output")
+    b.set_defaults(func=cmd_demo_build)
+    return p
