@@ -19,8 +19,9 @@ import torch
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.model import DraftKV, Eagle3Draft
 from tandem.pairing import DraftShape, TargetShape, check_pair
+from tandem.sessions import InvalidRequest, SessionOwner, SessionTable
 from tandem.timing import engine_lock
-from target_server.engine import DTYPES, InvalidRequest, SessionNotFound
+from target_server.engine import DTYPES
 
 
 @dataclass
@@ -30,7 +31,7 @@ class _Session:
     last_used: float = field(default_factory=time.monotonic)
 
 
-class DraftEngine:
+class DraftEngine(SessionOwner):
     def __init__(
         self,
         draft_dir: str | Path,
@@ -53,7 +54,7 @@ class DraftEngine:
         if target_dir is not None:
             check_pair(read_target_shape(target_dir), self.shape())
         self.feature_size = 3 * self.config.target_hidden_size
-        self._sessions: dict[str, _Session] = {}
+        self.sessions: SessionTable[_Session] = SessionTable("draft")
         self._lock = threading.Lock()
 
     def shape(self, max_target_id: int | None = None) -> DraftShape:
@@ -66,22 +67,6 @@ class DraftEngine:
             max_target_id=max_target_id,
             aux_layer_ids=self.config.aux_layer_ids,
         )
-
-    @property
-    def num_sessions(self) -> int:
-        return len(self._sessions)
-
-    def session_ids(self) -> list[str]:
-        return list(self._sessions)
-
-    def release(self, session_id: str) -> bool:
-        return self._sessions.pop(session_id, None) is not None
-
-    def evict_idle(self, ttl: float) -> list[str]:
-        """Drop the sessions no step has touched for `ttl` seconds (their client hung or vanished)."""
-        cutoff = time.monotonic() - ttl
-        stale = [sid for sid, session in list(self._sessions.items()) if session.last_used < cutoff]
-        return [sid for sid in stale if self._sessions.pop(sid, None) is not None]
 
     @torch.inference_mode()
     def propose(
@@ -102,14 +87,8 @@ class DraftEngine:
         if bad:
             raise InvalidRequest(f"draft tokens outside the vocabulary: {bad[:5]}")
         if create:  # only once the input is known good: a bad first request leaves nothing behind
-            if session_id in self._sessions:
-                raise InvalidRequest(f"draft session {session_id!r} already exists")
-            self._sessions[session_id] = _Session()
-        try:
-            session = self._sessions[session_id]
-        except KeyError:
-            raise SessionNotFound(f"unknown draft session {session_id!r}") from None
-        session.last_used = time.monotonic()
+            self.sessions.add(session_id, _Session())
+        session = self.sessions.get(session_id)
         model = self.model
         with engine_lock(self._lock):  # the wait counts as queueing in the step timing
             kv = session.kv

@@ -18,10 +18,10 @@ from tandem.config import DraftSettings
 from tandem.metrics import StepMetrics
 from tandem.params import MAX_DRAFT_TOKENS
 from tandem.service import Abort, Service, SessionReaper, errors_to_status, setup_logging
+from tandem.sessions import InvalidRequest, SessionNotFound
 from tandem.timing import StepClock
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 from tandem.wire import FeatureAssembler, WireError
-from target_server.engine import InvalidRequest, SessionNotFound
 
 log = logging.getLogger("tandem.draft")
 

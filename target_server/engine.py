@@ -21,6 +21,7 @@ from transformers.utils import logging as hf_logging
 
 from tandem.params import SamplingParams
 from tandem.protocol import PrefillResult, VerifyResult
+from tandem.sessions import InvalidRequest, SessionOwner, SessionTable
 from tandem.timing import engine_lock
 from target_server.acceptance import accept
 from target_server.capture import FeatureCapture, default_layer_ids
@@ -28,14 +29,6 @@ from target_server.capture import FeatureCapture, default_layer_ids
 hf_logging.disable_progress_bar()  # a service logs; it does not draw progress bars
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class SessionNotFound(KeyError):
-    """An unknown or already released session id."""
-
-
-class InvalidRequest(ValueError):
-    """A request the model cannot take (the message names what is wrong)."""
 
 
 @dataclass
@@ -65,7 +58,7 @@ def crop_cache(cache: DynamicCache, keep: int) -> None:
         cache.crop(-remove)
 
 
-class TargetEngine:
+class TargetEngine(SessionOwner):
     """Loads a local HF checkpoint (config.json + safetensors, single or sharded) and serves sessions."""
 
     def __init__(
@@ -93,35 +86,9 @@ class TargetEngine:
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_context = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
         self.eos_token_ids = _eos_ids(self.model_dir, self.config)
-        self._sessions: dict[str, _Session] = {}
+        self.sessions: SessionTable[_Session] = SessionTable("target")
         # One forward at a time: the model and the capture hooks are shared by all sessions.
         self._lock = threading.Lock()
-
-    # -- sessions ---------------------------------------------------------------------------
-
-    @property
-    def num_sessions(self) -> int:
-        return len(self._sessions)
-
-    def session_ids(self) -> list[str]:
-        return list(self._sessions)
-
-    def release(self, session_id: str) -> bool:
-        return self._sessions.pop(session_id, None) is not None
-
-    def evict_idle(self, ttl: float) -> list[str]:
-        """Drop the sessions no step has touched for `ttl` seconds (their client hung or vanished)."""
-        cutoff = time.monotonic() - ttl
-        stale = [sid for sid, session in list(self._sessions.items()) if session.last_used < cutoff]
-        return [sid for sid in stale if self._sessions.pop(sid, None) is not None]
-
-    def _session(self, session_id: str) -> _Session:
-        try:
-            session = self._sessions[session_id]
-        except KeyError:
-            raise SessionNotFound(f"unknown target session {session_id!r}") from None
-        session.last_used = time.monotonic()
-        return session
 
     def _check_ids(self, ids: list[int], what: str) -> None:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
@@ -139,7 +106,7 @@ class TargetEngine:
         self._check_ids(prompt_ids, "the prompt")
         if len(prompt_ids) >= self.max_context:
             raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; the context is {self.max_context}")
-        if session_id in self._sessions:
+        if session_id in self.sessions:
             raise InvalidRequest(f"target session {session_id!r} already exists")
         generator = None
         if not params.greedy:
@@ -150,15 +117,14 @@ class TargetEngine:
         logits, features = self._forward(ids, session, logits_to_keep=1)
         session.length = len(prompt_ids)
         token = accept(logits[-1:], ids.new_empty(0), params, generator)[1]
-        session.last_used = time.monotonic()
-        self._sessions[session_id] = session
+        self.sessions.add(session_id, session)
         return PrefillResult(token=token, features=features if want_features else None)
 
     @torch.inference_mode()
     def verify(
         self, session_id: str, token: int, drafts: list[int], want_features: bool = True
     ) -> VerifyResult:
-        session = self._session(session_id)
+        session = self.sessions.get(session_id)
         self._check_ids([token, *drafts], "the verify input")
         if session.length + 1 + len(drafts) > self.max_context:
             raise InvalidRequest(f"verify would pass the context of {self.max_context} tokens")

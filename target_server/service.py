@@ -18,10 +18,11 @@ from tandem.config import TargetSettings
 from tandem.metrics import StepMetrics
 from tandem.params import SamplingParams
 from tandem.service import Abort, Service, SessionReaper, errors_to_status, setup_logging
+from tandem.sessions import InvalidRequest, SessionNotFound
 from tandem.timing import StepClock
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire import encode_features
-from target_server.engine import InvalidRequest, SessionNotFound, TargetEngine, aux_layer_ids_from_draft
+from target_server.engine import TargetEngine, aux_layer_ids_from_draft
 
 log = logging.getLogger("tandem.target")
 
