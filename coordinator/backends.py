@@ -45,6 +45,10 @@ class BackendError(Exception):
         self.details = details
 
 
+# How long closing a session stream may wait for the service to end it before cancelling the call.
+CLOSE_GRACE_S = 5.0
+
+
 class _Watchdog:
     """Cancels streams whose answer is overdue: one thread for all of them, instead of a timer per step."""
 
@@ -134,11 +138,15 @@ class _Stream:
             return
         self._closed = True
         self._requests.put(_CLOSE)
+        # bounded: a stopped or partitioned service must not hold the generation's handler forever
+        _watchdog.arm(self, CLOSE_GRACE_S)
         try:
             for _ in self._call:
                 pass
         except grpc.RpcError:
-            pass  # cancelled or failed: the service releases the session either way
+            pass  # cancelled or failed: the service releases the session either way (or its TTL does)
+        finally:
+            _watchdog.disarm(self)
 
     def cancel(self) -> None:
         self.cancelled = self._closed = True

@@ -101,8 +101,8 @@ def run_rounds(
             drafts: list[int] = []
             if k > 0 and speculate:
                 try:
-                    drafts = draft.propose(session, features, pending_tokens, k, create=not draft_open)
-                    draft_open = True
+                    create, draft_open = not draft_open, True  # released even if this first call fails
+                    drafts = draft.propose(session, features, pending_tokens, k, create=create)
                 except DraftUnavailable as exc:
                     log.warning("session %s: the draft is lost (%s); going on target-only", session, exc)
                     speculate = draft_open = False

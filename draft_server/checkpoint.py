@@ -35,6 +35,10 @@ _LAYER_KEYS = (
 )
 
 
+# Newer speculators heads can normalise around fc or the output; this head does neither.
+_UNSUPPORTED_SPECULATORS_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+
+
 class DraftLoadError(ValueError):
     """The draft checkpoint is malformed or does not fit the target; the message says how."""
 
@@ -48,6 +52,9 @@ def read_config(draft_dir: str | Path) -> tuple[Eagle3Config, str]:
         if raw["speculators_model_type"] != "eagle3":
             raise DraftLoadError(f"speculators_model_type is {raw['speculators_model_type']!r}, not 'eagle3'")
         layout = SPECULATORS
+        unsupported = [flag for flag in _UNSUPPORTED_SPECULATORS_FLAGS if raw.get(flag)]
+        if unsupported:  # each changes the head's math; loading the weights anyway would be silently wrong
+            raise DraftLoadError(f"draft {draft_dir}: speculators options {unsupported} are not supported")
         layer_raw = dict(raw["transformer_layer_config"])
     else:
         layout = REFERENCE

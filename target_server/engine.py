@@ -10,6 +10,7 @@ The protocol per session (ARCHITECTURE.md, 0-indexed positions):
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from tandem.params import SamplingParams
 from tandem.protocol import PrefillResult, VerifyResult
 from tandem.sessions import InvalidRequest, SessionOwner, SessionTable
 from tandem.timing import engine_lock
-from target_server.acceptance import accept
+from target_server.acceptance import accept, pick
 from target_server.capture import FeatureCapture, default_layer_ids
 
 hf_logging.disable_progress_bar()  # a service logs; it does not draw progress bars
@@ -111,12 +112,16 @@ class TargetEngine(SessionOwner):
         generator = None
         if not params.greedy:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-        session = _Session(cache=DynamicCache(config=self.config), params=params, generator=generator)
+            # a fresh seed from the OS when none is given: torch.seed() would reseed the global RNG
+            seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+            generator.manual_seed(seed)
+        # A plain DynamicCache keeps every layer's full KV, so verify can always roll back; the
+        # config-built one trims sliding-window layers (Mistral) and then refuses to crop.
+        session = _Session(cache=DynamicCache(), params=params, generator=generator)
         ids = torch.tensor([prompt_ids], device=self.device)
         logits, features = self._forward(ids, session, logits_to_keep=1)
         session.length = len(prompt_ids)
-        token = accept(logits[-1:], ids.new_empty(0), params, generator)[1]
+        token = pick(logits[-1], params, generator)
         self.sessions.add(session_id, session)
         return PrefillResult(token=token, features=features if want_features else None)
 

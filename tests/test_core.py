@@ -340,3 +340,16 @@ def test_cli_make_tiny_writes_both_layouts(tmp_path):
     with safe_open(tmp_path / "draft" / "model.safetensors", "pt") as f:
         keys = set(f.keys())
     assert "embed_tokens.weight" not in keys and "midlayer.hidden_norm.weight" in keys and "d2t" in keys
+
+
+def test_speculators_options_that_change_the_math_are_refused(tiny_dir, tmp_path):
+    import shutil
+
+    from draft_server.checkpoint import DraftLoadError
+
+    draft_dir = tmp_path / "spec"
+    shutil.copytree(tiny_dir / "draft-speculators", draft_dir)
+    config = json.loads((draft_dir / "config.json").read_text())
+    (draft_dir / "config.json").write_text(json.dumps({**config, "norm_output": True}))
+    with pytest.raises(DraftLoadError, match="norm_output"):
+        DraftEngine(draft_dir, tiny_dir / "target")
