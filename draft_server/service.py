@@ -91,7 +91,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                         if not 0 <= k <= MAX_DRAFT_TOKENS:
                             raise InvalidRequest(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {k}")
                     with clock.codec():
-                        features = assembler.add(request.features)  # [m, 3Ht] once the step is complete
+                        # [m, 3Ht] once the step is complete
+                        features = assembler.add(request.features, len(next_tokens), engine.feature_size)
                     if features is None:
                         continue
                     create = not created

@@ -129,8 +129,13 @@ class FeatureAssembler:
     def started(self) -> bool:
         return self._out is not None
 
-    def add(self, chunk: common_pb2.Features) -> torch.Tensor | None:
-        """Add the next chunk; returns the whole tensor when this chunk completes it, else None."""
+    def add(
+        self, chunk: common_pb2.Features, rows: int | None = None, width: int | None = None
+    ) -> torch.Tensor | None:
+        """Add the next chunk; returns the whole tensor when this chunk completes it, else None.
+
+        `rows`/`width`, when known, bound the step before anything is allocated: a header claiming
+        more rows than the step has tokens is refused, not allocated."""
         import torch
 
         if chunk.WhichOneof("payload") != "tensor":
@@ -146,6 +151,10 @@ class FeatureAssembler:
         if self._out is None:
             if chunk.total_rows < chunk.num_rows:
                 raise WireError(f"feature chunk of {chunk.num_rows} rows in a step of {chunk.total_rows}")
+            if (rows is not None and chunk.total_rows != rows) or (width is not None and shape[1] != width):
+                raise WireError(
+                    f"features [{chunk.total_rows}, {shape[1]}] do not fit a step of {rows} tokens x {width}"
+                )
             self._out = torch.empty((chunk.total_rows, shape[1]), dtype=dtype)
         elif (chunk.total_rows, shape[1], dtype) != (self._out.shape[0], self._out.shape[1], self._out.dtype):
             raise WireError("feature chunks of one step disagree on total rows, width or dtype")

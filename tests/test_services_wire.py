@@ -80,6 +80,14 @@ def test_malformed_chunks_are_refused():
     bad.tensor.dtype = "int8"
     with pytest.raises(WireError, match="dtype"):
         FeatureAssembler().add(bad)
+    # a header claiming more rows (or another width) than the step has is refused before allocating
+    bad.CopyFrom(chunks[0])
+    bad.total_rows = 1 << 40
+    with pytest.raises(WireError, match="do not fit"):
+        FeatureAssembler().add(bad, rows=10, width=8)
+    with pytest.raises(WireError, match="do not fit"):
+        FeatureAssembler().add(chunks[0], rows=10, width=16)
+    assert FeatureAssembler().add(chunks[0], rows=10, width=8) is None
 
 
 # -- the relay over gRPC, with engines that stand in for the models --------------------------------
@@ -106,6 +114,8 @@ class BigFeaturesTarget:
 
 
 class RecordingDraftEngine:
+    feature_size = 3 * 4096  # an 8B target's 3H
+
     def __init__(self):
         self.received: list[torch.Tensor] = []
         self.sessions: set[str] = set()
