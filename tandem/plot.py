@@ -96,6 +96,7 @@ def _rounds(ax, report: dict) -> None:
         ax.bar(indices, values, bottom=bottom, color=STAGE_COLORS[stage], label=STAGE_LABELS[stage], width=0.85)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_xlabel("round (0 = prefill)")
+    ax.xaxis.get_major_locator().set_params(integer=True)  # rounds are whole numbers
     ax.set_ylabel("ms (mean over requests)")
     ax.set_title("Where each round's time goes", fontsize=11)
     ax.legend(fontsize=9, loc="upper right")
