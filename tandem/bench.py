@@ -183,7 +183,9 @@ class AssistedRunner:
     def __init__(self, target: Path, assistant: Path):
         import torch
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.set_verbosity_error()  # generate() warns about its own assistant's arguments
         self.torch = torch
         self.target = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
         self.assistant = AutoModelForCausalLM.from_pretrained(assistant, dtype=torch.float32).eval()

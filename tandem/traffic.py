@@ -257,9 +257,9 @@ class TrafficInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or not hasattr(handler, "_replace"):
-            return handler
         method = handler_call_details.method
+        if handler is None or not hasattr(handler, "_replace") or method.startswith("/grpc."):
+            return handler  # health checks and reflection are not traffic (the checkers do not count them either)
         cached = self._handlers.get(method)
         if cached is not None and cached[0] is handler:
             return cached[1]

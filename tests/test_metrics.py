@@ -66,10 +66,25 @@ def value(samples: dict, name: str, **labels) -> float:
 
 
 def wait_idle(stack: Stack, timeout: float = 20.0) -> None:
+    """No request running, no session open, and every byte counter settled on all three services
+    (a finished request's last control message can still be in flight when the coordinator is done)."""
     deadline = time.monotonic() + timeout
-    while value(scrape(stack.metrics["coordinator"]), "tandem:num_requests_running") != 0:
-        assert time.monotonic() < deadline, "requests still running"
-        time.sleep(0.05)
+
+    def snapshot() -> tuple:
+        samples = [scrape(stack.metrics[name]) for name in SERVICES]
+        busy = (value(samples[0], "tandem:num_requests_running"), value(samples[1], "tandem:num_sessions"),
+                value(samples[2], "tandem:num_sessions"))
+        counters = tuple(sorted((key, v) for s in samples for key, v in s.items() if "transport_" in key[0]))
+        return busy, counters
+
+    previous = None
+    while True:
+        current = snapshot()
+        if current[0] == (0, 0, 0) and current == previous:
+            return
+        assert time.monotonic() < deadline, f"services still busy: {current[0]}"
+        previous = current
+        time.sleep(0.2)
 
 
 def test_every_service_serves_metrics_while_a_generation_runs(stack):
