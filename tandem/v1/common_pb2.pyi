@@ -17,16 +17,18 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Features(_message.Message):
-    __slots__ = ("tensor", "row_offset", "num_rows", "total_rows")
+    __slots__ = ("tensor", "ref", "row_offset", "num_rows", "total_rows")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
     ROW_OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_ROWS_FIELD_NUMBER: _ClassVar[int]
     tensor: Tensor
+    ref: FeatureRef
     row_offset: int
     num_rows: int
     total_rows: int
-    def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., row_offset: _Optional[int] = ..., num_rows: _Optional[int] = ..., total_rows: _Optional[int] = ...) -> None: ...
+    def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., ref: _Optional[_Union[FeatureRef, _Mapping]] = ..., row_offset: _Optional[int] = ..., num_rows: _Optional[int] = ..., total_rows: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")
@@ -39,3 +41,67 @@ class SamplingParams(_message.Message):
     top_p: float
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class FeatureRef(_message.Message):
+    __slots__ = ("transport", "channel", "sequence", "offset", "rows", "width", "dtype", "event")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    channel: str
+    sequence: int
+    offset: int
+    rows: int
+    width: int
+    dtype: str
+    event: int
+    def __init__(self, transport: _Optional[str] = ..., channel: _Optional[str] = ..., sequence: _Optional[int] = ..., offset: _Optional[int] = ..., rows: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[str] = ..., event: _Optional[int] = ...) -> None: ...
+
+class TransportCaps(_message.Message):
+    __slots__ = ("requested", "available", "host_id", "device", "device_uuid", "dtype", "feature_width")
+    REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    requested: str
+    available: _containers.RepeatedScalarFieldContainer[str]
+    host_id: str
+    device: str
+    device_uuid: str
+    dtype: str
+    feature_width: int
+    def __init__(self, requested: _Optional[str] = ..., available: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., dtype: _Optional[str] = ..., feature_width: _Optional[int] = ...) -> None: ...
+
+class TransportPlan(_message.Message):
+    __slots__ = ("transport", "reason", "dtype", "feature_width", "ring_bytes", "max_inflight", "timeout", "channel", "address", "handle", "device_uuid")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    RING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    reason: str
+    dtype: str
+    feature_width: int
+    ring_bytes: int
+    max_inflight: int
+    timeout: float
+    channel: str
+    address: str
+    handle: bytes
+    device_uuid: str
+    def __init__(self, transport: _Optional[str] = ..., reason: _Optional[str] = ..., dtype: _Optional[str] = ..., feature_width: _Optional[int] = ..., ring_bytes: _Optional[int] = ..., max_inflight: _Optional[int] = ..., timeout: _Optional[float] = ..., channel: _Optional[str] = ..., address: _Optional[str] = ..., handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ...) -> None: ...

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 from tandem.v1 import draft_pb2 as tandem_dot_v1_dot_draft__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -44,6 +45,11 @@ class DraftServiceStub:
                 request_serializer=tandem_dot_v1_dot_draft__pb2.DraftRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_draft__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.OpenTransport = channel.unary_unary(
+                '/tandem.v1.DraftService/OpenTransport',
+                request_serializer=tandem_dot_v1_dot_common__pb2.TransportPlan.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_common__pb2.TransportPlan.FromString,
+                _registered_method=True)
 
 
 class DraftServiceServicer:
@@ -64,6 +70,14 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenTransport(self, request, context):
+        """Attach to the feature path the target opened (the plan as OpenTransport returned it); refused
+        with FAILED_PRECONDITION naming the field when the plan does not fit this draft.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +90,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=tandem_dot_v1_dot_draft__pb2.DraftRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_draft__pb2.DraftResponse.SerializeToString,
+            ),
+            'OpenTransport': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenTransport,
+                    request_deserializer=tandem_dot_v1_dot_common__pb2.TransportPlan.FromString,
+                    response_serializer=tandem_dot_v1_dot_common__pb2.TransportPlan.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +151,33 @@ class DraftService:
             '/tandem.v1.DraftService/Session',
             tandem_dot_v1_dot_draft__pb2.DraftRequest.SerializeToString,
             tandem_dot_v1_dot_draft__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenTransport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.DraftService/OpenTransport',
+            tandem_dot_v1_dot_common__pb2.TransportPlan.SerializeToString,
+            tandem_dot_v1_dot_common__pb2.TransportPlan.FromString,
             options,
             channel_credentials,
             insecure,

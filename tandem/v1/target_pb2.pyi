@@ -13,7 +13,7 @@ class TargetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "hidden_size", "num_layers", "layer_ids", "eos_token_ids", "max_context", "dtype", "device", "tokenizer_size", "num_sessions")
+    __slots__ = ("model", "vocab_size", "hidden_size", "num_layers", "layer_ids", "eos_token_ids", "max_context", "dtype", "device", "tokenizer_size", "num_sessions", "transport")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class TargetInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     hidden_size: int
@@ -36,7 +37,8 @@ class TargetInfo(_message.Message):
     device: str
     tokenizer_size: int
     num_sessions: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_ids: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_size: _Optional[int] = ..., num_sessions: _Optional[int] = ...) -> None: ...
+    transport: _common_pb2.TransportCaps
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_ids: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_size: _Optional[int] = ..., num_sessions: _Optional[int] = ..., transport: _Optional[_Union[_common_pb2.TransportCaps, _Mapping]] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

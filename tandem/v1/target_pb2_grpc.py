@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 from tandem.v1 import target_pb2 as tandem_dot_v1_dot_target__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -49,6 +50,16 @@ class TargetServiceStub:
                 request_serializer=tandem_dot_v1_dot_target__pb2.TargetRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_target__pb2.TargetResponse.FromString,
                 _registered_method=True)
+        self.OpenTransport = channel.unary_unary(
+                '/tandem.v1.TargetService/OpenTransport',
+                request_serializer=tandem_dot_v1_dot_common__pb2.TransportPlan.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_common__pb2.TransportPlan.FromString,
+                _registered_method=True)
+        self.StartTransport = channel.unary_unary(
+                '/tandem.v1.TargetService/StartTransport',
+                request_serializer=tandem_dot_v1_dot_common__pb2.TransportPlan.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_common__pb2.TransportPlan.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -78,6 +89,21 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenTransport(self, request, context):
+        """The feature fast path, set up by the coordinator: OpenTransport prepares the plan's transport
+        (ring, rendezvous) and returns the plan with what the draft needs to attach; StartTransport
+        puts it to use once the draft has attached (a plan of "grpc" turns any fast path off).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartTransport(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +121,16 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=tandem_dot_v1_dot_target__pb2.TargetRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_target__pb2.TargetResponse.SerializeToString,
+            ),
+            'OpenTransport': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenTransport,
+                    request_deserializer=tandem_dot_v1_dot_common__pb2.TransportPlan.FromString,
+                    response_serializer=tandem_dot_v1_dot_common__pb2.TransportPlan.SerializeToString,
+            ),
+            'StartTransport': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartTransport,
+                    request_deserializer=tandem_dot_v1_dot_common__pb2.TransportPlan.FromString,
+                    response_serializer=tandem_dot_v1_dot_common__pb2.TransportPlan.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +214,60 @@ class TargetService:
             '/tandem.v1.TargetService/Session',
             tandem_dot_v1_dot_target__pb2.TargetRequest.SerializeToString,
             tandem_dot_v1_dot_target__pb2.TargetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenTransport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.TargetService/OpenTransport',
+            tandem_dot_v1_dot_common__pb2.TransportPlan.SerializeToString,
+            tandem_dot_v1_dot_common__pb2.TransportPlan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartTransport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.TargetService/StartTransport',
+            tandem_dot_v1_dot_common__pb2.TransportPlan.SerializeToString,
+            tandem_dot_v1_dot_common__pb2.TransportPlan.FromString,
             options,
             channel_credentials,
             insecure,
