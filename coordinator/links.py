@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenizers import Tokenizer
 
 from coordinator.backends import BackendError
+from coordinator.handshake import connect_transport
 from tandem.config import CoordinatorSettings
 from tandem.pairing import DraftShape, PairMismatch, TargetShape, check_pair
 from tandem.service import Abort, channel_options, wait_for_serving
@@ -43,10 +44,11 @@ RECONNECT_OPTIONS = [
 CHECK_TIMEOUT = 1.0  # a health check that takes longer means a hung service
 RETRY_MIN, RETRY_MAX = 0.1, 2.0
 # Statuses of a failed step that mean the service itself is gone (or, for the draft, stuck past its
-# step deadline), not that this request went wrong. Others only trigger a health check.
+# step deadline, or without the feature channel the target sends on), not that this request went
+# wrong. Others only trigger a health check. A draft that comes back runs the handshake again.
 DOWN_CODES = {
     "target": (grpc.StatusCode.UNAVAILABLE,),
-    "draft": (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED),
+    "draft": (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION),
 }
 
 
@@ -129,6 +131,7 @@ class Monitor:
         self.connect_timeout = settings.connect_timeout
         self._on_target = on_target
         self._tokenizer: Tokenizer | None = None
+        self.transport = "grpc"  # the feature path target -> draft the last handshake set up
         self._current: Backends | None = None
         self._lock = threading.Lock()  # link state and the published Backends
         self._wake = threading.Event()
@@ -242,13 +245,16 @@ class Monitor:
         if draft is not None and draft.info is not None:
             try:
                 check_services_pair(info, draft.info)
-            except PairMismatch as exc:
+                if draft.up:  # a restarted target has no feature channel: open one again
+                    self.transport = connect_transport(self.target.stub, info, draft.stub, draft.info)
+            except (PairMismatch, grpc.RpcError) as exc:
                 if draft.up:
                     self._down(draft, str(exc))
 
     def _read_draft(self) -> None:
         info = self.draft.stub.ModelInfo(draft_pb2.DraftInfoRequest(), timeout=30)
         check_services_pair(self.target.info, info)
+        self.transport = connect_transport(self.target.stub, self.target.info, self.draft.stub, info)
         if info.max_context and info.max_context < self.target.info.max_context:
             log.info("the draft was trained on %d positions, the target serves %d: acceptance may drop past %d",
                      info.max_context, self.target.info.max_context, info.max_context)

@@ -20,6 +20,9 @@ from tandem.params import MAX_DRAFT_TOKENS
 from tandem.service import Abort, Service, SessionReaper, errors_to_status, setup_logging
 from tandem.sessions import InvalidRequest, SessionNotFound
 from tandem.timing import StepClock
+from tandem.transports.base import NoChannel, TransportError
+from tandem.transports.endpoints import DraftTransport
+from tandem.transports.negotiate import TransportMismatch
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 from tandem.wire import FeatureAssembler, WireError
 
@@ -29,7 +32,14 @@ ERRORS = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (WireError, grpc.StatusCode.INVALID_ARGUMENT),
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),
+    # a descriptor for a channel this draft has not opened (it restarted): the coordinator takes the
+    # draft down and runs the handshake again
+    (NoChannel, grpc.StatusCode.FAILED_PRECONDITION),
+    # a fast path that lost a step is broken: the same, through UNAVAILABLE
+    (TransportError, grpc.StatusCode.UNAVAILABLE),
 )
+HANDSHAKE_ERRORS = ((TransportMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+                    (TransportError, grpc.StatusCode.FAILED_PRECONDITION))
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -39,9 +49,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.model_dir = ""
         self.reaper: SessionReaper | None = None
         self.metrics = StepMetrics(service.registry)
+        self.transport: DraftTransport | None = None  # the feature path from the target; None: inline only
 
-    def attach(self, engine: DraftEngine, model_dir: str, session_ttl: float | None = None) -> None:
-        self.engine, self.model_dir = engine, model_dir
+    def attach(self, engine: DraftEngine, model_dir: str, session_ttl: float | None = None,
+               transport: DraftTransport | None = None) -> None:
+        self.engine, self.model_dir, self.transport = engine, model_dir, transport
         self.metrics.count_sessions(lambda: engine.num_sessions)
         if session_ttl is not None:
             self.reaper = SessionReaper("draft", session_ttl, engine.evict_idle)
@@ -68,7 +80,16 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 num_sessions=engine.num_sessions,
                 max_context=engine.max_context,
                 target_max_context=engine.target_max_context or 0,
+                transport=self.transport.caps if self.transport is not None else None,
             )
+
+    def OpenTransport(self, request, context):
+        with errors_to_status(context, HANDSHAKE_ERRORS):
+            self._engine()
+            if self.transport is None:
+                raise Abort(grpc.StatusCode.FAILED_PRECONDITION, "this draft takes features inline only")
+            self.transport.open(request)
+            return request
 
     def Session(self, request_iterator, context) -> Iterator[draft_pb2.DraftResponse]:
         session_id = None
@@ -91,8 +112,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                         if not 0 <= k <= MAX_DRAFT_TOKENS:
                             raise InvalidRequest(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {k}")
                     with clock.codec():
-                        # [m, 3Ht] once the step is complete
-                        features = assembler.add(request.features, len(next_tokens), engine.feature_size)
+                        if request.features.WhichOneof("payload") == "ref":  # a fast path: the whole step
+                            if self.transport is None:
+                                raise NoChannel("a feature descriptor, but this draft has no fast path")
+                            features = self.transport.recv(request.features.ref, len(next_tokens), engine.feature_size)
+                        else:  # inline: [m, 3Ht] once the step's last chunk is in
+                            features = assembler.add(request.features, len(next_tokens), engine.feature_size)
                     if features is None:
                         continue
                     create = not created
@@ -126,11 +151,16 @@ def serve(settings: DraftSettings) -> int:
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     engine = DraftEngine(settings.model, settings.target, device=settings.device, dtype=settings.dtype)
-    servicer.attach(engine, str(settings.model), settings.session_ttl)
+    transport = DraftTransport(settings.transport, settings.device, settings.dtype, engine.feature_size,
+                               traffic=service.traffic)
+    servicer.attach(engine, str(settings.model), settings.session_ttl, transport)
     log.info("draft %s (%s layout) on %s (%s)", settings.model, engine.layout, settings.device, settings.dtype)
     if not service.stopping:
         service.ready()
-    return service.run()
+    try:
+        return service.run()
+    finally:
+        transport.close()
 
 
 if __name__ == "__main__":

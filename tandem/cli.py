@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+TRANSPORT_HELP = "feature path target -> draft: auto | grpc | shm | cuda-ipc | nccl (default grpc)"
+
 
 def _ids(text: str) -> list[int]:
     try:
@@ -269,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-device", help="device of the target process (default cpu)")
     p.add_argument("--draft-device", help="device of the draft process (default cpu)")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--transport", help=TRANSPORT_HELP)
     p.add_argument("--host", help="interface the coordinator binds (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="the coordinator's port (default 50050; 0 = any free port)")
     p.add_argument("--grace-period", type=float, help="seconds in-flight requests get on SIGTERM (default 30)")
@@ -284,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default float32)")
     p.add_argument("--feature-chunk-mib", type=float, help="size of feature chunks on the wire (default 2)")
+    p.add_argument("--transport", help=TRANSPORT_HELP)
+    p.add_argument("--transport-ring-mib", type=float, help="shm / cuda-ipc feature ring size (default 256)")
+    p.add_argument("--transport-max-inflight", type=int, help="steps outstanding on a fast path (default 128)")
+    p.add_argument("--transport-timeout", type=float, help="seconds any fast-path wait may take (default 10)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
     p.add_argument("--session-ttl", type=float, help="seconds a session may sit idle before eviction (default 600)")
     add_service_args(p, "port (default 50051; 0 = any free port)")
@@ -294,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="target checkpoint directory: its embed_tokens is read")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--transport", help=TRANSPORT_HELP)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
     p.add_argument("--session-ttl", type=float, help="seconds a session may sit idle before eviction (default 600)")
     add_service_args(p, "port (default 50052; 0 = any free port)")

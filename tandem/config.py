@@ -16,6 +16,10 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+# The feature path target -> draft (tandem/transports/). grpc, the default, works anywhere; auto
+# takes the fastest both ends support; the coordinator's handshake settles what each end asked for.
+Transport = Literal["auto", "grpc", "shm", "cuda-ipc", "nccl"]
+TRANSPORT_HELP = "feature path to the draft: auto | grpc | shm | cuda-ipc | nccl (default grpc)"
 
 _DEVICE = re.compile(r"^(cpu|mps|(cuda|xpu)(:\d+)?)$")
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
@@ -94,6 +98,15 @@ class TargetSettings(ServiceSettings):
     feature_chunk_mib: float = Field(2.0, gt=0)
     threads: int | None = Field(None, ge=1, description=THREADS_HELP)
     session_ttl: float = Field(DEFAULT_SESSION_TTL, gt=0, description=SESSION_TTL_HELP)
+    transport: Transport = Field("grpc", description=TRANSPORT_HELP)
+    # The shm / cuda-ipc ring: a 4096-token prefill of an 8B target in bf16 is 96 MiB; a step that
+    # does not fit (or finds the ring full) goes inline over gRPC instead of waiting.
+    transport_ring_mib: float = Field(256.0, gt=0)
+    # Steps outstanding at once on a fast path (ring ranges, CUDA events, nccl send queue); each
+    # session holds at most its latest step, so this bounds sessions on the fast path.
+    transport_max_inflight: int = Field(128, ge=1, le=4096)
+    # Any wait on the fast path (rendezvous, a send, a draft waiting for a step's rows).
+    transport_timeout: float = Field(10.0, gt=0)
 
     @field_validator("device")
     @classmethod
@@ -129,6 +142,7 @@ class DraftSettings(ServiceSettings):
     dtype: Dtype = "float32"
     threads: int | None = Field(None, ge=1, description=THREADS_HELP)
     session_ttl: float = Field(DEFAULT_SESSION_TTL, gt=0, description=SESSION_TTL_HELP)
+    transport: Transport = Field("grpc", description=TRANSPORT_HELP)
 
     @field_validator("device")
     @classmethod
@@ -177,6 +191,7 @@ class ServeSettings(BaseSettings):
     target_device: str = "cpu"
     draft_device: str = "cpu"
     dtype: Dtype = "float32"
+    transport: Transport = Field("grpc", description=TRANSPORT_HELP)
     host: str = "127.0.0.1"
     port: int = Field(DEFAULT_COORDINATOR_PORT, ge=0, le=65535)
     startup_timeout: float = Field(600.0, gt=0)

@@ -92,14 +92,14 @@ def serve(settings: ServeSettings) -> int:
             common += ["--session-ttl", str(settings.session_ttl)]
         try:
             target_args = ["--model", str(target), "--device", settings.target_device, "--dtype", settings.dtype,
-                           *threads["target"]]
+                           "--transport", settings.transport, *threads["target"]]
             if draft is not None:
                 target_args += ["--draft", str(draft)]
             target_args += _metrics(settings.target_metrics_port)
             children.append(Child("target", [*target_args, *common], run / "target.addr"))
             if draft is not None:
                 draft_args = ["--model", str(draft), "--target", str(target), "--device", settings.draft_device,
-                              "--dtype", settings.dtype, *threads["draft"]]
+                              "--dtype", settings.dtype, "--transport", settings.transport, *threads["draft"]]
                 draft_args += _metrics(settings.draft_metrics_port)
                 children.append(Child("draft", [*draft_args, *common], run / "draft.addr"))
             deadline = time.monotonic() + settings.startup_timeout

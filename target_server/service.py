@@ -20,6 +20,8 @@ from tandem.params import SamplingParams
 from tandem.service import Abort, Service, SessionReaper, errors_to_status, setup_logging
 from tandem.sessions import InvalidRequest, SessionNotFound
 from tandem.timing import StepClock
+from tandem.transports.base import TransportError
+from tandem.transports.endpoints import TargetTransport
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire import encode_features
 from target_server.engine import TargetEngine, aux_layer_ids_from_draft
@@ -65,9 +67,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.engine: TargetEngine | None = None
         self.tokenizer_json = b""
         self.reaper: SessionReaper | None = None
+        self.transport: TargetTransport | None = None  # the feature path to the draft; None: inline only
 
-    def attach(self, engine: TargetEngine, tokenizer_json: bytes, session_ttl: float | None = None) -> None:
-        self.engine, self.tokenizer_json = engine, tokenizer_json
+    def attach(self, engine: TargetEngine, tokenizer_json: bytes, session_ttl: float | None = None,
+               transport: TargetTransport | None = None) -> None:
+        self.engine, self.tokenizer_json, self.transport = engine, tokenizer_json, transport
         self.metrics.count_sessions(lambda: engine.num_sessions)
         if session_ttl is not None:
             self.reaper = SessionReaper("target", session_ttl, engine.evict_idle)
@@ -93,7 +97,23 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 device=str(engine.device),
                 tokenizer_size=len(self.tokenizer_json),
                 num_sessions=engine.num_sessions,
+                transport=self.transport.caps if self.transport is not None else None,
             )
+
+    def _transport(self) -> TargetTransport:
+        self._engine()
+        if self.transport is None:
+            raise Abort(grpc.StatusCode.FAILED_PRECONDITION, "this target sends features inline only")
+        return self.transport
+
+    def OpenTransport(self, request, context):
+        with errors_to_status(context, ((TransportError, grpc.StatusCode.FAILED_PRECONDITION),)):
+            return self._transport().open(request)
+
+    def StartTransport(self, request, context):
+        with errors_to_status(context, ((TransportError, grpc.StatusCode.FAILED_PRECONDITION),)):
+            self._transport().start(request)
+            return request
 
     def GetTokenizer(self, request, context):
         with errors_to_status(context):
@@ -135,21 +155,29 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         )
                     else:
                         raise InvalidRequest("a TargetRequest needs a prefill or a verify")
-                    yield from self._with_features(head, result.features, step, clock, timed)
+                    yield from self._with_features(head, result.features, step, clock, timed, session_id)
             finally:
                 if session_id is not None:
                     engine.release(session_id)
+                    if self.transport is not None:
+                        self.transport.release(session_id)
                     if self.reaper is not None:
                         self.reaper.unregister(session_id)
 
     def _with_features(
-        self, head: target_pb2.TargetResponse, features, step: str, clock: StepClock, timed: bool
+        self, head: target_pb2.TargetResponse, features, step: str, clock: StepClock, timed: bool, session_id: str
     ) -> Iterator[target_pb2.TargetResponse]:
-        """The step's answer: the result and the first feature chunk, then one message per further chunk."""
+        """The step's answer: the result with a fast path's descriptor, or with the first feature chunk
+        and then one message per further chunk (inline)."""
         chunks = []
         if features is not None:
             with clock.codec():
-                chunks = encode_features(features, self.chunk_bytes)
+                ref = self.transport.send(session_id, features) if self.transport is not None else None
+                if ref is not None:
+                    n = features.shape[0]
+                    chunks = [common_pb2.Features(ref=ref, row_offset=0, num_rows=n, total_rows=n)]
+                else:
+                    chunks = encode_features(features, self.chunk_bytes)
             head.features.CopyFrom(chunks[0])
         self.metrics.observe(step, clock)
         if timed:
@@ -170,14 +198,22 @@ def serve(settings: TargetSettings) -> int:
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     engine = TargetEngine(settings.model, device=settings.device, dtype=settings.dtype, layer_ids=layer_ids)
-    servicer.attach(engine, load_tokenizer_json(settings.model), settings.session_ttl)
+    transport = TargetTransport(
+        settings.transport, settings.device, settings.dtype, 3 * engine.hidden_size, host=settings.host,
+        ring_bytes=int(settings.transport_ring_mib * (1 << 20)), max_inflight=settings.transport_max_inflight,
+        timeout=settings.transport_timeout, traffic=service.traffic,
+    )
+    servicer.attach(engine, load_tokenizer_json(settings.model), settings.session_ttl, transport)
     log.info(
         "target %s on %s (%s): vocab %d, hidden %d, capture layers %s",
         settings.model, settings.device, settings.dtype, engine.vocab_size, engine.hidden_size, engine.layer_ids,
     )
     if not service.stopping:
         service.ready()
-    return service.run()
+    try:
+        return service.run()
+    finally:
+        transport.close()  # unlinks a shared memory ring
 
 
 if __name__ == "__main__":

@@ -1,0 +1,320 @@
+"""The transport contract, the ring allocator the ring transports share, and what this process can run.
+
+Target side, one FeatureSender per process, called from every session's thread:
+
+    send(session_id, features [n, 3H]) -> FeatureRef | None   None: send this step inline (gRPC)
+    release(session_id)                                       the session ended: free what it holds
+    close()
+
+Draft side, one FeatureReceiver:
+
+    recv(ref) -> features [n, 3H]   TransportError when the rows are gone, late or never came
+
+A step's buffer is freed when its session sends its next step (the draft answered the previous
+one before the coordinator could ask for the next) or ends. A full ring or queue sends the step
+inline rather than wait: no session ever blocks on the draft.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from tandem.v1 import common_pb2
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.traffic import Traffic
+
+log = logging.getLogger("tandem.transports")
+
+LINK = "target->draft"
+DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}  # the nccl header carries the dtype as a number
+
+
+class TransportError(RuntimeError):
+    """A fast path could not deliver a step (gone, stale, timed out, broken)."""
+
+
+class NoChannel(TransportError):
+    """A descriptor names a channel this process has not opened (it restarted): the handshake must run again."""
+
+
+class FeatureSender(Protocol):
+    name: str
+
+    def send(self, session_id: str, features: torch.Tensor) -> common_pb2.FeatureRef | None: ...
+    def release(self, session_id: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class FeatureReceiver(Protocol):
+    name: str
+    channel: str
+
+    def recv(self, ref: common_pb2.FeatureRef) -> torch.Tensor: ...
+    def close(self) -> None: ...
+
+
+def count(traffic: Traffic | None, direction: str, transport: str, features: torch.Tensor) -> None:
+    """Feature bytes that went over a fast path, on the target->draft link under the transport's label."""
+    if traffic is not None:
+        nbytes = features.numel() * features.element_size()
+        traffic.add(direction, LINK, transport, features=nbytes, feature_rows=features.shape[0])
+
+
+def check_ref(ref: common_pb2.FeatureRef, channel: str, max_rows: int | None = None) -> None:
+    if ref.channel != channel:
+        raise NoChannel(f"feature descriptor for channel {ref.channel!r}; this draft has {channel!r} open")
+    if ref.rows < 0 or ref.width <= 0 or ref.dtype not in DTYPE_CODES or (max_rows is not None and ref.rows > max_rows):
+        raise TransportError(f"bad feature descriptor: {ref.rows} rows x {ref.width} of {ref.dtype!r}")
+
+
+# -- the ring: a first-fit allocator over a preallocated arena ------------------------------------
+
+
+class Ring:
+    """Byte ranges of a fixed arena, handed out first-fit and freed in any order (sessions end out of order).
+
+    Bounded twice: by bytes, and by `max_inflight` live allocations (the CUDA events are a pool of
+    that size). Thread-safe."""
+
+    ALIGN = 256  # keeps every row block aligned for vectorized copies and the int64 stamp
+
+    def __init__(self, size: int, max_inflight: int):
+        self.size = size
+        self._free: list[list[int]] = [[0, size]]  # sorted [start, length]
+        self._slots = list(range(max_inflight))  # free event/slot indices
+        self._lock = threading.Lock()
+
+    def alloc(self, nbytes: int) -> tuple[int, int] | None:
+        """(offset, slot index), or None when no range or slot is free."""
+        need = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
+        with self._lock:
+            if not self._slots:
+                return None
+            for i, (start, length) in enumerate(self._free):
+                if length >= need:
+                    if length == need:
+                        del self._free[i]
+                    else:
+                        self._free[i] = [start + need, length - need]
+                    return start, self._slots.pop()
+        return None
+
+    def free(self, offset: int, nbytes: int, slot: int) -> None:
+        need = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
+        with self._lock:
+            self._slots.append(slot)
+            self._free.append([offset, need])
+            self._free.sort()
+            merged = [self._free[0]]
+            for start, length in self._free[1:]:
+                if merged[-1][0] + merged[-1][1] == start:
+                    merged[-1][1] += length
+                else:
+                    merged.append([start, length])
+            self._free = merged
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(length for _, length in self._free)
+
+
+class Held:
+    """What each session holds in a ring until its next step or its end; thread-safe."""
+
+    def __init__(self) -> None:
+        self._by_session: dict[str, list[tuple]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, session_id: str, item: tuple) -> None:
+        with self._lock:
+            self._by_session.setdefault(session_id, []).append(item)
+
+    def take(self, session_id: str) -> list[tuple]:
+        with self._lock:
+            return self._by_session.pop(session_id, [])
+
+    def take_all(self) -> list[tuple]:
+        with self._lock:
+            items = [item for held in self._by_session.values() for item in held]
+            self._by_session.clear()
+            return items
+
+
+class RingSender:
+    """The target end of a ring transport (shm, cuda-ipc): each step gets its own range of the ring
+    and a sequence number, held by its session until the session's next step or its end.
+
+    Subclasses write the rows (`_write`) and mark a freed range (`_unstamp`) so that a late reader
+    can tell its rows are gone."""
+
+    name = ""
+    STAMP = 0  # bytes in front of each step's rows for its sequence number
+
+    def __init__(self, plan: common_pb2.TransportPlan, traffic: Traffic | None):
+        self.channel = plan.channel
+        self.ring = Ring(plan.ring_bytes, plan.max_inflight)
+        self.held = Held()
+        self.traffic = traffic
+        self._seq = itertools.count(1)
+        self._users = 0  # sessions writing right now; close() waits for them
+        self._closed = False
+        self._idle = threading.Condition()
+        self._timeout = plan.timeout or 10.0
+
+    @contextmanager
+    def _use(self):
+        with self._idle:
+            if self._closed:
+                yield False
+                return
+            self._users += 1
+        try:
+            yield True
+        finally:
+            with self._idle:
+                self._users -= 1
+                self._idle.notify_all()
+
+    def start(self, timeout: float) -> None:
+        pass  # the draft mapped the ring already: nothing to wait for
+
+    def send(self, session_id: str, features: torch.Tensor) -> common_pb2.FeatureRef | None:
+        with self._use() as usable:
+            self._free(self.held.take(session_id))  # the session moved on: the draft read its last step
+            if not usable:
+                return None
+            rows, width = features.shape
+            nbytes = self.STAMP + features.numel() * features.element_size()
+            got = self.ring.alloc(nbytes)
+            if got is None:
+                log.debug("%s ring full (%d bytes free): step of %d rows inline", self.name, self.ring.free_bytes, rows)
+                return None
+            offset, slot = got
+            sequence = next(self._seq)
+            self.held.add(session_id, (offset, nbytes, slot))
+            self._write(offset, slot, sequence, features)
+            count(self.traffic, "sent", self.name, features)
+            return common_pb2.FeatureRef(
+                transport=self.name, channel=self.channel, sequence=sequence, offset=offset, rows=rows,
+                width=width, dtype=str(features.dtype).removeprefix("torch."), event=slot,
+            )
+
+    def release(self, session_id: str) -> None:
+        with self._use():
+            self._free(self.held.take(session_id))
+
+    def _free(self, items: list[tuple]) -> None:
+        for offset, nbytes, slot in items:
+            self._unstamp(offset)
+            self.ring.free(offset, nbytes, slot)
+
+    def close(self) -> None:
+        with self._idle:
+            self._closed = True
+            self._idle.wait_for(lambda: self._users == 0, timeout=self._timeout)
+        self.held.take_all()
+        self._release_ring()
+
+    def _write(self, offset: int, slot: int, sequence: int, features: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _unstamp(self, offset: int) -> None:
+        pass
+
+    def _release_ring(self) -> None:
+        pass
+
+
+# -- what this process can run --------------------------------------------------------------------
+
+
+def host_id() -> str:
+    """Equal for two processes that can share memory: same boot and same IPC namespace (containers
+    need `ipc: host` or a shared IPC namespace for shm and CUDA IPC)."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    try:
+        ipc = os.readlink("/proc/self/ns/ipc")
+    except OSError:
+        ipc = ""
+    return f"{boot.read_text().strip() if boot.is_file() else socket.gethostname()}/{ipc}"
+
+
+def device_uuid(device: str) -> str:
+    import torch
+
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return ""
+    return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+
+
+def available(device: str) -> list[str]:
+    import torch
+
+    found = ["grpc"]
+    if Path("/dev/shm").is_dir():
+        found.append("shm")
+    on_cuda = device.startswith("cuda") and torch.cuda.is_available()
+    if on_cuda:
+        found.append("cuda-ipc")
+    import torch.distributed as dist
+
+    if dist.is_available() and (dist.is_nccl_available() if on_cuda else dist.is_gloo_available()):
+        found.append("nccl")
+    return found
+
+
+def local_caps(requested: str, device: str, dtype: str, feature_width: int) -> common_pb2.TransportCaps:
+    return common_pb2.TransportCaps(
+        requested=requested, available=available(device), host_id=host_id(), device=device,
+        device_uuid=device_uuid(device), dtype=dtype, feature_width=feature_width,
+    )
+
+
+# -- opening a plan -------------------------------------------------------------------------------
+
+
+def open_sender(plan: common_pb2.TransportPlan, device: str, host: str, traffic: Traffic | None) -> FeatureSender:
+    """The target's end of `plan`; fills in what the draft needs to attach (segment, address, handle)."""
+    if plan.transport == "shm":
+        from tandem.transports.shm import ShmSender
+
+        return ShmSender(plan, traffic)
+    if plan.transport == "cuda-ipc":
+        from tandem.transports.cuda_ipc import CudaIpcSender
+
+        return CudaIpcSender(plan, device, traffic)
+    if plan.transport == "nccl":
+        from tandem.transports.nccl import NcclSender
+
+        return NcclSender(plan, device, host, traffic)
+    from tandem.transports.grpc import GrpcSender
+
+    return GrpcSender()
+
+
+def open_receiver(plan: common_pb2.TransportPlan, device: str, traffic: Traffic | None) -> FeatureReceiver | None:
+    """The draft's end of `plan`; None for grpc (features arrive inline)."""
+    if plan.transport == "shm":
+        from tandem.transports.shm import ShmReceiver
+
+        return ShmReceiver(plan, traffic)
+    if plan.transport == "cuda-ipc":
+        from tandem.transports.cuda_ipc import CudaIpcReceiver
+
+        return CudaIpcReceiver(plan, device, traffic)
+    if plan.transport == "nccl":
+        from tandem.transports.nccl import NcclReceiver
+
+        return NcclReceiver(plan, device, traffic)
+    return None
