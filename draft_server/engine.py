@@ -4,12 +4,15 @@ Per round the engine gets the new committed pairs (F_i, x_{i+1}) — a+1 of them
 a prefill — appends them to its KV at RoPE positions i, then rolls out K steps from the last one:
 d_1 comes from the last extend output; step k>1 feeds (a_{k-1}, d_{k-1}) at the next position.
 The rollout's KV is dropped at the end, so the next round's exact target features replace it.
+
+Concurrent sessions are batched (tandem/batching.py) as in the target engine: their KV stacked
+left-padded, their new pairs right-padded, one extend forward and one forward per rollout step for
+all of them; each session keeps the KV of its committed pairs only.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +21,9 @@ import torch
 
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.model import DraftKV, Eagle3Draft
+from tandem.batching import Batcher
 from tandem.pairing import DraftShape, TargetShape, check_pair
 from tandem.sessions import InvalidRequest, SessionOwner, SessionTable
-from tandem.timing import engine_lock
 from target_server.engine import DTYPES
 
 
@@ -31,6 +34,14 @@ class _Session:
     last_used: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class _Step:
+    session: _Session
+    features: torch.Tensor  # [m, 3Ht]
+    next_tokens: list[int]  # [m]
+    k: int
+
+
 class DraftEngine(SessionOwner):
     def __init__(
         self,
@@ -38,6 +49,8 @@ class DraftEngine(SessionOwner):
         target_dir: str | Path | None = None,
         device: str = "cpu",
         dtype: str = "float32",
+        max_batch_size: int = 32,
+        max_batch_tokens: int = 4096,
     ):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -55,7 +68,8 @@ class DraftEngine(SessionOwner):
             check_pair(read_target_shape(target_dir), self.shape())
         self.feature_size = 3 * self.config.target_hidden_size
         self.sessions: SessionTable[_Session] = SessionTable("draft")
-        self._lock = threading.Lock()
+        # one forward at a time, batched across sessions
+        self.batcher: Batcher[_Step] = Batcher(self._run_batch, max_batch_size, max_batch_tokens)
 
     def shape(self, max_target_id: int | None = None) -> DraftShape:
         if max_target_id is None:
@@ -68,7 +82,6 @@ class DraftEngine(SessionOwner):
             aux_layer_ids=self.config.aux_layer_ids,
         )
 
-    @torch.inference_mode()
     def propose(
         self,
         session_id: str,
@@ -89,25 +102,90 @@ class DraftEngine(SessionOwner):
         if create:  # only once the input is known good: a bad first request leaves nothing behind
             self.sessions.add(session_id, _Session())
         session = self.sessions.get(session_id)
-        model = self.model
-        with engine_lock(self._lock):  # the wait counts as queueing in the step timing
-            kv = session.kv
-            hidden = model.fc(features.to(self.device, self.dtype))[None]  # [1, m, H]
-            tokens = torch.tensor([next_tokens], device=self.device)  # [1, m]
-            positions = torch.arange(session.length, session.length + m, device=self.device)[None]
-            a = model(hidden, tokens, positions, kv)[:, -1:]  # [1, 1, H]
-            session.length += m
-            drafts: list[int] = []
-            position = session.length
-            for step in range(num_draft_tokens):
-                draft = model.to_target_ids(model.draft_logits(a[0, -1]).argmax(-1))
-                drafts.append(int(draft))
-                if step + 1 < num_draft_tokens:
-                    a = model(a, draft.view(1, 1), torch.tensor([[position]], device=self.device), kv)
-                    position += 1
-            kv.crop(session.length)  # the rollout's KV is dropped: exact target features replace it
+        drafts = self.batcher.submit(_Step(session, features, list(next_tokens), num_draft_tokens), m + num_draft_tokens)
         session.last_used = time.monotonic()
         return drafts
+
+    # -- one batched step -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _run_batch(self, steps: list[_Step]) -> list[list[int]]:
+        if len(steps) == 1:
+            return [self._run_one(steps[0])]
+        model, device, b = self.model, self.device, len(steps)
+        past = [step.session.length for step in steps]
+        sizes = [len(step.next_tokens) for step in steps]
+        longest, width = max(past), max(sizes)
+        # the extend: every session's new pairs, right-padded, after its KV, left-padded
+        fused = model.fc(torch.cat([step.features for step in steps]).to(device, self.dtype))  # [sum m, H]
+        hidden = fused.new_zeros(b, width, fused.shape[-1])
+        tokens = torch.zeros(b, width, dtype=torch.long)
+        positions = torch.zeros(b, width, dtype=torch.long)
+        valid = torch.zeros(b, longest + width, dtype=torch.bool)  # keys a sequence may attend to
+        for i, (rows, step) in enumerate(zip(fused.split(sizes), steps, strict=True)):
+            m = sizes[i]
+            hidden[i, :m] = rows
+            tokens[i, :m] = torch.tensor(step.next_tokens)
+            positions[i] = torch.arange(past[i], past[i] + width)
+            valid[i, longest - past[i] : longest + m] = True
+        kv = DraftKV()
+        if longest:
+            kv.k, kv.v = self._stack_kv(steps, past, longest)
+        valid = valid.to(device)
+        causal = torch.ones(width, longest + width, dtype=torch.bool, device=device).tril(diagonal=longest)
+        a = model(hidden, tokens.to(device), positions.to(device), kv, (causal[None] & valid[:, None])[:, None])
+        for i, step in enumerate(steps):  # the committed pairs' KV is each session's to keep
+            own, m = step.session.kv, sizes[i]
+            k, v = kv.k[i : i + 1, :, longest : longest + m], kv.v[i : i + 1, :, longest : longest + m]
+            own.append(k.clone(), v.clone()) if own.k is None else own.append(k, v)  # no view of the batch kept
+            step.session.length += m
+        # the rollout: one token per session per step, on top of the batch KV (dropped afterwards)
+        a = torch.stack([a[i, m - 1] for i, m in enumerate(sizes)])[:, None]  # [B, 1, H]
+        position = torch.tensor([[step.session.length] for step in steps], device=device)
+        drafts: list[list[int]] = [[] for _ in steps]
+        rounds = max(step.k for step in steps)
+        for n in range(rounds):
+            draft = model.to_target_ids(model.draft_logits(a[:, -1]).argmax(-1))  # [B]
+            for i, token in enumerate(draft.tolist()):
+                if n < steps[i].k:
+                    drafts[i].append(token)
+            if n + 1 < rounds:
+                valid = torch.cat([valid, valid.new_ones(b, 1)], dim=1)
+                a = model(a, draft.view(b, 1), position, kv, valid[:, None, None])
+                position = position + 1
+        return drafts
+
+    def _run_one(self, step: _Step) -> list[int]:
+        """One session alone: its own KV, no padding."""
+        model, session, m = self.model, step.session, len(step.next_tokens)
+        kv = session.kv
+        hidden = model.fc(step.features.to(self.device, self.dtype))[None]  # [1, m, H]
+        tokens = torch.tensor([step.next_tokens], device=self.device)  # [1, m]
+        positions = torch.arange(session.length, session.length + m, device=self.device)[None]
+        a = model(hidden, tokens, positions, kv)[:, -1:]  # [1, 1, H]
+        session.length += m
+        drafts: list[int] = []
+        position = session.length
+        for n in range(step.k):
+            draft = model.to_target_ids(model.draft_logits(a[0, -1]).argmax(-1))
+            drafts.append(int(draft))
+            if n + 1 < step.k:
+                a = model(a, draft.view(1, 1), torch.tensor([[position]], device=self.device), kv)
+                position += 1
+        kv.crop(session.length)  # the rollout's KV is dropped: exact target features replace it
+        return drafts
+
+    @staticmethod
+    def _stack_kv(steps: list[_Step], past: list[int], longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's committed KV, [B, kv_heads, longest, head_dim], each sequence left-padded."""
+        reference = next(step.session.kv for step, n in zip(steps, past, strict=True) if n)
+        k = reference.k.new_zeros(len(steps), reference.k.shape[1], longest, reference.k.shape[3])
+        v = torch.zeros_like(k)
+        for i, step in enumerate(steps):
+            if past[i]:
+                k[i, :, longest - past[i] :] = step.session.kv.k[0]
+                v[i, :, longest - past[i] :] = step.session.kv.v[0]
+        return k, v
 
 
 def read_target_shape(target_dir: str | Path) -> TargetShape:

@@ -15,6 +15,10 @@ class InvalidRequest(ValueError):
     """A request the model cannot take (the message names what is wrong)."""
 
 
+class ResourceExhausted(RuntimeError):
+    """The engine has no room for the request now (its KV budget is taken); a retry later may pass."""
+
+
 class _Touchable(Protocol):
     last_used: float
 
@@ -55,13 +59,21 @@ class SessionTable(Generic[S]):
         return session_id in self._sessions
 
     def release(self, session_id: str) -> bool:
-        return self._sessions.pop(session_id, None) is not None
+        return self.pop(session_id) is not None
+
+    def pop(self, session_id: str) -> S | None:
+        with self._lock:
+            return self._sessions.pop(session_id, None)
 
     def evict_idle(self, ttl: float) -> list[str]:
         """Drop the sessions no step has touched for `ttl` seconds (their client hung or vanished)."""
+        return list(self.evict_idle_items(ttl))
+
+    def evict_idle_items(self, ttl: float) -> dict[str, S]:
         cutoff = time.monotonic() - ttl
-        stale = [sid for sid, session in list(self._sessions.items()) if session.last_used < cutoff]
-        return [sid for sid in stale if self._sessions.pop(sid, None) is not None]
+        with self._lock:
+            stale = [sid for sid, session in self._sessions.items() if session.last_used < cutoff]
+            return {sid: self._sessions.pop(sid) for sid in stale}
 
 
 class SessionOwner:

@@ -2,7 +2,7 @@
 the feature codec.
 
     clock = StepClock(engine.device)     # when the step's request arrived
-    with clock.compute():                # the engine call; its lock goes through engine_lock()
+    with clock.compute():                # the engine call; its batcher charges the wait to the clock
         result = engine.verify(...)
     with clock.codec():
         chunks = encode_features(result.features)
@@ -10,8 +10,8 @@ the feature codec.
 
 Timestamps are time.monotonic_ns(): CLOCK_MONOTONIC, one clock for every process of a host, so the
 coordinator can put the steps of three processes on one timeline. On a CPU, compute is the engine
-call's wall time less its wait for the lock. On a GPU it is measured with CUDA events from the moment
-the step holds the engine to the end of the call (the engine has synchronised by then: it returns
+call's wall time less its wait for its batch. On a GPU it is measured with CUDA events from the moment
+the step's batch starts to the end of the call (the engine has synchronised by then: it returns
 token ids), so a late kernel is not missed and no extra synchronisation is added.
 
 No torch at import: the coordinator imports the clock helpers too.
@@ -69,7 +69,7 @@ class StepClock:
         finally:
             self.codec_ns += time.monotonic_ns() - start
 
-    def _holding_engine(self) -> None:
+    def batch_started(self) -> None:
         if self._cuda and self._start_event is None:
             import torch
 
@@ -86,16 +86,7 @@ class StepClock:
         )
 
 
-@contextmanager
-def engine_lock(lock: threading.Lock) -> Iterator[None]:
-    """`with lock:` for an engine's one-forward-at-a-time lock, charging the wait to the step's clock."""
-    clock: StepClock | None = getattr(_current, "clock", None)
-    if clock is None:
-        with lock:
-            yield
-        return
-    start = time.monotonic_ns()
-    with lock:
-        clock.queue_ns += time.monotonic_ns() - start
-        clock._holding_engine()
-        yield
+def current_clock() -> StepClock | None:
+    """The StepClock of the step this thread is computing, if any (the engines' batchers charge
+    a step's wait for its batch to it as queueing)."""
+    return getattr(_current, "clock", None)

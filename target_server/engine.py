@@ -5,6 +5,13 @@ The protocol per session (ARCHITECTURE.md, 0-indexed positions):
   prefill(x_0..x_{n-1})        -> t = x_n, features F_0..F_{n-1}          [n, 3H]
   verify(t, d_1..d_K)          -> one forward at positions n..n+K, accept a drafts,
                                   bonus b, KV cropped to n+1+a, features of t, d_1..d_a [a+1, 3H]
+
+Concurrent sessions are batched (tandem/batching.py): the prefill and verify steps queued while a
+forward runs share the next one. Each session keeps its own unpadded KV; a batch stacks them
+left-padded (with an attention mask and per-sequence positions), runs one forward over the new
+tokens right-padded, and each session keeps only the KV of the tokens it commits. KV memory is
+bounded: a prefill reserves its whole generation's KV (prompt + max_new_tokens) and waits, then
+fails with ResourceExhausted, while the budget is taken.
 """
 
 from __future__ import annotations
@@ -14,16 +21,17 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
 from transformers.utils import logging as hf_logging
 
-from tandem.params import SamplingParams
+from tandem.batching import Batcher
+from tandem.params import MAX_DRAFT_TOKENS, SamplingParams
 from tandem.protocol import PrefillResult, VerifyResult
-from tandem.sessions import InvalidRequest, SessionOwner, SessionTable
-from tandem.timing import engine_lock
+from tandem.sessions import InvalidRequest, ResourceExhausted, SessionOwner, SessionTable
 from target_server.acceptance import accept, pick
 from target_server.capture import FeatureCapture, default_layer_ids
 
@@ -38,7 +46,50 @@ class _Session:
     params: SamplingParams
     generator: torch.Generator | None
     length: int = 0  # tokens whose KV is committed
+    reserved: int = 0  # KV tokens this session may grow to (its share of the budget)
     last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Step:
+    """One session's part of a batched forward."""
+
+    kind: Literal["prefill", "verify"]
+    session: _Session
+    ids: list[int]  # the new tokens: the prompt, or [t, d_1..d_K]
+    want_features: bool
+
+
+class KVBudget:
+    """The KV tokens all sessions together may hold. A new session reserves its whole generation up
+    front, so a running one never waits for memory mid-generation (no preemption needed); when the
+    budget is taken, a new one waits up to `timeout` seconds for sessions to finish, then is refused."""
+
+    def __init__(self, tokens: int | None, timeout: float):
+        self.tokens = tokens  # None: unbounded
+        self.timeout = timeout
+        self.used = 0
+        self._changed = threading.Condition()
+
+    def reserve(self, n: int) -> None:
+        if self.tokens is not None and n > self.tokens:
+            raise ResourceExhausted(f"the request needs {n} KV tokens; the whole KV budget is {self.tokens}")
+        deadline = time.monotonic() + self.timeout
+        with self._changed:
+            while self.tokens is not None and self.used + n > self.tokens:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ResourceExhausted(
+                        f"the KV budget is taken ({self.used} of {self.tokens} tokens reserved; this request "
+                        f"needs {n}) and no session finished within {self.timeout:g}s"
+                    )
+                self._changed.wait(left)
+            self.used += n
+
+    def free(self, n: int) -> None:
+        with self._changed:
+            self.used -= n
+            self._changed.notify_all()
 
 
 def aux_layer_ids_from_draft(draft_dir: str | Path) -> list[int] | None:
@@ -68,6 +119,10 @@ class TargetEngine(SessionOwner):
         device: str = "cpu",
         dtype: str = "float32",
         layer_ids: list[int] | None = None,
+        max_batch_size: int = 32,
+        max_batch_tokens: int = 4096,
+        kv_cache_tokens: int | None = None,
+        queue_timeout: float = 30.0,
     ):
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").is_file():
@@ -79,17 +134,41 @@ class TargetEngine(SessionOwner):
         self.config = AutoConfig.from_pretrained(self.model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
         self.model.to(self.device).eval()
-        layers = self.model.get_decoder().layers
+        self.decoder = self.model.get_decoder()
+        self.lm_head = self.model.get_output_embeddings()
+        layers = self.decoder.layers
         self.num_layers = len(layers)
         self.layer_ids = tuple(layer_ids) if layer_ids else default_layer_ids(self.num_layers)
         self.capture = FeatureCapture(layers, self.layer_ids)
         self.hidden_size = int(self.config.hidden_size)
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = int(self.lm_head.weight.shape[0])
         self.max_context = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
         self.eos_token_ids = _eos_ids(self.model_dir, self.config)
         self.sessions: SessionTable[_Session] = SessionTable("target")
-        # One forward at a time: the model and the capture hooks are shared by all sessions.
-        self._lock = threading.Lock()
+        self.kv_budget = KVBudget(kv_cache_tokens, queue_timeout)
+        # One forward at a time (the model and the capture hooks are shared), batched across sessions.
+        self.batcher: Batcher[_Step] = Batcher(self._run_batch, max_batch_size, max_batch_tokens)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes one token takes over all layers (sizes --kv-cache-gib in tokens)."""
+        config = self.config
+        heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        return 2 * self.num_layers * heads * head_dim * torch.empty(0, dtype=self.dtype).element_size()
+
+    def release(self, session_id: str) -> bool:
+        session = self.sessions.pop(session_id)
+        if session is None:
+            return False
+        self.kv_budget.free(session.reserved)
+        return True
+
+    def evict_idle(self, ttl: float) -> list[str]:
+        evicted = self.sessions.evict_idle_items(ttl)
+        for session in evicted.values():
+            self.kv_budget.free(session.reserved)
+        return list(evicted)
 
     def _check_ids(self, ids: list[int], what: str) -> None:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
@@ -98,10 +177,15 @@ class TargetEngine(SessionOwner):
 
     # -- the protocol -----------------------------------------------------------------------
 
-    @torch.inference_mode()
     def prefill(
-        self, session_id: str, prompt_ids: list[int], params: SamplingParams, want_features: bool = True
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        want_features: bool = True,
+        max_new_tokens: int | None = None,
     ) -> PrefillResult:
+        """`max_new_tokens` (None: up to the context) sizes the session's share of the KV budget."""
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
         self._check_ids(prompt_ids, "the prompt")
@@ -115,43 +199,121 @@ class TargetEngine(SessionOwner):
             # a fresh seed from the OS when none is given: torch.seed() would reseed the global RNG
             seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
             generator.manual_seed(seed)
-        # A plain DynamicCache keeps every layer's full KV, so verify can always roll back; the
-        # config-built one trims sliding-window layers (Mistral) and then refuses to crop.
-        session = _Session(cache=DynamicCache(), params=params, generator=generator)
-        ids = torch.tensor([prompt_ids], device=self.device)
-        logits, features = self._forward(ids, session, logits_to_keep=1)
-        session.length = len(prompt_ids)
-        token = pick(logits[-1], params, generator)
-        self.sessions.add(session_id, session)
-        return PrefillResult(token=token, features=features if want_features else None)
+        # the whole generation; a verify holds up to K+1 uncommitted tokens for a moment
+        reserve = self.max_context
+        if max_new_tokens is not None:
+            reserve = min(reserve, len(prompt_ids) + max_new_tokens + MAX_DRAFT_TOKENS + 1)
+        self.kv_budget.reserve(reserve)
+        try:
+            # A plain DynamicCache keeps every layer's full KV, so verify can always roll back; the
+            # config-built one trims sliding-window layers (Mistral) and then refuses to crop.
+            session = _Session(cache=DynamicCache(), params=params, generator=generator, reserved=reserve)
+            result = self.batcher.submit(_Step("prefill", session, list(prompt_ids), want_features), len(prompt_ids))
+            self.sessions.add(session_id, session)
+        except BaseException:
+            self.kv_budget.free(reserve)
+            raise
+        return result
 
-    @torch.inference_mode()
-    def verify(
-        self, session_id: str, token: int, drafts: list[int], want_features: bool = True
-    ) -> VerifyResult:
+    def verify(self, session_id: str, token: int, drafts: list[int], want_features: bool = True) -> VerifyResult:
         session = self.sessions.get(session_id)
         self._check_ids([token, *drafts], "the verify input")
-        if session.length + 1 + len(drafts) > self.max_context:
+        grown = session.length + 1 + len(drafts)
+        if grown > self.max_context:
             raise InvalidRequest(f"verify would pass the context of {self.max_context} tokens")
-        ids = torch.tensor([[token, *drafts]], device=self.device)  # [1, K+1]
-        logits, features = self._forward(ids, session, logits_to_keep=0)  # [K+1, V], [K+1, 3H]
-        accepted, bonus = accept(logits, ids[0, 1:], session.params, session.generator)
-        session.length += 1 + accepted
-        crop_cache(session.cache, session.length)
-        session.last_used = time.monotonic()
-        return VerifyResult(
-            accepted=list(drafts[:accepted]),
-            bonus=bonus,
-            features=features[: accepted + 1] if want_features else None,
-        )
-
-    def _forward(self, ids: torch.Tensor, session: _Session, logits_to_keep: int):
-        with engine_lock(self._lock):  # the wait counts as queueing in the step timing
-            out = self.model(
-                input_ids=ids, past_key_values=session.cache, use_cache=True, logits_to_keep=logits_to_keep
+        if grown > session.reserved:
+            raise InvalidRequest(
+                f"verify would grow the session to {grown} tokens, past the {session.reserved} its prefill "
+                "reserved (prompt + max_new_tokens)"
             )
-            features = self.capture.take()[0]  # [S, 3H]
-        return out.logits[0], features
+        result = self.batcher.submit(_Step("verify", session, [token, *drafts], want_features), 1 + len(drafts))
+        session.last_used = time.monotonic()
+        return result
+
+    # -- one batched forward ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _run_batch(self, steps: list[_Step]) -> list[PrefillResult | VerifyResult]:
+        if len(steps) == 1:  # alone: the session's own cache, no padding, no copies
+            step = steps[0]
+            ids = torch.tensor([step.ids], device=self.device)
+            hidden = self.decoder(input_ids=ids, past_key_values=step.session.cache, use_cache=True).last_hidden_state
+            return [self._finish(step, hidden[0], self.capture.take()[0], new_kv=None)]
+        past = [step.session.length for step in steps]
+        longest, width = max(past), max(len(step.ids) for step in steps)
+        ids = torch.zeros(len(steps), width, dtype=torch.long)
+        mask = torch.zeros(len(steps), longest + width, dtype=torch.long)
+        positions = torch.zeros(len(steps), width, dtype=torch.long)
+        for i, step in enumerate(steps):
+            n = len(step.ids)
+            ids[i, :n] = torch.tensor(step.ids)
+            mask[i, longest - past[i] : longest + n] = 1  # padding before the past and after the new tokens
+            positions[i] = torch.arange(past[i], past[i] + width)
+        cache = DynamicCache(ddp_cache_data=self._stack_kv(steps, past, longest)) if longest else DynamicCache()
+        hidden = self.decoder(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state
+        features = self.capture.take()
+        results = []
+        for i, step in enumerate(steps):
+            n = len(step.ids)
+            new_kv = [(layer.keys[i : i + 1, :, longest : longest + n], layer.values[i : i + 1, :, longest : longest + n])
+                      for layer in cache.layers]
+            results.append(self._finish(step, hidden[i, :n], features[i, :n], new_kv))
+        return results
+
+    @staticmethod
+    def _stack_kv(steps: list[_Step], past: list[int], longest: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's KV of the batch, [B, kv_heads, longest, head_dim], each sequence left-padded."""
+        reference = next(step.session.cache for step, n in zip(steps, past, strict=True) if n)
+        stacked = []
+        for index, layer in enumerate(reference.layers):
+            k = layer.keys.new_zeros(len(steps), layer.keys.shape[1], longest, layer.keys.shape[3])
+            v = torch.zeros_like(k)
+            for i, step in enumerate(steps):
+                if past[i]:
+                    own = step.session.cache.layers[index]
+                    k[i, :, longest - past[i] :] = own.keys[0]
+                    v[i, :, longest - past[i] :] = own.values[0]
+            stacked.append((k, v))
+        return stacked
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2/3
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def _finish(self, step: _Step, hidden: torch.Tensor, features: torch.Tensor, new_kv) -> PrefillResult | VerifyResult:
+        """Sample or accept from one sequence's rows [n, H] and commit its KV. `new_kv` is the KV of its
+        new tokens out of a batch, or None when the forward ran on the session's own cache."""
+        session = step.session
+        if step.kind == "prefill":
+            token = pick(self._logits(hidden[-1]), session.params, session.generator)
+            keep = len(step.ids)
+            out = PrefillResult(token=token, features=features if step.want_features else None)
+        else:
+            drafts = step.ids[1:]
+            drafted = torch.tensor(drafts, dtype=torch.long, device=self.device)
+            accepted, bonus = accept(self._logits(hidden), drafted, session.params, session.generator)
+            keep = 1 + accepted
+            out = VerifyResult(
+                accepted=drafts[:accepted], bonus=bonus, features=features[:keep] if step.want_features else None
+            )
+        if new_kv is None:
+            crop_cache(session.cache, session.length + keep)
+        else:
+            old = session.cache.layers if session.length else None
+            session.cache = DynamicCache(ddp_cache_data=[
+                (k[:, :, :keep].clone(), v[:, :, :keep].clone()) if old is None
+                else (torch.cat([old[j].keys, k[:, :, :keep]], dim=2), torch.cat([old[j].values, v[:, :, :keep]], dim=2))
+                for j, (k, v) in enumerate(new_kv)
+            ])
+        session.length += keep
+        return out
 
 
 def _eos_ids(model_dir: Path, config) -> list[int]:

@@ -1,0 +1,162 @@
+"""Continuous batching in both engines: concurrent sessions share forward passes, and no request's
+output changes because of it; the KV budget queues and then refuses instead of running out of memory."""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from test_core import assert_same_or_tie, hf_greedy, make_prompts
+from transformers import AutoModelForCausalLM
+
+from tandem.batching import Batcher
+from tandem.inprocess import InProcessGenerator
+from tandem.params import GenerationRequest, SamplingParams
+from tandem.sessions import ResourceExhausted
+from target_server.engine import TargetEngine
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_dir) -> InProcessGenerator:
+    return InProcessGenerator(tiny_dir / "target", tiny_dir / "draft")
+
+
+@pytest.fixture(scope="module")
+def hf_target(tiny_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_dir / "target").eval()
+
+
+def run_concurrently(generator: InProcessGenerator, requests: list[GenerationRequest]) -> list[list[int]]:
+    start = threading.Barrier(len(requests))
+
+    def one(request: GenerationRequest) -> list[int]:
+        start.wait()
+        return generator.generate(request).token_ids
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(one, requests))
+
+
+def batch_counts(generator: InProcessGenerator) -> tuple[int, int, int, int]:
+    t, d = generator.target.batcher, generator.draft.batcher
+    return t.batches, t.steps, d.batches, d.steps
+
+
+def test_concurrent_greedy_sessions_match_target_only(generator, hf_target):
+    """Mixed prompt lengths, mixed K (0 = target-only), different lengths so sessions leave the batch
+    at different times; every output equals transformers' greedy generate on its own."""
+    prompts = make_prompts(12, generator.target.vocab_size, seed=7)
+    requests = [
+        GenerationRequest(prompt_ids=p, max_new_tokens=8 + 3 * i, num_draft_tokens=[0, 1, 3, 5, 8][i % 5],
+                          speculate=i % 5 != 0, ignore_eos=True)
+        for i, p in enumerate(prompts)
+    ]
+    before = batch_counts(generator)
+    outputs = run_concurrently(generator, requests)
+    after = batch_counts(generator)
+    for request, ours in zip(requests, outputs, strict=True):
+        assert len(ours) == request.max_new_tokens
+        assert_same_or_tie(hf_target, request.prompt_ids, ours, hf_greedy(hf_target, request.prompt_ids, len(ours)))
+    target_batches, target_steps = after[0] - before[0], after[1] - before[1]
+    draft_batches, draft_steps = after[2] - before[2], after[3] - before[3]
+    # the steps really shared forward passes
+    assert target_steps / target_batches > 1.5, (target_steps, target_batches)
+    assert draft_steps / draft_batches > 1.5, (draft_steps, draft_batches)
+    assert generator.target.num_sessions == 0 and generator.draft.num_sessions == 0
+    assert generator.target.kv_budget.used == 0
+
+
+def test_sampled_sessions_give_the_same_tokens_batched_as_alone(generator):
+    """Seeded sampling at mixed temperatures: a session's tokens depend on its seed only, not on
+    which sessions shared its batches."""
+    prompts = make_prompts(8, generator.target.vocab_size, seed=3)
+    temperatures = [0.0, 0.7, 1.0, 1.3]
+    requests = [
+        GenerationRequest(prompt_ids=p, max_new_tokens=20, num_draft_tokens=1 + i % 4, ignore_eos=True,
+                          sampling=SamplingParams(temperature=temperatures[i % 4], top_p=0.9 if i % 3 else 1.0,
+                                                  seed=100 + i))
+        for i, p in enumerate(prompts)
+    ]
+    alone = [generator.generate(r).token_ids for r in requests]
+    assert run_concurrently(generator, requests) == alone
+
+
+def test_the_kv_budget_queues_then_refuses(tiny_dir):
+    engine = TargetEngine(tiny_dir / "target", kv_cache_tokens=100, queue_timeout=0.5)
+    greedy = SamplingParams()
+    with pytest.raises(ResourceExhausted, match="whole KV budget is 100"):
+        engine.prefill("huge", [5] * 10, greedy, max_new_tokens=200)
+    engine.prefill("a", [5] * 10, greedy, max_new_tokens=40)  # reserves 10 + 40 + 17 = 67
+    started = time.monotonic()
+    with pytest.raises(ResourceExhausted, match="budget is taken"):
+        engine.prefill("b", [6] * 10, greedy, max_new_tokens=40)
+    assert time.monotonic() - started >= 0.5  # it queued first
+    # a queued request gets in as soon as a session finishes
+    threading.Timer(0.2, engine.release, args=("a",)).start()
+    engine.prefill("b", [6] * 10, greedy, max_new_tokens=40)
+    assert engine.num_sessions == 1 and engine.kv_budget.used == 67
+    engine.verify("b", 7, [8] * 3)
+    engine.release("b")
+    assert engine.kv_budget.used == 0
+
+
+def test_a_failing_step_fails_alone():
+    def run(items):
+        return [ValueError(f"bad {i}") if i < 0 else i * 10 for i in items]
+
+    batcher = Batcher(run, max_batch=8, max_tokens=100)
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(batcher.submit, i, 1) for i in (1, -1, 2, 3, -2, 4)]
+    for i, future in zip((1, -1, 2, 3, -2, 4), futures, strict=True):
+        if i < 0:
+            with pytest.raises(ValueError, match=f"bad {i}"):
+                future.result()
+        else:
+            assert future.result() == i * 10
+
+
+def test_batches_respect_the_size_and_token_bounds():
+    seen: list[list[int]] = []
+    gate = threading.Event()
+
+    def run(items):
+        gate.wait(5)
+        seen.append(list(items))
+        return items
+
+    batcher = Batcher(run, max_batch=3, max_tokens=10)
+    with ThreadPoolExecutor(8) as pool:
+        first = pool.submit(batcher.submit, 0, 1)
+        time.sleep(0.1)  # the first runs alone; the rest queue behind it
+        rest = [pool.submit(batcher.submit, i, 4) for i in range(1, 8)]
+        time.sleep(0.2)
+        gate.set()
+        assert first.result() == 0 and [f.result() for f in rest] == list(range(1, 8))
+    assert seen[0] == [0]
+    assert all(len(batch) <= 3 and (len(batch) == 1 or 4 * len(batch) <= 10) for batch in seen[1:])
+    assert sorted(i for batch in seen for i in batch) == list(range(8))
+
+
+@torch.inference_mode()
+def test_memory_does_not_grow_over_a_long_batched_run(generator):
+    """Many rounds of 8 concurrent sessions: the number of live tensors returns to where it was."""
+    import gc
+
+    def live_tensors() -> int:
+        gc.collect()
+        with warnings.catch_warnings():  # isinstance() on every object touches deprecated torch attributes
+            warnings.simplefilter("ignore")
+            return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+    prompts = make_prompts(8, generator.target.vocab_size, seed=11)
+    requests = [GenerationRequest(prompt_ids=p, max_new_tokens=30, num_draft_tokens=4, ignore_eos=True) for p in prompts]
+    run_concurrently(generator, requests)  # warm up
+    before = live_tensors()
+    for _ in range(3):
+        run_concurrently(generator, requests)
+    assert live_tensors() <= before
+    assert generator.target.num_sessions == 0 and generator.draft.num_sessions == 0
