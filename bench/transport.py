@@ -70,7 +70,10 @@ def bench(transport: str, device: str, iters: int) -> list[tuple] | str:
     plan = sender.open(common_pb2.TransportPlan(transport=transport, reason="bench"))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_draft, args=(child, plan.SerializeToString(), device), daemon=True)
+    # NCCL refuses two ranks on one GPU: the draft takes the second one
+    two_gpus = transport == "nccl" and device.startswith("cuda") and torch.cuda.device_count() > 1
+    proc = ctx.Process(target=_draft, args=(child, plan.SerializeToString(), "cuda:1" if two_gpus else device),
+                       daemon=True)
     proc.start()
     rows = []
     try:

@@ -227,3 +227,31 @@ def _target_sessions(address: str) -> int:
 
     with grpc.insecure_channel(address) as channel:
         return target_pb2_grpc.TargetServiceStub(channel).ModelInfo(target_pb2.TargetInfoRequest(), timeout=10).num_sessions
+
+
+# -- CUDA: cuda-ipc between two processes on one GPU, NCCL across two GPUs ------------------------
+
+
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "transport.py"
+    spec = importlib.util.spec_from_file_location("bench_transport", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_ipc_moves_steps_between_two_processes():
+    rows = _bench_module().bench("cuda-ipc", "cuda", iters=3)
+    assert isinstance(rows, list) and len(rows) == 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (it refuses two ranks on one)")
+def test_nccl_moves_steps_between_two_gpus():
+    rows = _bench_module().bench("nccl", "cuda", iters=3)
+    assert isinstance(rows, list) and len(rows) == 8
