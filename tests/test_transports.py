@@ -190,7 +190,9 @@ def test_a_fast_path_leaves_the_coordinator_ids_and_descriptors(stacks, transpor
     for direction, link in (("received", "target->coordinator"), ("sent", "coordinator->draft")):
         assert feature_bytes(coordinator, direction, link, "grpc") == 0
     sent = feature_bytes(ports["target"], "sent", "target->draft", transport)
-    assert sent > 0 and feature_bytes(ports["draft"], "received", "target->draft", transport) == sent
+    received = feature_bytes(ports["draft"], "received", "target->draft", transport)
+    # a generation's last step has features no draft step reads (the round loop stops first)
+    assert 0 < received <= sent
 
 
 def test_a_transport_mismatch_is_one_clear_error(stacks, tmp_path):
