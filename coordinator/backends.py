@@ -217,11 +217,16 @@ class GrpcTarget:
             self._features = None
 
     def prefill(
-        self, session_id: str, prompt_ids: list[int], params: SamplingParams, want_features: bool = True
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        want_features: bool = True,
+        max_new_tokens: int | None = None,
     ) -> PrefillResult:
         prefill = target_pb2.Prefill(
             session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_pb(params), want_features=want_features,
-            want_timing=self._stream.probe is not None,
+            want_timing=self._stream.probe is not None, max_new_tokens=max_new_tokens,
         )
         self._stream.send(target_pb2.TargetRequest(prefill=prefill))
         response, features = self._answer("prefilled")

@@ -56,6 +56,7 @@ def stats_from_pb(msg: coordinator_pb2.GenerationStats) -> dict:
         "num_accepted_tokens": msg.num_accepted_tokens,
         "accepted_per_position": list(msg.accepted_per_position),
         "num_rounds_without_draft": msg.num_rounds_without_draft,
+        "num_rounds_load_shed": msg.num_rounds_load_shed,
         "mean_acceptance_length": msg.mean_acceptance_length,
     }
 

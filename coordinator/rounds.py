@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
@@ -26,6 +26,8 @@ class GenerationStats(BaseModel):
     accepted_per_position: list[int] = []  # [K]: rounds in which draft k was accepted
     # rounds that asked for drafts and ran without (no draft, or it was lost mid-request)
     num_rounds_without_draft: int = 0
+    # rounds run target-only because the server was too busy for speculation to pay (adaptive K)
+    num_rounds_load_shed: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -64,17 +66,32 @@ class _Stopper:
         return out, None
 
 
+def adaptive_k(budget: int, running: Callable[[], int]) -> Callable[[int], int]:
+    """K under load: the draft tokens of all `running()` generations together stay within `budget`
+    per round, K = budget // n - 1, down to 0. Verifying K+1 tokens for each of n sessions costs a
+    batched forward more as n grows, while the tokens a draft wins per round stay the same: at high
+    concurrency drafting costs more than it wins (vLLM's speculative_disable_by_batch_size)."""
+
+    def k_for(requested: int) -> int:
+        return min(requested, max(0, budget // max(1, running()) - 1))
+
+    return k_for
+
+
 def run_rounds(
     target: TargetBackend,
     draft: DraftBackend | None,
     request: GenerationRequest,
     max_context: int | None = None,
+    k_for: Callable[[int], int] | None = None,
 ) -> Iterator[RoundEvent]:
     """Prefill, then verify rounds until a stop condition; yields committed tokens as they commit.
 
     Closing the iterator early (a client went away, a stop string matched) releases both sessions.
     A draft that fails (DraftUnavailable) is released and the rest of the request runs with k=0:
     the target alone decides every token, so only the speed-up is lost.
+    `k_for(K)` (adaptive_k) sets each round's K from the server's load; when it says 0 the draft is
+    released and the generation finishes target-only (its draft KV would fall behind otherwise).
     """
     session = uuid.uuid4().hex
     want_drafts = request.speculate and request.num_draft_tokens > 0
@@ -89,7 +106,7 @@ def run_rounds(
     stats = GenerationStats(accepted_per_position=[0] * (request.num_draft_tokens if speculate else 0))
     draft_open = False
     try:
-        prefill = target.prefill(session, request.prompt_ids, request.sampling, speculate)
+        prefill = target.prefill(session, request.prompt_ids, request.sampling, speculate, max_new_tokens=limit)
         token, features = prefill.token, prefill.features
         new_tokens, finish = stopper.take([token])
         yield RoundEvent(new_tokens, stats, finish)
@@ -98,6 +115,15 @@ def run_rounds(
         while finish is None:
             # never draft past the limit: verify commits up to k+1 tokens
             k = min(request.num_draft_tokens, limit - stopper.produced - 1) if want_drafts else 0
+            if speculate and k > 0 and k_for is not None:
+                k = k_for(k)
+                if k == 0:  # too busy for drafts: target-only from here on
+                    want_drafts = speculate = False
+                    if draft_open:
+                        draft.release(session)
+                        draft_open = False
+            if not want_drafts and request.speculate and request.num_draft_tokens > 0 and draft is not None:
+                stats.num_rounds_load_shed += 1
             drafts: list[int] = []
             if k > 0 and speculate:
                 try:

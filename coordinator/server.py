@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from coordinator.backends import BackendError, GrpcDraft, GrpcTarget
 from coordinator.links import Backends, Monitor
 from coordinator.probe import RequestObserver, RequestProbe
-from coordinator.rounds import GenerationStats, run_rounds
+from coordinator.rounds import GenerationStats, adaptive_k, run_rounds
 from coordinator.text import TextDelta, text_deltas
 from tandem.config import CoordinatorSettings
 from tandem.metrics import CoordinatorMetrics
@@ -129,6 +129,7 @@ def stats_to_pb(stats: GenerationStats) -> coordinator_pb2.GenerationStats:
         mean_acceptance_length=stats.mean_acceptance_length,
         accepted_per_position=stats.accepted_per_position,
         num_rounds_without_draft=stats.num_rounds_without_draft,
+        num_rounds_load_shed=stats.num_rounds_load_shed,
     )
 
 
@@ -223,7 +224,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
             context.add_callback(cancel)
             observer = RequestObserver(self.metrics, probe, len(gen.prompt_ids), context.is_active)
-            events = observer.rounds(run_rounds(target, draft, gen, max_context=b.target_info.max_context))
+            budget = self.service.settings.spec_token_budget
+            k_for = adaptive_k(budget, lambda: self.service.admission.active) if budget else None
+            events = observer.rounds(run_rounds(target, draft, gen, max_context=b.target_info.max_context, k_for=k_for))
             try:
                 produced = 0
                 for delta in observer.deltas(text_deltas(events, b.tokenizer, stop)):

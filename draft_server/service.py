@@ -150,7 +150,8 @@ def serve(settings: DraftSettings) -> int:
     service.handle_signals()
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
-    engine = DraftEngine(settings.model, settings.target, device=settings.device, dtype=settings.dtype)
+    engine = DraftEngine(settings.model, settings.target, device=settings.device, dtype=settings.dtype,
+                         max_batch_size=settings.max_batch_size, max_batch_tokens=settings.max_batch_tokens)
     transport = DraftTransport(settings.transport, settings.device, settings.dtype, engine.feature_size,
                                traffic=service.traffic)
     servicer.attach(engine, str(settings.model), settings.session_ttl, transport)

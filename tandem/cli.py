@@ -277,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace-period", type=float, help="seconds in-flight requests get on SIGTERM (default 30)")
     p.add_argument("--startup-timeout", type=float, help="seconds to wait for the services (default 600)")
     p.add_argument("--session-ttl", type=float, help="target and draft: evict sessions idle this long (default 600)")
+    p.add_argument("--spec-token-budget", type=int,
+                   help="adaptive K: draft tokens per round over all running generations (default 64; 0 = off)")
     for name in ("coordinator", "target", "draft"):
         p.add_argument(f"--{name}-metrics-port", type=int, help=f"the {name}'s Prometheus /metrics port (default: off)")
     p.set_defaults(func=cmd_serve)
@@ -291,6 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport-ring-mib", type=float, help="shm / cuda-ipc feature ring size (default 256)")
     p.add_argument("--transport-max-inflight", type=int, help="steps outstanding on a fast path (default 128)")
     p.add_argument("--transport-timeout", type=float, help="seconds any fast-path wait may take (default 10)")
+    p.add_argument("--max-batch-size", type=int, help="sessions' steps per batched forward (default 32)")
+    p.add_argument("--max-batch-tokens", type=int, help="new tokens per batched forward (default 4096)")
+    p.add_argument("--kv-cache-gib", type=float, help="KV cache budget of all sessions (default: unbounded)")
+    p.add_argument("--queue-timeout", type=float,
+                   help="seconds a prefill waits for KV budget before RESOURCE_EXHAUSTED (default 30)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
     p.add_argument("--session-ttl", type=float, help="seconds a session may sit idle before eviction (default 600)")
     add_service_args(p, "port (default 50051; 0 = any free port)")
@@ -302,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default float32)")
     p.add_argument("--transport", help=TRANSPORT_HELP)
+    p.add_argument("--max-batch-size", type=int, help="sessions' steps per batched forward (default 32)")
+    p.add_argument("--max-batch-tokens", type=int, help="new pairs + drafts per batched forward (default 4096)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
     p.add_argument("--session-ttl", type=float, help="seconds a session may sit idle before eviction (default 600)")
     add_service_args(p, "port (default 50052; 0 = any free port)")
@@ -315,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a draft step may take before the generation goes on target-only (default 10)")
     p.add_argument("--health-interval", type=float,
                    help="seconds between health checks of the target and draft (default 1)")
+    p.add_argument("--spec-token-budget", type=int,
+                   help="adaptive K: draft tokens per round over all running generations (default 64; 0 = off)")
     add_service_args(p, "port (default 50050; 0 = any free port)")
     p.set_defaults(func=cmd_coordinator)
 

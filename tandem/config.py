@@ -64,6 +64,9 @@ def check_address(v: str) -> str:
     return v
 
 
+SPEC_TOKEN_BUDGET = 64
+
+
 class ServiceSettings(BaseSettings):
     """What every gRPC service shares."""
 
@@ -107,6 +110,14 @@ class TargetSettings(ServiceSettings):
     transport_max_inflight: int = Field(128, ge=1, le=4096)
     # Any wait on the fast path (rendezvous, a send, a draft waiting for a step's rows).
     transport_timeout: float = Field(10.0, gt=0)
+    # Continuous batching: at most this many sessions' steps, and new tokens, in one forward.
+    max_batch_size: int = Field(32, ge=1, le=1024)
+    max_batch_tokens: int = Field(4096, ge=1)
+    # The KV cache of all sessions together (unset: unbounded). A prefill reserves its generation's
+    # share (prompt + max_new_tokens); while the budget is taken it queues for queue_timeout seconds,
+    # then gets RESOURCE_EXHAUSTED.
+    kv_cache_gib: float | None = Field(None, gt=0)
+    queue_timeout: float = Field(30.0, ge=0)
 
     @field_validator("device")
     @classmethod
@@ -143,6 +154,9 @@ class DraftSettings(ServiceSettings):
     threads: int | None = Field(None, ge=1, description=THREADS_HELP)
     session_ttl: float = Field(DEFAULT_SESSION_TTL, gt=0, description=SESSION_TTL_HELP)
     transport: Transport = Field("grpc", description=TRANSPORT_HELP)
+    # Continuous batching: at most this many sessions' steps, and tokens (new pairs + K), per batch.
+    max_batch_size: int = Field(32, ge=1, le=1024)
+    max_batch_tokens: int = Field(4096, ge=1)
 
     @field_validator("device")
     @classmethod
@@ -174,6 +188,10 @@ class CoordinatorSettings(ServiceSettings):
     # How often the health of the target and draft is checked while they are up (while one is
     # down it is retried with backoff, from 0.1 s up to this).
     health_interval: float = Field(1.0, gt=0)
+    # Adaptive K: the draft tokens of all running generations together, per round. With n running,
+    # each gets K = min(its K, budget // n - 1), down to 0 (target-only) under heavy load, where
+    # verifying drafts costs the batch more than their accepted tokens win. 0 turns adaptation off.
+    spec_token_budget: int = Field(SPEC_TOKEN_BUDGET, ge=0)
 
     @field_validator("target_addr", "draft_addr")
     @classmethod
@@ -197,6 +215,7 @@ class ServeSettings(BaseSettings):
     startup_timeout: float = Field(600.0, gt=0)
     grace_period: float = Field(30.0, ge=0)
     session_ttl: float | None = Field(None, gt=0, description=SESSION_TTL_HELP)
+    spec_token_budget: int | None = Field(None, ge=0)  # none: the coordinator's default
     # Prometheus /metrics of each child (none: off, or the child's own TANDEM_<SERVICE>_METRICS_PORT)
     coordinator_metrics_port: int | None = Field(None, ge=0, le=65535)
     target_metrics_port: int | None = Field(None, ge=0, le=65535)

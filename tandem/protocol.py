@@ -36,7 +36,12 @@ class TargetBackend(Protocol):
     eos_token_ids: list[int]
 
     def prefill(
-        self, session_id: str, prompt_ids: list[int], params: SamplingParams, want_features: bool = True
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        want_features: bool = True,
+        max_new_tokens: int | None = None,  # sizes the session's share of the target's KV budget
     ) -> PrefillResult: ...
 
     def verify(

@@ -110,6 +110,8 @@ def serve(settings: ServeSettings) -> int:
             if "draft" in addresses:
                 coordinator_args += ["--draft-addr", addresses["draft"]]
             coordinator_args += _metrics(settings.coordinator_metrics_port)
+            if settings.spec_token_budget is not None:
+                coordinator_args += ["--spec-token-budget", str(settings.spec_token_budget)]
             coordinator = Child("coordinator", coordinator_args, run / "coordinator.addr")
             children.insert(0, coordinator)  # stopped first: it drains while the services still answer
             address = coordinator.address(deadline)

@@ -18,7 +18,7 @@ from tandem.config import TargetSettings
 from tandem.metrics import StepMetrics
 from tandem.params import SamplingParams
 from tandem.service import Abort, Service, SessionReaper, errors_to_status, setup_logging
-from tandem.sessions import InvalidRequest, SessionNotFound
+from tandem.sessions import InvalidRequest, ResourceExhausted, SessionNotFound
 from tandem.timing import StepClock
 from tandem.transports.base import TransportError
 from tandem.transports.endpoints import TargetTransport
@@ -31,6 +31,7 @@ log = logging.getLogger("tandem.target")
 ERRORS = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )
 TOKENIZER_CHUNK_BYTES = 2 << 20
 
@@ -137,8 +138,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         p = request.prefill
                         sid = p.session_id or uuid.uuid4().hex
                         with clock.compute():
-                            result = engine.prefill(sid, list(p.prompt_ids), sampling_from_pb(p.sampling),
-                                                    p.want_features)
+                            result = engine.prefill(sid, list(p.prompt_ids), sampling_from_pb(p.sampling), p.want_features,
+                                                    p.max_new_tokens if p.HasField("max_new_tokens") else None)
                         timed = p.want_timing
                         session_id = sid  # only now is it ours to release
                         if self.reaper is not None:
@@ -197,7 +198,13 @@ def serve(settings: TargetSettings) -> int:
     layer_ids = aux_layer_ids_from_draft(settings.draft) if settings.draft is not None else None
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
-    engine = TargetEngine(settings.model, device=settings.device, dtype=settings.dtype, layer_ids=layer_ids)
+    engine = TargetEngine(
+        settings.model, device=settings.device, dtype=settings.dtype, layer_ids=layer_ids,
+        max_batch_size=settings.max_batch_size, max_batch_tokens=settings.max_batch_tokens,
+        queue_timeout=settings.queue_timeout,
+    )
+    if settings.kv_cache_gib is not None:
+        engine.kv_budget.tokens = int(settings.kv_cache_gib * (1 << 30)) // engine.kv_bytes_per_token
     transport = TargetTransport(
         settings.transport, settings.device, settings.dtype, 3 * engine.hidden_size, host=settings.host,
         ring_bytes=int(settings.transport_ring_mib * (1 << 20)), max_inflight=settings.transport_max_inflight,
@@ -205,8 +212,9 @@ def serve(settings: TargetSettings) -> int:
     )
     servicer.attach(engine, load_tokenizer_json(settings.model), settings.session_ttl, transport)
     log.info(
-        "target %s on %s (%s): vocab %d, hidden %d, capture layers %s",
+        "target %s on %s (%s): vocab %d, hidden %d, capture layers %s; batches of <= %d steps, KV budget %s tokens",
         settings.model, settings.device, settings.dtype, engine.vocab_size, engine.hidden_size, engine.layer_ids,
+        settings.max_batch_size, engine.kv_budget.tokens or "unbounded",
     )
     if not service.stopping:
         service.ready()
