@@ -102,7 +102,8 @@ class DraftEngine(SessionOwner):
         if create:  # only once the input is known good: a bad first request leaves nothing behind
             self.sessions.add(session_id, _Session())
         session = self.sessions.get(session_id)
-        drafts = self.batcher.submit(_Step(session, features, list(next_tokens), num_draft_tokens), m + num_draft_tokens)
+        step = _Step(session, features, list(next_tokens), num_draft_tokens)
+        drafts = self.batcher.submit(step, m + num_draft_tokens, key=session_id)
         session.last_used = time.monotonic()
         return drafts
 

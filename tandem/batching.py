@@ -5,8 +5,14 @@ The Batcher turns those calls into batches: a caller queues its step; if no batc
 becomes the runner and takes every queued step (in arrival order, up to `max_batch` steps and
 `max_tokens` new tokens) into one batch, runs it, hands each step its result and goes on while steps
 are queued; the others sleep until their result is in. So sessions join and leave between forward
-passes: whatever arrived while a batch ran goes into the next one (vLLM's continuous batching),
-and a lone request runs at once, with no waiting window.
+passes: whatever arrived while a batch ran goes into the next one (vLLM's continuous batching).
+
+Unlike vLLM's scheduler, the engine does not make a session's next step itself: it comes back
+after a round trip (coordinator, draft). Taking only what is queued the moment a batch ends would
+split N sessions into ragged waves of a few steps each (measured: a mean batch of 6.8 for 16
+sessions). So the runner waits for the sessions served in the last two batches to queue again, at
+most `max_wait` and never longer than the previous batch took; a lone request runs at once, and a
+session that has finished costs one window.
 
 A step that fails (bad input) fails alone: the batch function returns an exception for it.
 """
@@ -28,6 +34,7 @@ Item = TypeVar("Item")
 class _Job(Generic[Item]):
     item: Item
     tokens: int
+    key: object  # the session: whose step comes back after its round trip
     clock: StepClock | None
     queued_at: int = field(default_factory=time.monotonic_ns)
     result: Any = None
@@ -40,26 +47,35 @@ class Batcher(Generic[Item]):
     `run(items)` returns one result per item, or an exception instance for an item that failed.
     """
 
-    def __init__(self, run: Callable[[list[Item]], Sequence[Any]], max_batch: int, max_tokens: int):
+    def __init__(
+        self, run: Callable[[list[Item]], Sequence[Any]], max_batch: int, max_tokens: int, max_wait: float = 0.01
+    ):
         if max_batch < 1 or max_tokens < 1:
             raise ValueError(f"max_batch and max_tokens must be >= 1, got {max_batch}, {max_tokens}")
         self._run = run
         self.max_batch = max_batch
         self.max_tokens = max_tokens
+        self.max_wait = max_wait
         self._queue: list[_Job] = []
-        self._changed = threading.Condition()
+        lock = threading.Lock()
+        self._changed = threading.Condition(lock)  # a batch finished: the waiting callers look
+        self._arrived = threading.Condition(lock)  # a step was queued: the runner looks
         self._running = False
+        self._served: dict[object, int] = {}  # session -> the batch that last served it
+        self._last_seconds = 0.0
         self.batches = 0  # forward passes run, and steps in them: the mean batch size is their ratio
         self.steps = 0
 
-    def submit(self, item: Item, tokens: int) -> Any:
-        job = _Job(item, tokens, current_clock())
+    def submit(self, item: Item, tokens: int, key: object = None) -> Any:
+        job = _Job(item, tokens, key, current_clock())
         with self._changed:
             self._queue.append(job)
+            self._arrived.notify()
             while not job.done:
                 if not self._running and self._queue:
-                    batch = self._take()
                     self._running = True
+                    self._refill()
+                    batch = self._take()
                     self._changed.release()
                     try:
                         self._run_batch(batch)
@@ -72,6 +88,19 @@ class Batcher(Generic[Item]):
         if isinstance(job.result, BaseException):
             raise job.result
         return job.result
+
+    def _refill(self) -> None:
+        """Wait (lock held) for the queue to reach the previous batch's size, within the window."""
+        recent = self.batches - 2
+        for key in [k for k, b in self._served.items() if b < recent]:
+            del self._served[key]
+        want = min(len(self._served.keys() | {job.key for job in self._queue}), self.max_batch)
+        deadline = time.monotonic() + min(self.max_wait, self._last_seconds)
+        while len(self._queue) < want:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._arrived.wait(left)
 
     def _take(self) -> list[_Job]:
         """The next batch, in arrival order; a step larger than `max_tokens` still runs, alone."""
@@ -94,7 +123,12 @@ class Batcher(Generic[Item]):
             results = self._run([job.item for job in batch])
         except Exception as exc:  # noqa: BLE001 - the whole batch failed: every step gets the error
             results = [exc] * len(batch)
-        self.batches += 1
         self.steps += len(batch)
+        self._last_seconds = (time.monotonic_ns() - start) / 1e9
+        with self._changed:
+            self.batches += 1
+            for job in batch:
+                if job.key is not None:
+                    self._served[job.key] = self.batches
         for job, result in zip(batch, results, strict=True):
             job.result, job.done = result, True

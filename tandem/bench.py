@@ -47,6 +47,7 @@ class Outcome:
     rounds: int
     accepted: int
     per_position: list[int]  # [K] rounds in which draft k was accepted
+    seconds: float = 0.0  # the request's latency, as its client saw it
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Case:
         accepted = sum(o.accepted for o in self.outcomes)
         per_position = [sum(o.per_position[k] for o in self.outcomes if k < len(o.per_position))
                         for k in range(self.K)]
+        latencies = sorted(o.seconds for o in self.outcomes)
         return {
             "stack": self.stack,
             "mode": self.mode,
@@ -80,10 +82,22 @@ class Case:
             "tokens_per_s": tokens / self.seconds if self.seconds else 0.0,
             "mean_acceptance_length": 1.0 + accepted / rounds if rounds else 0.0,
             "accepted_per_position": [round(c / rounds, 4) for c in per_position] if rounds else [],
+            "latency_p50_s": round(percentile(latencies, 50), 4),
+            "latency_p99_s": round(percentile(latencies, 99), 4),
             "num_prompts": len(self.outcomes),
             "generated_tokens": tokens,
             "seconds": round(self.seconds, 3),
         }
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """The q-th percentile of sorted values, by linear interpolation (numpy's default)."""
+    if not ordered:
+        return 0.0
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 @dataclass
@@ -289,8 +303,11 @@ def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = 
 
 def _run_batch(case: Case, runner, batch: list[list[int]], first: int, config: BenchConfig) -> None:
     def one(i: int) -> Outcome:
-        return runner.run(batch[i], case.mode, case.K, case.temperature, config.seed + first + i,
-                          config.max_new_tokens)
+        started = time.perf_counter()
+        outcome = runner.run(batch[i], case.mode, case.K, case.temperature, config.seed + first + i,
+                             config.max_new_tokens)
+        outcome.seconds = time.perf_counter() - started
+        return outcome
 
     started = time.perf_counter()
     if len(batch) == 1:
@@ -320,14 +337,16 @@ def speedups(runs: list[dict]) -> list[float | None]:
 
 def markdown_table(runs: list[dict]) -> str:
     lines = [
-        "| stack | mode | K | temperature | concurrency | tokens/s | speedup | mean acceptance length | accepted per position |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| stack | mode | K | temperature | concurrency | tokens/s | speedup | latency p50 / p99 (s) "
+        "| mean acceptance length | accepted per position |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r, s in zip(runs, speedups(runs)):
         positions = " ".join(f"{p:.2f}" for p in r["accepted_per_position"]) or "-"
         lines.append(
             f"| {r['stack']} | {r['mode']} | {r['K']} | {r['temperature']:g} | {r['concurrency']} "
-            f"| {r['tokens_per_s']:.1f} | {'-' if s is None else f'{s:.2f}x'} | {r['mean_acceptance_length']:.2f} "
+            f"| {r['tokens_per_s']:.1f} | {'-' if s is None else f'{s:.2f}x'} "
+            f"| {r['latency_p50_s']:.2f} / {r['latency_p99_s']:.2f} | {r['mean_acceptance_length']:.2f} "
             f"| {positions} |"
         )
     return "\n".join(lines)

@@ -208,7 +208,8 @@ class TargetEngine(SessionOwner):
             # A plain DynamicCache keeps every layer's full KV, so verify can always roll back; the
             # config-built one trims sliding-window layers (Mistral) and then refuses to crop.
             session = _Session(cache=DynamicCache(), params=params, generator=generator, reserved=reserve)
-            result = self.batcher.submit(_Step("prefill", session, list(prompt_ids), want_features), len(prompt_ids))
+            step = _Step("prefill", session, list(prompt_ids), want_features)
+            result = self.batcher.submit(step, len(prompt_ids), key=session_id)
             self.sessions.add(session_id, session)
         except BaseException:
             self.kv_budget.free(reserve)
@@ -226,7 +227,8 @@ class TargetEngine(SessionOwner):
                 f"verify would grow the session to {grown} tokens, past the {session.reserved} its prefill "
                 "reserved (prompt + max_new_tokens)"
             )
-        result = self.batcher.submit(_Step("verify", session, [token, *drafts], want_features), 1 + len(drafts))
+        step = _Step("verify", session, [token, *drafts], want_features)
+        result = self.batcher.submit(step, 1 + len(drafts), key=session_id)
         session.last_used = time.monotonic()
         return result
 
