@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Literal
 from pathlib import Path
 
@@ -240,16 +241,19 @@ class TargetEngine(SessionOwner):
             step = steps[0]
             ids = torch.tensor([step.ids], device=self.device)
             hidden = self.decoder(input_ids=ids, past_key_values=step.session.cache, use_cache=True).last_hidden_state
-            return [self._finish(step, hidden[0], self.capture.take()[0], new_kv=None)]
+            rows = hidden[0, -1:] if step.kind == "prefill" else hidden[0]
+            cache = step.session.cache
+            return [self._finish(step, self._logits(rows), self.capture.take()[0],
+                                 lambda keep: crop_cache(cache, step.session.length + keep))]
         past = [step.session.length for step in steps]
-        longest, width = max(past), max(len(step.ids) for step in steps)
+        sizes = [len(step.ids) for step in steps]
+        longest, width = max(past), max(sizes)
         ids = torch.zeros(len(steps), width, dtype=torch.long)
         mask = torch.zeros(len(steps), longest + width, dtype=torch.long)
         positions = torch.zeros(len(steps), width, dtype=torch.long)
         for i, step in enumerate(steps):
-            n = len(step.ids)
-            ids[i, :n] = torch.tensor(step.ids)
-            mask[i, longest - past[i] : longest + n] = 1  # padding before the past and after the new tokens
+            ids[i, : sizes[i]] = torch.tensor(step.ids)
+            mask[i, longest - past[i] : longest + sizes[i]] = 1  # padding before the past and after the new tokens
             positions[i] = torch.arange(past[i], past[i] + width)
         cache = DynamicCache(ddp_cache_data=self._stack_kv(steps, past, longest)) if longest else DynamicCache()
         hidden = self.decoder(
@@ -260,13 +264,21 @@ class TargetEngine(SessionOwner):
             use_cache=True,
         ).last_hidden_state
         features = self.capture.take()
-        results = []
-        for i, step in enumerate(steps):
-            n = len(step.ids)
-            new_kv = [(layer.keys[i : i + 1, :, longest : longest + n], layer.values[i : i + 1, :, longest : longest + n])
-                      for layer in cache.layers]
-            results.append(self._finish(step, hidden[i, :n], features[i, :n], new_kv))
-        return results
+        # one lm_head call for the batch: the last prompt row of a prefill, every row of a verify
+        rows = [hidden[i, n - 1 : n] if step.kind == "prefill" else hidden[i, :n]
+                for i, (step, n) in enumerate(zip(steps, sizes, strict=True))]
+        logits = self._logits(torch.cat(rows)).split([len(r) for r in rows])
+
+        def commit(i: int) -> Callable[[int], None]:
+            def keep_first(keep: int) -> None:  # the tokens it commits go to the session's own cache
+                own = steps[i].session.cache
+                for index, layer in enumerate(cache.layers):
+                    end = longest + keep
+                    own.update(layer.keys[i : i + 1, :, longest:end], layer.values[i : i + 1, :, longest:end], index)
+
+            return keep_first
+
+        return [self._finish(step, logits[i], features[i, : sizes[i]], commit(i)) for i, step in enumerate(steps)]
 
     @staticmethod
     def _stack_kv(steps: list[_Step], past: list[int], longest: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -289,31 +301,25 @@ class TargetEngine(SessionOwner):
         cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2/3
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def _finish(self, step: _Step, hidden: torch.Tensor, features: torch.Tensor, new_kv) -> PrefillResult | VerifyResult:
-        """Sample or accept from one sequence's rows [n, H] and commit its KV. `new_kv` is the KV of its
-        new tokens out of a batch, or None when the forward ran on the session's own cache."""
+    def _finish(
+        self, step: _Step, logits: torch.Tensor, features: torch.Tensor, commit: Callable[[int], None]
+    ) -> PrefillResult | VerifyResult:
+        """Sample or accept from one sequence's logits (prefill: [1, V], verify: [K+1, V]); `commit(n)`
+        keeps the KV of its first n new tokens."""
         session = step.session
         if step.kind == "prefill":
-            token = pick(self._logits(hidden[-1]), session.params, session.generator)
             keep = len(step.ids)
-            out = PrefillResult(token=token, features=features if step.want_features else None)
+            out = PrefillResult(token=pick(logits[-1], session.params, session.generator),
+                                features=features if step.want_features else None)
         else:
             drafts = step.ids[1:]
             drafted = torch.tensor(drafts, dtype=torch.long, device=self.device)
-            accepted, bonus = accept(self._logits(hidden), drafted, session.params, session.generator)
+            accepted, bonus = accept(logits, drafted, session.params, session.generator)
             keep = 1 + accepted
             out = VerifyResult(
                 accepted=drafts[:accepted], bonus=bonus, features=features[:keep] if step.want_features else None
             )
-        if new_kv is None:
-            crop_cache(session.cache, session.length + keep)
-        else:
-            old = session.cache.layers if session.length else None
-            session.cache = DynamicCache(ddp_cache_data=[
-                (k[:, :, :keep].clone(), v[:, :, :keep].clone()) if old is None
-                else (torch.cat([old[j].keys, k[:, :, :keep]], dim=2), torch.cat([old[j].values, v[:, :, :keep]], dim=2))
-                for j, (k, v) in enumerate(new_kv)
-            ])
+        commit(keep)
         session.length += keep
         return out
 
