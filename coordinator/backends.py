@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from tandem.params import SamplingParams
-from tandem.protocol import DraftUnavailable, PrefillResult, VerifyResult
+from tandem.protocol import Branch, DraftUnavailable, PrefillResult, VerifyResult
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire import is_last_chunk
 
@@ -286,15 +286,40 @@ class GrpcDraft:
                     request.want_timing = self._stream.probe is not None
                 first = False
             self._stream.send(request)
+        return list(self._answer().drafts)
+
+    def ahead(
+        self,
+        session_id: str,
+        features: RelayedFeatures | None,
+        next_tokens: list[int],
+        drafts: list[int],
+        num_draft_tokens: int,
+        branches: int,
+    ) -> _PendingAhead:
+        """Send an ahead step and return at once: the answer is read when the verify has answered."""
+        ahead = draft_pb2.Ahead(assumed=drafts, branches=branches)
+        head = draft_pb2.DraftRequest(next_tokens=next_tokens, num_draft_tokens=num_draft_tokens, ahead=ahead)
+        if not next_tokens or features is None:
+            del head.next_tokens[:]
+            self._stream.send(head)
+        else:
+            for chunk in features:
+                request = head if head is not None else draft_pb2.DraftRequest()
+                request.features.CopyFrom(chunk)
+                self._stream.send(request)
+                head = None
+        return _PendingAhead(self)
+
+    def _answer(self) -> draft_pb2.DraftResponse:
         try:
-            response = self._stream.recv(self._step_timeout)
+            return self._stream.recv(self._step_timeout)
         except BackendError as exc:
             ours = self._stream.cancelled
             self._stream.cancel()
             if self._on_fault is not None and not ours:
                 self._on_fault(exc)
             raise DraftUnavailable(str(exc)) from exc
-        return list(response.drafts)
 
     def release(self, session_id: str) -> bool:
         self._stream.close()
@@ -302,3 +327,14 @@ class GrpcDraft:
 
     def cancel(self) -> None:
         self._stream.cancel()
+
+
+class _PendingAhead:
+    """An ahead step on the draft stream: result() reads its answer (the stream keeps steps in order)."""
+
+    def __init__(self, draft: GrpcDraft):
+        self._draft = draft
+
+    def result(self) -> list[Branch]:
+        response = self._draft._answer()
+        return [Branch(accepted=b.accepted, bonus=b.bonus, drafts=list(b.drafts)) for b in response.branches]

@@ -57,7 +57,10 @@ def stats_from_pb(msg: coordinator_pb2.GenerationStats) -> dict:
         "accepted_per_position": list(msg.accepted_per_position),
         "num_rounds_without_draft": msg.num_rounds_without_draft,
         "num_rounds_load_shed": msg.num_rounds_load_shed,
+        "num_overlap_rounds": msg.num_overlap_rounds,
+        "num_overlap_hits": msg.num_overlap_hits,
         "mean_acceptance_length": msg.mean_acceptance_length,
+        "overlap_hit_rate": msg.overlap_hit_rate,
     }
 
 

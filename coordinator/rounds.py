@@ -14,9 +14,13 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from tandem.params import GenerationRequest
-from tandem.protocol import DraftBackend, DraftUnavailable, TargetBackend
+from tandem.protocol import Branch, DraftBackend, DraftUnavailable, Pending, TargetBackend
 
 log = logging.getLogger("tandem.rounds")
+
+# outcomes of a verify the draft prepares for while it runs (overlap): all K accepted with the draft's
+# top bonus, then the likeliest others by the draft's own probabilities (measured on the demo pair, K=3)
+DEFAULT_BRANCHES = 4
 
 
 class GenerationStats(BaseModel):
@@ -28,14 +32,23 @@ class GenerationStats(BaseModel):
     num_rounds_without_draft: int = 0
     # rounds run target-only because the server was too busy for speculation to pay (adaptive K)
     num_rounds_load_shed: int = 0
+    # overlap: verify rounds during which the draft prepared the next round, and of those the ones
+    # whose outcome it had prepared for (the next drafts were ready when the verify answered)
+    num_overlap_rounds: int = 0
+    num_overlap_hits: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens committed per verify round, bonus included (the number vLLM/SGLang report)."""
         return 1.0 + self.num_accepted_tokens / self.num_rounds if self.num_rounds else 0.0
 
+    @property
+    def overlap_hit_rate(self) -> float:
+        return self.num_overlap_hits / self.num_overlap_rounds if self.num_overlap_rounds else 0.0
+
     def as_dict(self) -> dict:
-        return {**self.model_dump(), "mean_acceptance_length": self.mean_acceptance_length}
+        return {**self.model_dump(), "mean_acceptance_length": self.mean_acceptance_length,
+                "overlap_hit_rate": self.overlap_hit_rate}
 
 
 @dataclass
@@ -84,6 +97,8 @@ def run_rounds(
     request: GenerationRequest,
     max_context: int | None = None,
     k_for: Callable[[int], int] | None = None,
+    overlap: bool = False,
+    branches: int = DEFAULT_BRANCHES,
 ) -> Iterator[RoundEvent]:
     """Prefill, then verify rounds until a stop condition; yields committed tokens as they commit.
 
@@ -92,6 +107,10 @@ def run_rounds(
     the target alone decides every token, so only the speed-up is lost.
     `k_for(K)` (adaptive_k) sets each round's K from the server's load; when it says 0 the draft is
     released and the generation finishes target-only (its draft KV would fall behind otherwise).
+    `overlap`: while the target verifies a round, the draft prepares the next one for the `branches`
+    likeliest outcomes (a draft without `ahead` runs sequentially). When the outcome is one of them
+    (a hit), the next verify goes out at once with those drafts; on a miss the round drafts as without
+    overlap. Drafts only choose what the target checks, so the output is the same either way.
     """
     session = uuid.uuid4().hex
     want_drafts = request.speculate and request.num_draft_tokens > 0
@@ -105,6 +124,9 @@ def run_rounds(
     stopper = _Stopper(limit, stop_ids)
     stats = GenerationStats(accepted_per_position=[0] * (request.num_draft_tokens if speculate else 0))
     draft_open = False
+    overlap = overlap and speculate and hasattr(draft, "ahead")
+    ready: list[int] | None = None  # the next round's drafts, prepared during the last verify
+    pending: Pending | None = None  # an ahead under way
     try:
         prefill = target.prefill(session, request.prompt_ids, request.sampling, speculate, max_new_tokens=limit)
         token, features = prefill.token, prefill.features
@@ -112,6 +134,7 @@ def run_rounds(
         yield RoundEvent(new_tokens, stats, finish)
         # the pairs (F_i, x_{i+1}) the draft has not seen yet
         pending_tokens = [*request.prompt_ids[1:], token]
+        features_pending = True  # `features` and `pending_tokens` are still to go to the draft
         while finish is None:
             # never draft past the limit: verify commits up to k+1 tokens
             k = min(request.num_draft_tokens, limit - stopper.produced - 1) if want_drafts else 0
@@ -125,16 +148,32 @@ def run_rounds(
             if not want_drafts and request.speculate and request.num_draft_tokens > 0 and draft is not None:
                 stats.num_rounds_load_shed += 1
             drafts: list[int] = []
-            if k > 0 and speculate:
+            # prepare the next round during this verify only when one can follow (it may commit k+1);
+            # prepared drafts are taken only then too: the ahead carries the last round's pairs
+            ahead = overlap and k > 0 and limit - stopper.produced > k + 2
+            if k > 0 and speculate and ready and ahead:
+                drafts = ready[:k]
+            elif k > 0 and speculate:
                 try:
                     create, draft_open = not draft_open, True  # released even if this first call fails
                     drafts = draft.propose(session, features, pending_tokens, k, create=create)
+                    features_pending = False
                 except DraftUnavailable as exc:
                     log.warning("session %s: the draft is lost (%s); going on target-only", session, exc)
-                    speculate = draft_open = False
+                    speculate = overlap = draft_open = False
                     draft.release(session)
+            ready = None
             if k > 0 and not speculate:
                 stats.num_rounds_without_draft += 1
+            if ahead and overlap and drafts:
+                try:
+                    pending = draft.ahead(session, features if features_pending else None,
+                                          pending_tokens if features_pending else [], drafts, k, branches)
+                    features_pending = False
+                except DraftUnavailable as exc:
+                    log.warning("session %s: the draft is lost (%s); going on target-only", session, exc)
+                    speculate = overlap = draft_open = False
+                    draft.release(session)
             result = target.verify(session, token, drafts, speculate)
             accepted, bonus, features = result.accepted, result.bonus, result.features
             a = len(accepted)
@@ -143,11 +182,35 @@ def run_rounds(
             stats.num_accepted_tokens += a
             for position in range(a):
                 stats.accepted_per_position[position] += 1
+            if pending is not None:
+                prepared, pending = _settle(pending), None
+                if prepared is None:
+                    log.warning("session %s: the draft is lost; going on target-only", session)
+                    speculate = overlap = draft_open = False
+                    draft.release(session)
+                else:
+                    stats.num_overlap_rounds += 1
+                    ready = next((b.drafts for b in prepared if (b.accepted, b.bonus) == (a, bonus)), None)
+                    stats.num_overlap_hits += ready is not None
             pending_tokens = [*accepted, bonus]
+            features_pending = True
             token = bonus
             new_tokens, finish = stopper.take(pending_tokens)
             yield RoundEvent(new_tokens, stats, finish)
     finally:
+        if pending is not None:  # an ahead still in flight is the draft session's until it ends
+            _settle(pending)
         target.release(session)
         if draft_open:
             draft.release(session)
+
+
+def _settle(pending: Pending) -> list[Branch] | None:
+    """The ahead's branches, or None when the draft failed it."""
+    try:
+        return pending.result()
+    except DraftUnavailable:
+        return None
+    except Exception as exc:  # noqa: BLE001 - an in-process draft's own error: the same as a lost draft
+        log.warning("an ahead failed: %r", exc)
+        return None

@@ -130,6 +130,9 @@ def stats_to_pb(stats: GenerationStats) -> coordinator_pb2.GenerationStats:
         accepted_per_position=stats.accepted_per_position,
         num_rounds_without_draft=stats.num_rounds_without_draft,
         num_rounds_load_shed=stats.num_rounds_load_shed,
+        num_overlap_rounds=stats.num_overlap_rounds,
+        num_overlap_hits=stats.num_overlap_hits,
+        overlap_hit_rate=stats.overlap_hit_rate,
     )
 
 
@@ -226,7 +229,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             observer = RequestObserver(self.metrics, probe, len(gen.prompt_ids), context.is_active)
             budget = self.service.settings.spec_token_budget
             k_for = adaptive_k(budget, lambda: self.service.admission.active) if budget else None
-            events = observer.rounds(run_rounds(target, draft, gen, max_context=b.target_info.max_context, k_for=k_for))
+            settings = self.service.settings
+            events = observer.rounds(run_rounds(target, draft, gen, max_context=b.target_info.max_context, k_for=k_for,
+                                                overlap=settings.overlap, branches=settings.overlap_branches))
             try:
                 produced = 0
                 for delta in observer.deltas(text_deltas(events, b.tokenizer, stop)):

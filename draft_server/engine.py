@@ -8,12 +8,21 @@ The rollout's KV is dropped at the end, so the next round's exact target feature
 Concurrent sessions are batched (tandem/batching.py) as in the target engine: their KV stacked
 left-padded, their new pairs right-padded, one extend forward and one forward per rollout step for
 all of them; each session keeps the KV of its committed pairs only.
+
+Overlap (`ahead`, while the target verifies): the engine appends the new committed pairs as propose
+does and, in the same forward, the drafts under verification, fed with the hidden states that
+proposed them (the draft's own stand-ins for the target features it does not have yet). From each
+possible outcome of that verify (j drafts accepted, then a bonus) it scores the draft's own
+probability and rolls out K drafts for the likeliest ones, all in one batch. Only the committed
+pairs' KV is kept: the assumed drafts and the rollouts are dropped, so every committed position is
+still read with its exact target features.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +32,7 @@ from draft_server.checkpoint import load_draft, read_config
 from draft_server.model import DraftKV, Eagle3Draft
 from tandem.batching import Batcher
 from tandem.pairing import DraftShape, TargetShape, check_pair
+from tandem.protocol import Branch
 from tandem.sessions import InvalidRequest, SessionOwner, SessionTable
 from target_server.engine import DTYPES
 
@@ -32,6 +42,9 @@ class _Session:
     kv: DraftKV = field(default_factory=DraftKV)
     length: int = 0  # committed pairs in the KV
     last_used: float = field(default_factory=time.monotonic)
+    # the drafts of the last step (one list per branch after an ahead) with the hidden states whose
+    # logits proposed them, [K, H]: an ahead assuming those drafts feeds them as the drafts' inputs
+    proposed: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -40,6 +53,17 @@ class _Step:
     features: torch.Tensor  # [m, 3Ht]
     next_tokens: list[int]  # [m]
     k: int
+
+
+@dataclass
+class _Ahead:
+    session: _Session
+    features: torch.Tensor  # [m, 3Ht], m may be 0: the pairs went with the propose before
+    next_tokens: list[int]  # [m]
+    assumed: list[int]  # [J]: the drafts under verification
+    rows: torch.Tensor  # [J, H]: the hidden states that proposed them
+    k: int
+    branches: int
 
 
 class DraftEngine(SessionOwner):
@@ -69,7 +93,17 @@ class DraftEngine(SessionOwner):
         self.feature_size = 3 * self.config.target_hidden_size
         self.sessions: SessionTable[_Session] = SessionTable("draft")
         # one forward at a time, batched across sessions
-        self.batcher: Batcher[_Step] = Batcher(self._run_batch, max_batch_size, max_batch_tokens)
+        self.batcher: Batcher[_Step | _Ahead] = Batcher(self._run_steps, max_batch_size, max_batch_tokens)
+        self._ahead_pool: ThreadPoolExecutor | None = None  # in-process aheads run here, beside the verify
+        self._max_batch_size = max_batch_size
+        # K -> how many verifies accepted 0..K drafts: acceptance runs in streaks (the draft's own
+        # probabilities are flat even where it is right), so the outcomes are ranked by this
+        self._outcomes: dict[int, list[int]] = {}
+        d2t = self.model.d2t
+        # target id -> draft id, -1 outside the draft vocabulary
+        self._draft_id = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=d2t.device)
+        self._draft_id[self.model.to_target_ids(torch.arange(d2t.numel(), device=d2t.device))] = torch.arange(
+            d2t.numel(), device=d2t.device)
 
     def shape(self, max_target_id: int | None = None) -> DraftShape:
         if max_target_id is None:
@@ -102,12 +136,86 @@ class DraftEngine(SessionOwner):
         if create:  # only once the input is known good: a bad first request leaves nothing behind
             self.sessions.add(session_id, _Session())
         session = self.sessions.get(session_id)
+        if not create:
+            self._count_outcome(num_draft_tokens, m - 1)
         step = _Step(session, features, list(next_tokens), num_draft_tokens)
         drafts = self.batcher.submit(step, m + num_draft_tokens, key=session_id)
         session.last_used = time.monotonic()
         return drafts
 
+    def speculate(
+        self,
+        session_id: str,
+        features: torch.Tensor | None,  # [m, 3Ht] of the new committed pairs; None or [0, 3Ht]: none
+        next_tokens: list[int],  # [m]
+        assumed: list[int],  # the drafts under verification, as this session proposed them
+        num_draft_tokens: int,
+        branches: int = 1,
+    ) -> list[Branch]:
+        """Append the new committed pairs, then prepare the next round's drafts for the `branches`
+        likeliest outcomes of verifying `assumed`, likeliest first."""
+        m = len(next_tokens)
+        if features is None:
+            features = torch.empty(0, self.feature_size)
+        if features.shape != (m, self.feature_size):
+            raise InvalidRequest(
+                f"expected features [{m}, {self.feature_size}] for {m} tokens, got {list(features.shape)}"
+            )
+        bad = [t for t in [*next_tokens, *assumed] if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InvalidRequest(f"tokens outside the vocabulary: {bad[:5]}")
+        if not assumed or num_draft_tokens < 1 or branches < 1:
+            raise InvalidRequest("speculating ahead needs drafts to assume, K >= 1 and at least one branch")
+        session = self.sessions.get(session_id)
+        if m:
+            self._count_outcome(len(assumed), m - 1)
+        rows = next((r[: len(assumed)] for drafts, r in session.proposed if drafts[: len(assumed)] == assumed), None)
+        if rows is None:
+            raise InvalidRequest("an ahead assumes drafts this session proposed in its last step")
+        step = _Ahead(session, features, list(next_tokens), list(assumed), rows, num_draft_tokens, branches)
+        out = self.batcher.submit(step, m + len(assumed) + branches * num_draft_tokens, key=session_id)
+        session.last_used = time.monotonic()
+        return out
+
+    def _count_outcome(self, k: int, accepted: int) -> None:
+        """A verify's outcome, read off the pairs it committed (a accepted + the bonus)."""
+        counts = self._outcomes.setdefault(k, [1] * (k + 1))  # a uniform prior
+        counts[min(max(accepted, 0), k)] += 1
+
+    def outcome_logprobs(self, k: int) -> torch.Tensor:
+        """[k+1]: log P(j of k drafts accepted), as verifies of this engine's drafts have gone so far."""
+        counts = torch.tensor(self._outcomes.get(k, [1] * (k + 1)), dtype=torch.float)
+        return (counts / counts.sum()).log()
+
+    def ahead(
+        self, session_id: str, features: torch.Tensor | None, next_tokens: list[int], drafts: list[int],
+        num_draft_tokens: int, branches: int = 1,
+    ) -> Future:
+        """speculate() on a worker thread: the in-process round loop verifies meanwhile."""
+        if self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(self._max_batch_size, thread_name_prefix="draft-ahead")
+        return self._ahead_pool.submit(
+            self.speculate, session_id, features, next_tokens, drafts, num_draft_tokens, branches
+        )
+
     # -- one batched step -----------------------------------------------------------------------
+
+    def _run_steps(self, steps: list[_Step | _Ahead]) -> list:
+        """The batcher's work: proposes batched together, aheads one session at a time."""
+        proposes = [step for step in steps if isinstance(step, _Step)]
+        results: dict[int, object] = {}
+        if proposes:
+            try:
+                results.update(zip(map(id, proposes), self._run_batch(proposes), strict=True))
+            except Exception as exc:  # noqa: BLE001 - handed to each propose of the batch
+                results.update((id(step), exc) for step in proposes)
+        for step in steps:
+            if isinstance(step, _Ahead):
+                try:
+                    results[id(step)] = self._run_ahead(step)
+                except Exception as exc:  # noqa: BLE001 - fails this step alone
+                    results[id(step)] = exc
+        return [results[id(step)] for step in steps]
 
     @torch.inference_mode()
     def _run_batch(self, steps: list[_Step]) -> list[list[int]]:
@@ -144,16 +252,20 @@ class DraftEngine(SessionOwner):
         a = torch.stack([a[i, m - 1] for i, m in enumerate(sizes)])[:, None]  # [B, 1, H]
         position = torch.tensor([[step.session.length] for step in steps], device=device)
         drafts: list[list[int]] = [[] for _ in steps]
+        rows: list[list[torch.Tensor]] = [[] for _ in steps]  # [k][H] per session: what proposed each draft
         rounds = max(step.k for step in steps)
         for n in range(rounds):
             draft = model.to_target_ids(model.draft_logits(a[:, -1]).argmax(-1))  # [B]
             for i, token in enumerate(draft.tolist()):
                 if n < steps[i].k:
                     drafts[i].append(token)
+                    rows[i].append(a[i, -1])
             if n + 1 < rounds:
                 valid = torch.cat([valid, valid.new_ones(b, 1)], dim=1)
                 a = model(a, draft.view(b, 1), position, kv, valid[:, None, None])
                 position = position + 1
+        for i, step in enumerate(steps):
+            step.session.proposed = [(drafts[i], torch.stack(rows[i]))] if rows[i] else []
         return drafts
 
     def _run_one(self, step: _Step) -> list[int]:
@@ -166,15 +278,72 @@ class DraftEngine(SessionOwner):
         a = model(hidden, tokens, positions, kv)[:, -1:]  # [1, 1, H]
         session.length += m
         drafts: list[int] = []
+        rows: list[torch.Tensor] = []  # [k][H]: the hidden state whose logits proposed each draft
         position = session.length
         for n in range(step.k):
             draft = model.to_target_ids(model.draft_logits(a[0, -1]).argmax(-1))
             drafts.append(int(draft))
+            rows.append(a[0, -1])
             if n + 1 < step.k:
                 a = model(a, draft.view(1, 1), torch.tensor([[position]], device=self.device), kv)
                 position += 1
         kv.crop(session.length)  # the rollout's KV is dropped: exact target features replace it
+        session.proposed = [(drafts, torch.stack(rows))] if rows else []
         return drafts
+
+    @torch.inference_mode()
+    def _run_ahead(self, step: _Ahead) -> list[Branch]:
+        """One forward over [new committed pairs | assumed drafts], then K batched steps per branch."""
+        model, session, device = self.model, step.session, self.device
+        m, j_max = len(step.next_tokens), len(step.assumed)
+        kv, start = session.kv, session.length
+        hidden = torch.cat([model.fc(step.features.to(device, self.dtype)), step.rows.to(device, self.dtype)])
+        tokens = torch.tensor([step.next_tokens + step.assumed], device=device)  # [1, m+J]
+        positions = torch.arange(start, start + m + j_max, device=device)[None]
+        out = model(hidden[None], tokens, positions, kv)[0]  # [m+J, H]
+        session.length = base = start + m  # the committed pairs are kept; the assumed drafts are not
+        # fork j (j drafts accepted): the hidden state whose logits pick the token after them
+        last = out[m - 1 : m] if m else step.rows[:1].to(device, self.dtype)
+        fork = torch.cat([last, out[m:]])  # [J+1, H]
+        logp = model.draft_logits(fork).float().log_softmax(-1)  # [J+1, draft_vocab]
+        # outcome (j, c): d_1..d_j accepted, then c; c != d_{j+1}, for that one was rejected.
+        # log P(j) from the verifies so far, log P(c | j) from the draft's logits
+        for j, d in enumerate(self._draft_id[torch.tensor(step.assumed, device=device)].tolist()):
+            if d >= 0:
+                logp[j, d] = float("-inf")
+        logp = logp.log_softmax(-1)
+        prefix = self.outcome_logprobs(j_max).to(device)  # [J+1]
+        n = min(step.branches, logp.shape[-1])
+        top = logp.topk(n, dim=-1)  # [J+1, n]
+        score = (prefix[:, None] + top.values).flatten()
+        best = score.topk(min(step.branches, score.numel())).indices.tolist()
+        forks = [i // n for i in best]
+        bonus = [int(top.indices[j, i % n]) for j, i in zip(forks, best, strict=True)]
+        b = len(forks)
+        # the branches' rollouts: one row each over the shared KV, masked to its accepted prefix
+        branch_kv = DraftKV()
+        branch_kv.k = kv.k.expand(b, -1, -1, -1)  # [B, kv_heads, base+J, hd]
+        branch_kv.v = kv.v.expand(b, -1, -1, -1)
+        valid = torch.zeros(b, base + j_max, dtype=torch.bool, device=device)
+        for i, j in enumerate(forks):
+            valid[i, : base + j] = True
+        a = fork[forks][:, None]  # [B, 1, H]
+        token = model.to_target_ids(torch.tensor(bonus, device=device))[:, None]  # [B, 1]
+        bonus = token[:, 0].tolist()
+        position = torch.tensor([[base + j] for j in forks], device=device)
+        drafts: list[list[int]] = [[] for _ in range(b)]
+        rows: list[list[torch.Tensor]] = [[] for _ in range(b)]
+        for _ in range(step.k):
+            valid = torch.cat([valid, valid.new_ones(b, 1)], dim=1)
+            a = model(a, token, position, branch_kv, valid[:, None, None])  # [B, 1, H]
+            token = model.to_target_ids(model.draft_logits(a[:, -1]).argmax(-1))[:, None]
+            for i, t in enumerate(token[:, 0].tolist()):
+                drafts[i].append(t)
+                rows[i].append(a[i, -1])
+            position = position + 1
+        kv.crop(base)
+        session.proposed = [(drafts[i], torch.stack(rows[i])) for i in range(b)]
+        return [Branch(accepted=forks[i], bonus=bonus[i], drafts=drafts[i]) for i in range(b)]
 
     @staticmethod
     def _stack_kv(steps: list[_Step], past: list[int], longest: int) -> tuple[torch.Tensor, torch.Tensor]:

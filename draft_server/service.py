@@ -28,6 +28,8 @@ from tandem.wire import FeatureAssembler, WireError
 
 log = logging.getLogger("tandem.draft")
 
+MAX_BRANCHES = 64  # outcomes an ahead step may prepare for: each is one row of its rollout batch
+
 ERRORS = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (WireError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -100,6 +102,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 assembler = FeatureAssembler()
                 next_tokens: list[int] = []
                 k = 0
+                ahead = None
                 for request in request_iterator:
                     if session_id is None:
                         if not request.session_id:
@@ -111,8 +114,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                         next_tokens, k = list(request.next_tokens), request.num_draft_tokens
                         if not 0 <= k <= MAX_DRAFT_TOKENS:
                             raise InvalidRequest(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {k}")
+                        ahead = request.ahead if request.HasField("ahead") else None
+                        if ahead is not None and not 1 <= ahead.branches <= MAX_BRANCHES:
+                            raise InvalidRequest(f"ahead.branches must be in [1, {MAX_BRANCHES}], got {ahead.branches}")
                     with clock.codec():
-                        if request.features.WhichOneof("payload") == "ref":  # a fast path: the whole step
+                        if ahead is not None and not next_tokens:  # no new pairs: no features follow
+                            features = torch.empty(0, engine.feature_size)
+                        elif request.features.WhichOneof("payload") == "ref":  # a fast path: the whole step
                             if self.transport is None:
                                 raise NoChannel("a feature descriptor, but this draft has no fast path")
                             features = self.transport.recv(request.features.ref, len(next_tokens), engine.feature_size)
@@ -120,6 +128,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                             features = assembler.add(request.features, len(next_tokens), engine.feature_size)
                     if features is None:
                         continue
+                    if ahead is not None and not created:
+                        raise InvalidRequest("a draft stream starts with a propose, not an ahead")
                     create = not created
                     if create:
                         if session_id in engine.session_ids():
@@ -127,10 +137,19 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                         created = True  # from here on the session is ours to release, even if propose fails
                         if self.reaper is not None:
                             self.reaper.register(session_id, context)
-                    with clock.compute():
-                        drafts = engine.propose(session_id, features, next_tokens, k, create=create)
-                    self.metrics.observe("propose", clock)
-                    response = draft_pb2.DraftResponse(drafts=drafts)
+                    if ahead is not None:
+                        with clock.compute():
+                            branches = engine.speculate(session_id, features, next_tokens, list(ahead.assumed), k,
+                                                        ahead.branches)
+                        self.metrics.observe("ahead", clock)
+                        response = draft_pb2.DraftResponse(branches=[
+                            draft_pb2.Branch(accepted=b.accepted, bonus=b.bonus, drafts=b.drafts) for b in branches
+                        ])
+                    else:
+                        with clock.compute():
+                            drafts = engine.propose(session_id, features, next_tokens, k, create=create)
+                        self.metrics.observe("propose", clock)
+                        response = draft_pb2.DraftResponse(drafts=drafts)
                     if timed:
                         response.timing.CopyFrom(clock.to_pb())
                     yield response

@@ -5,8 +5,8 @@ prompts.
     tandem bench --demo                                   the demo pair (`tandem demo build`)
     tandem bench --target T --draft D [--assistant A]     any pair; --assistant adds the peer
 
-Stacks: `services` starts the three processes (`tandem serve`) and calls the coordinator with
-coordinator.client; `in-process` runs both engines in this process (tandem.inprocess). The peer
+Stacks: `services` starts the three processes (`tandem serve`; with `--overlap on,off` one stack per
+setting, the coordinator's --overlap) and calls the coordinator with coordinator.client; `in-process` runs both engines in this process (tandem.inprocess). The peer
 (mode `assisted-peer`) is `target.generate(..., assistant_model=assistant)` with num_assistant_tokens=K
 (constant schedule, transformers' default confidence threshold), in this process.
 
@@ -48,6 +48,8 @@ class Outcome:
     accepted: int
     per_position: list[int]  # [K] rounds in which draft k was accepted
     seconds: float = 0.0  # the request's latency, as its client saw it
+    overlap_rounds: int = 0
+    overlap_hits: int = 0
 
 
 @dataclass
@@ -60,6 +62,9 @@ class Case:
     overlap: bool = False
     seconds: float = 0.0
     outcomes: list[Outcome] = field(default_factory=list)
+
+    overlap_rounds: int = 0  # verify rounds the draft prepared the next one during, and hits among them
+    overlap_hits: int = 0
 
     @property
     def label(self) -> str:
@@ -79,6 +84,7 @@ class Case:
             "temperature": self.temperature,
             "concurrency": self.concurrency,
             "overlap": self.overlap,
+            "overlap_hit_rate": round(self.overlap_hits / self.overlap_rounds, 4) if self.overlap_rounds else None,
             "tokens_per_s": tokens / self.seconds if self.seconds else 0.0,
             "mean_acceptance_length": 1.0 + accepted / rounds if rounds else 0.0,
             "accepted_per_position": [round(c / rounds, 4) for c in per_position] if rounds else [],
@@ -110,6 +116,7 @@ class BenchConfig:
     num_draft_tokens: Sequence[int] = (1, 3, 5)
     temperatures: Sequence[float] = (0.0, 1.0)
     concurrency: Sequence[int] = (1,)
+    overlap: Sequence[bool] = (False,)
     max_new_tokens: int = 64
     seed: int = 0
     threads: int = 1
@@ -124,12 +131,12 @@ class ServicesRunner:
 
     stack = "services"
 
-    def __init__(self, target: Path, draft: Path, log: Path, startup_timeout: float):
+    def __init__(self, target: Path, draft: Path, log: Path, startup_timeout: float, overlap: bool = False):
         from coordinator.client import TandemClient
 
         self.log = log
         args = [sys.executable, "-m", "tandem.cli", "serve", "--target", str(target), "--draft", str(draft),
-                "--port", "0", "--startup-timeout", str(startup_timeout)]
+                "--port", "0", "--startup-timeout", str(startup_timeout), "--overlap", "on" if overlap else "off"]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
         self.address = self._wait_listening()
         self.client = TandemClient(self.address, timeout=startup_timeout)
@@ -147,8 +154,7 @@ class ServicesRunner:
             prompt_ids=prompt_ids, max_new_tokens=max_new, num_draft_tokens=k, temperature=temperature,
             seed=seed, ignore_eos=True, speculate=mode == EAGLE3,
         )
-        s = result.stats
-        return Outcome(len(result.token_ids), s["num_rounds"], s["num_accepted_tokens"], s["accepted_per_position"])
+        return _outcome(result.token_ids, result.stats)
 
     def close(self) -> None:
         self.client.close()
@@ -166,10 +172,11 @@ class InProcessRunner:
 
     stack = "in-process"
 
-    def __init__(self, target: Path, draft: Path):
+    def __init__(self, target: Path, draft: Path, overlap: bool = False, generator=None):
         from tandem.inprocess import InProcessGenerator
 
-        self.generator = InProcessGenerator(target, draft)
+        self.generator = generator or InProcessGenerator(target, draft)
+        self.overlap = overlap
 
     def run(self, prompt_ids: list[int], mode: str, k: int, temperature: float, seed: int, max_new: int) -> Outcome:
         from tandem.params import GenerationRequest, SamplingParams
@@ -178,12 +185,16 @@ class InProcessRunner:
             prompt_ids=prompt_ids, max_new_tokens=max_new, num_draft_tokens=k, ignore_eos=True,
             sampling=SamplingParams(temperature=temperature, seed=seed), speculate=mode == EAGLE3,
         )
-        result = self.generator.generate(request)
-        s = result.stats
-        return Outcome(len(result.token_ids), s["num_rounds"], s["num_accepted_tokens"], s["accepted_per_position"])
+        result = self.generator.generate(request, overlap=self.overlap)
+        return _outcome(result.token_ids, result.stats)
 
     def close(self) -> None:
         pass
+
+
+def _outcome(token_ids: list[int], s: dict) -> Outcome:
+    return Outcome(len(token_ids), s["num_rounds"], s["num_accepted_tokens"], s["accepted_per_position"],
+                   overlap_rounds=s.get("num_overlap_rounds", 0), overlap_hits=s.get("num_overlap_hits", 0))
 
 
 class AssistedRunner:
@@ -260,7 +271,8 @@ def make_cases(config: BenchConfig, peer: bool) -> list[Case]:
         for concurrency in config.concurrency:
             for stack in config.stacks:
                 cases.append(Case(stack, TARGET_ONLY, 0, temperature, concurrency))
-                cases += [Case(stack, EAGLE3, k, temperature, concurrency) for k in config.num_draft_tokens]
+                cases += [Case(stack, EAGLE3, k, temperature, concurrency, overlap)
+                          for k in config.num_draft_tokens for overlap in config.overlap]
             if peer and concurrency == 1:  # generate() with an assistant takes one sequence at a time
                 cases += [Case("in-process", PEER, k, temperature, 1) for k in config.num_draft_tokens]
     return cases
@@ -271,29 +283,35 @@ def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = 
 
     torch.set_num_threads(config.threads)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runners: dict[tuple[str, str], object] = {}
+    runners: dict[tuple[str, str, bool], object] = {}  # (stack, mode, overlap)
     try:
         if "services" in config.stacks:
-            echo("bench: starting the target, draft and coordinator services (tandem serve) ...")
-            services = ServicesRunner(config.target, config.draft, out_dir / "serve.log", config.startup_timeout)
-            runners["services", TARGET_ONLY] = runners["services", EAGLE3] = services
+            for overlap in sorted(set(config.overlap)):
+                echo(f"bench: starting the target, draft and coordinator services (tandem serve --overlap "
+                     f"{'on' if overlap else 'off'}) ...")
+                log = out_dir / ("serve-overlap.log" if overlap else "serve.log")
+                services = ServicesRunner(config.target, config.draft, log, config.startup_timeout, overlap)
+                runners["services", EAGLE3, overlap] = services
+                runners.setdefault(("services", TARGET_ONLY, False), services)
         if "in-process" in config.stacks:
             inprocess = InProcessRunner(config.target, config.draft)
-            runners["in-process", TARGET_ONLY] = runners["in-process", EAGLE3] = inprocess
+            runners["in-process", TARGET_ONLY, False] = runners["in-process", EAGLE3, False] = inprocess
+            runners["in-process", EAGLE3, True] = InProcessRunner(config.target, config.draft, True,
+                                                                  inprocess.generator)
         if config.assistant is not None:
-            runners["in-process", PEER] = AssistedRunner(config.target, config.assistant)
+            runners["in-process", PEER, False] = AssistedRunner(config.target, config.assistant)
         cases = make_cases(config, peer=config.assistant is not None)
         echo(f"bench: {len(cases)} cases x {len(config.prompts)} prompts x {config.max_new_tokens} tokens")
         warm = config.prompts[0]
         for case in cases:  # one short generation each: first-call allocations are not measured
-            runners[case.stack, case.mode].run(warm, case.mode, case.K, case.temperature, config.seed, 8)
+            runners[case.stack, case.mode, case.overlap].run(warm, case.mode, case.K, case.temperature, config.seed, 8)
         for c in sorted(set(config.concurrency)):
             group = [case for case in cases if case.concurrency == c]
             batches = [config.prompts[i : i + c] for i in range(0, len(config.prompts), c)]
             for b, batch in enumerate(batches):
                 offset = b % len(group)
                 for case in group[offset:] + group[:offset]:  # rotated: no case always runs first
-                    _run_batch(case, runners[case.stack, case.mode], batch, b * c, config)
+                    _run_batch(case, runners[case.stack, case.mode, case.overlap], batch, b * c, config)
                 echo(f"bench: concurrency {c}: {min(len(config.prompts), (b + 1) * c)}/{len(config.prompts)} prompts")
     finally:
         for runner in {id(r): r for r in runners.values()}.values():
@@ -317,6 +335,8 @@ def _run_batch(case: Case, runner, batch: list[list[int]], first: int, config: B
             outcomes = list(pool.map(one, range(len(batch))))
     case.seconds += time.perf_counter() - started
     case.outcomes += outcomes
+    case.overlap_rounds += sum(o.overlap_rounds for o in outcomes)
+    case.overlap_hits += sum(o.overlap_hits for o in outcomes)
 
 
 # -- the report --------------------------------------------------------------------------------------------
@@ -337,19 +357,26 @@ def speedups(runs: list[dict]) -> list[float | None]:
 
 def markdown_table(runs: list[dict]) -> str:
     lines = [
-        "| stack | mode | K | temperature | concurrency | tokens/s | speedup | latency p50 / p99 (s) "
-        "| mean acceptance length | accepted per position |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        ("| stack | mode | K | temperature | concurrency | overlap (hit rate) | tokens/s | speedup "
+         "| latency p50 / p99 (s) | mean acceptance length | accepted per position |"),
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|",
     ]
     for r, s in zip(runs, speedups(runs)):
         positions = " ".join(f"{p:.2f}" for p in r["accepted_per_position"]) or "-"
         lines.append(
             f"| {r['stack']} | {r['mode']} | {r['K']} | {r['temperature']:g} | {r['concurrency']} "
-            f"| {r['tokens_per_s']:.1f} | {'-' if s is None else f'{s:.2f}x'} "
+            f"| {_overlap_cell(r)} | {r['tokens_per_s']:.1f} | {'-' if s is None else f'{s:.2f}x'} "
             f"| {r['latency_p50_s']:.2f} / {r['latency_p99_s']:.2f} | {r['mean_acceptance_length']:.2f} "
             f"| {positions} |"
         )
     return "\n".join(lines)
+
+
+def _overlap_cell(r: dict) -> str:
+    if not r.get("overlap"):
+        return "off"
+    rate = r.get("overlap_hit_rate")
+    return "on" if rate is None else f"on ({rate:.0%})"
 
 
 def plot_runs(runs: list[dict], path: Path, title: str = "") -> Path:
@@ -379,7 +406,8 @@ def plot_runs(runs: list[dict], path: Path, title: str = "") -> Path:
             if r["mode"] != TARGET_ONLY:
                 note += f"\nτ={r['mean_acceptance_length']:.2f}"
             ax.text(x, r["tokens_per_s"], note, ha="center", va="bottom", fontsize=8)
-            ticks.append((x, "target\nonly" if r["mode"] == TARGET_ONLY else f"K={r['K']}"))
+            tick = "target\nonly" if r["mode"] == TARGET_ONLY else f"K={r['K']}"
+            ticks.append((x, tick + ("\noverlap" if r.get("overlap") else "")))
             x += 1.0
         ax.set_xticks([p for p, _ in ticks], [t for _, t in ticks], fontsize=8)
         for group, xs in groups.items():
@@ -408,6 +436,12 @@ def _list(cast):
             raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
 
     return parse
+
+
+def _on_off(text: str) -> bool:
+    if text.strip() not in ("on", "off"):
+        raise ValueError(text)
+    return text.strip() == "on"
 
 
 def _prompts(args: argparse.Namespace, target: Path, demo: Path | None) -> list[list[int]]:
@@ -458,7 +492,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = BenchConfig(
         target=target, draft=draft, assistant=assistant, prompts=_prompts(args, target, demo), stacks=args.stack,
         num_draft_tokens=args.num_draft_tokens, temperatures=args.temperature, concurrency=args.concurrency,
-        max_new_tokens=args.max_new_tokens, seed=args.seed, threads=args.threads,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, threads=args.threads, overlap=args.overlap,
     )
     out = Path(args.out)
     runs = run_bench(config, out, echo=lambda m: print(m, file=sys.stderr, flush=True))
@@ -493,6 +527,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", "-k", type=_list(int), default=[1, 3, 5], help="K values (default 1,3,5)")
     p.add_argument("--temperature", type=_list(float), default=[0.0, 1.0], help="default 0,1")
     p.add_argument("--concurrency", type=_list(int), default=[1], help="concurrent requests (default 1)")
+    p.add_argument("--overlap", type=_list(_on_off), default=[False],
+                   help="on,off: EAGLE-3 cases with overlapped drafting, without, or both (default off)")
     p.add_argument("--num-prompts", "-n", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompts", metavar="FILE", help="one prompt per line, or .jsonl with prompt / prompt_ids")

@@ -7,6 +7,7 @@ import json
 import sys
 
 TRANSPORT_HELP = "feature path target -> draft: auto | grpc | shm | cuda-ipc | nccl (default grpc)"
+OVERLAP_HELP = "on: the draft prepares the next round while the target verifies (default off)"
 
 
 def _ids(text: str) -> list[int]:
@@ -279,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session-ttl", type=float, help="target and draft: evict sessions idle this long (default 600)")
     p.add_argument("--spec-token-budget", type=int,
                    help="adaptive K: draft tokens per round over all running generations (default 64; 0 = off)")
+    p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP)
+    p.add_argument("--overlap-branches", type=int,
+                   help="overlap: verify outcomes the draft prepares for (default 4)")
     for name in ("coordinator", "target", "draft"):
         p.add_argument(f"--{name}-metrics-port", type=int, help=f"the {name}'s Prometheus /metrics port (default: off)")
     p.set_defaults(func=cmd_serve)
@@ -326,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between health checks of the target and draft (default 1)")
     p.add_argument("--spec-token-budget", type=int,
                    help="adaptive K: draft tokens per round over all running generations (default 64; 0 = off)")
+    p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP)
+    p.add_argument("--overlap-branches", type=int,
+                   help="overlap: verify outcomes the draft prepares for (default 4)")
     add_service_args(p, "port (default 50050; 0 = any free port)")
     p.set_defaults(func=cmd_coordinator)
 

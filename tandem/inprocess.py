@@ -53,13 +53,14 @@ class InProcessGenerator:
             self._tokenizer = AutoTokenizer.from_pretrained(self.target_dir)
         return self._tokenizer
 
-    def stream(self, request: GenerationRequest) -> Iterator[RoundEvent]:
-        return run_rounds(self.target, self.draft, request, max_context=self.target.max_context)
+    def stream(self, request: GenerationRequest, overlap: bool = False) -> Iterator[RoundEvent]:
+        """`overlap`: the draft's ahead steps run on a worker thread while the target verifies."""
+        return run_rounds(self.target, self.draft, request, max_context=self.target.max_context, overlap=overlap)
 
-    def generate(self, request: GenerationRequest, detokenize: bool = False) -> GenerationResult:
+    def generate(self, request: GenerationRequest, detokenize: bool = False, overlap: bool = False) -> GenerationResult:
         tokens: list[int] = []
         event = None
-        for event in self.stream(request):
+        for event in self.stream(request, overlap=overlap):
             tokens.extend(event.new_tokens)
         assert event is not None and event.finish_reason is not None
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if detokenize else None

@@ -32,6 +32,23 @@ class VerifyResult:
     features: Features  # features of t, d_1..d_a [a+1, 3H]
 
 
+@dataclass
+class Branch:
+    """One outcome of a verify in flight that the draft prepared for (overlap): if the target accepts
+    `accepted` of the drafts under verification and picks `bonus` after them, `drafts` are the next
+    round's drafts, ready at once."""
+
+    accepted: int
+    bonus: int
+    drafts: list[int]
+
+
+class Pending(Protocol):
+    """A draft call under way; result() waits for it (and may raise DraftUnavailable)."""
+
+    def result(self) -> list[Branch]: ...
+
+
 class TargetBackend(Protocol):
     eos_token_ids: list[int]
 
@@ -59,3 +76,15 @@ class DraftBackend(Protocol):
     ) -> list[int]: ...
 
     def release(self, session_id: str) -> bool: ...
+
+
+class OverlapDraftBackend(DraftBackend, Protocol):
+    """A draft that can work while the target verifies: `ahead` appends the new committed pairs, as
+    propose does, then assumes `drafts` (ones this session proposed, now being verified) and prepares
+    the next round's drafts for the `branches` likeliest outcomes of that verify. It returns at once;
+    the work runs concurrently with the verify."""
+
+    def ahead(
+        self, session_id: str, features: Features | None, next_tokens: list[int], drafts: list[int],
+        num_draft_tokens: int, branches: int,
+    ) -> Pending: ...

@@ -112,6 +112,9 @@ def serve(settings: ServeSettings) -> int:
             coordinator_args += _metrics(settings.coordinator_metrics_port)
             if settings.spec_token_budget is not None:
                 coordinator_args += ["--spec-token-budget", str(settings.spec_token_budget)]
+            coordinator_args += ["--overlap", "on" if settings.overlap else "off"]
+            if settings.overlap_branches is not None:
+                coordinator_args += ["--overlap-branches", str(settings.overlap_branches)]
             coordinator = Child("coordinator", coordinator_args, run / "coordinator.addr")
             children.insert(0, coordinator)  # stopped first: it drains while the services still answer
             address = coordinator.address(deadline)

@@ -33,7 +33,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., speculate: _Optional[bool] = ..., profile: _Optional[bool] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("num_rounds", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length", "accepted_per_position", "num_rounds_without_draft", "num_rounds_load_shed")
+    __slots__ = ("num_rounds", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length", "accepted_per_position", "num_rounds_without_draft", "num_rounds_load_shed", "num_overlap_rounds", "num_overlap_hits", "overlap_hit_rate")
     NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,9 @@ class GenerationStats(_message.Message):
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     NUM_ROUNDS_WITHOUT_DRAFT_FIELD_NUMBER: _ClassVar[int]
     NUM_ROUNDS_LOAD_SHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_OVERLAP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OVERLAP_HITS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     num_rounds: int
     num_draft_tokens: int
     num_accepted_tokens: int
@@ -48,7 +51,10 @@ class GenerationStats(_message.Message):
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
     num_rounds_without_draft: int
     num_rounds_load_shed: int
-    def __init__(self, num_rounds: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_rounds_without_draft: _Optional[int] = ..., num_rounds_load_shed: _Optional[int] = ...) -> None: ...
+    num_overlap_rounds: int
+    num_overlap_hits: int
+    overlap_hit_rate: float
+    def __init__(self, num_rounds: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_rounds_without_draft: _Optional[int] = ..., num_rounds_load_shed: _Optional[int] = ..., num_overlap_rounds: _Optional[int] = ..., num_overlap_hits: _Optional[int] = ..., overlap_hit_rate: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats", "profile")
