@@ -239,6 +239,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         concurrency=args.concurrency, max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
         temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos, timeout=args.timeout,
         target_device=args.target_device, draft_device=args.draft_device, dtype=args.dtype,
+        overlap=args.overlap == "on",
     )
     report = profile(config)
     return 1 if report["totals"]["completed"] == 0 else 0
@@ -299,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport-timeout", type=float, help="seconds any fast-path wait may take (default 10)")
     p.add_argument("--max-batch-size", type=int, help="sessions' steps per batched forward (default 32)")
     p.add_argument("--max-batch-tokens", type=int, help="new tokens per batched forward (default 4096)")
-    p.add_argument("--kv-cache-gib", type=float, help="KV cache budget of all sessions (default: unbounded)")
+    p.add_argument("--kv-cache-gib", type=float, help="KV cache of all sessions (default: 80%% of free GPU memory, half the RAM on a CPU)")
     p.add_argument("--queue-timeout", type=float,
                    help="seconds a prefill waits for KV budget before RESOURCE_EXHAUSTED (default 30)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
@@ -350,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-device", default="cpu", help="with --target: the target's device")
     p.add_argument("--draft-device", default="cpu", help="with --target: the draft's device")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--overlap", choices=["on", "off"], default="off", help="with --target: " + OVERLAP_HELP)
     p.add_argument("--prompts", metavar="FILE", help="one prompt per line, or .jsonl with prompt / prompt_ids")
     p.add_argument("--num-requests", "-n", type=int, default=16)
     p.add_argument("--concurrency", "-c", type=int, default=4)

@@ -118,7 +118,8 @@ class TargetSettings(ServiceSettings):
     # Continuous batching: at most this many sessions' steps, and new tokens, in one forward.
     max_batch_size: int = Field(32, ge=1, le=1024)
     max_batch_tokens: int = Field(4096, ge=1)
-    # The KV cache of all sessions together (unset: unbounded). A prefill reserves its generation's
+    # The KV cache of all sessions together (unset: 80% of the GPU memory free after loading, or half
+    # the host's available memory on a CPU). A prefill reserves its generation's
     # share (prompt + max_new_tokens); while the budget is taken it queues for queue_timeout seconds,
     # then gets RESOURCE_EXHAUSTED.
     kv_cache_gib: float | None = Field(None, gt=0)

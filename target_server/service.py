@@ -188,6 +188,21 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             yield target_pb2.TargetResponse(features=chunk)
 
 
+def default_kv_bytes(device: torch.device) -> float | None:
+    """The KV budget without --kv-cache-gib: 80% of the GPU memory still free once the model is loaded
+    (vLLM keeps 10% back by default; activations of a batched forward need some), or half of the
+    memory available on a CPU host."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return 0.8 * free
+    try:
+        with open("/proc/meminfo") as meminfo:
+            available = next(line for line in meminfo if line.startswith("MemAvailable:"))
+        return 0.5 * int(available.split()[1]) * 1024
+    except (OSError, StopIteration):
+        return None
+
+
 def serve(settings: TargetSettings) -> int:
     setup_logging(settings.log_level)
     service = Service("target", settings, [target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name])
@@ -203,8 +218,9 @@ def serve(settings: TargetSettings) -> int:
         max_batch_size=settings.max_batch_size, max_batch_tokens=settings.max_batch_tokens,
         queue_timeout=settings.queue_timeout,
     )
-    if settings.kv_cache_gib is not None:
-        engine.kv_budget.tokens = int(settings.kv_cache_gib * (1 << 30)) // engine.kv_bytes_per_token
+    budget = settings.kv_cache_gib * (1 << 30) if settings.kv_cache_gib is not None else default_kv_bytes(engine.device)
+    if budget is not None:
+        engine.kv_budget.tokens = int(budget) // engine.kv_bytes_per_token
     transport = TargetTransport(
         settings.transport, settings.device, settings.dtype, 3 * engine.hidden_size, host=settings.host,
         ring_bytes=int(settings.transport_ring_mib * (1 << 20)), max_inflight=settings.transport_max_inflight,

@@ -187,3 +187,35 @@ def test_adaptive_k_shrinks_with_load_and_sheds_the_draft(generator, hf_target):
     assert event.stats.num_rounds_load_shed == event.stats.num_rounds - 3 > 0
     assert generator.draft.num_sessions == 0  # released when shed
     assert_same_or_tie(hf_target, prompt, tokens, hf_greedy(hf_target, prompt, len(tokens)))
+
+
+def test_a_service_with_a_full_kv_budget_answers_resource_exhausted(tiny_dir, tmp_path):
+    """Through the three processes: one long generation holds most of the target's KV budget; the next
+    queues for --queue-timeout, then gets RESOURCE_EXHAUSTED naming the budget; the first carries on,
+    and once it is gone the budget is free again."""
+    from processes import start_stack, stop_stack
+
+    from coordinator.client import TandemClient, TandemError
+
+    engine = TargetEngine(tiny_dir / "target")
+    gib = 1100 * engine.kv_bytes_per_token / (1 << 30)  # 1100 tokens: one generation of 5 + 1000 (+17)
+    procs = start_stack(tiny_dir, tmp_path, target_args=["--kv-cache-gib", f"{gib:.12f}", "--queue-timeout", "0.5"])
+    try:
+        with TandemClient(procs["coordinator"].address, timeout=120) as client:
+            stream = client.generate_stream(prompt_ids=[5, 6, 7, 8, 9], max_new_tokens=1000, ignore_eos=True)
+            next(stream)  # it holds 1022 of the 1100 tokens
+            with pytest.raises(TandemError) as refused:
+                client.generate(prompt_ids=[5, 6, 7, 8, 9], max_new_tokens=100)
+            assert refused.value.code.name == "RESOURCE_EXHAUSTED" and "KV budget" in refused.value.details
+            assert next(stream).token_ids  # the first one is untouched
+            stream.close()  # its sessions (and their reservation) are released
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    out = client.generate(prompt_ids=[5, 6, 7, 8, 9], max_new_tokens=100, ignore_eos=True)
+                    break
+                except TandemError:
+                    assert time.monotonic() < deadline, "the budget was not freed"
+            assert len(out.token_ids) == 100
+    finally:
+        stop_stack(procs)
