@@ -40,6 +40,10 @@ class _Round:
     target_received_ns: int = 0
     draft: profile_pb2.StepTiming | None = None
     target: profile_pb2.StepTiming | None = None
+    ahead_sent_ns: int = 0
+    ahead_received_ns: int = 0
+    ahead: profile_pb2.StepTiming | None = None
+    verified_drafts: int = 0  # drafts sent with the verify
     num_drafts: int = 0
     num_accepted: int = 0
     num_tokens: int = 0
@@ -51,7 +55,11 @@ class _Round:
             draft_sent_ns=self.draft_sent_ns, draft_received_ns=self.draft_received_ns,
             target_sent_ns=self.target_sent_ns, target_received_ns=self.target_received_ns,
             num_drafts=self.num_drafts, num_accepted=self.num_accepted, num_tokens=self.num_tokens,
+            ahead_sent_ns=self.ahead_sent_ns, ahead_received_ns=self.ahead_received_ns,
+            overlap_hit=self.verified_drafts > 0 and not self.draft_sent_ns,
         )
+        if self.ahead is not None:
+            msg.ahead.CopyFrom(self.ahead)
         if self.draft is not None:
             msg.draft.CopyFrom(self.draft)
         if self.target is not None:
@@ -86,6 +94,7 @@ class RequestProbe:
         self._rounds: list[_Round] = []
         self._open: _Round | None = None
         self._finished = False
+        self._in_ahead = False  # messages to the draft belong to an ahead step until its answer
         self.received(FROM_CLIENT, request)
 
     def _round(self) -> _Round:
@@ -107,7 +116,11 @@ class RequestProbe:
         self._count(r, link, msg)
         if link == TO_TARGET and msg.WhichOneof("step") is not None:
             r.target_sent_ns = now
-        elif link == TO_DRAFT and not r.draft_sent_ns:
+            if msg.WhichOneof("step") == "verify":
+                r.verified_drafts = len(msg.verify.drafts)
+        elif link == TO_DRAFT and msg.HasField("ahead"):
+            r.ahead_sent_ns, self._in_ahead = now, True
+        elif link == TO_DRAFT and not r.draft_sent_ns and not self._in_ahead:
             r.draft_sent_ns = now  # the propose's first message; further ones are feature chunks
 
     def received(self, link: str, msg) -> None:
@@ -121,6 +134,10 @@ class RequestProbe:
                 r.target = msg.timing
             if msg.WhichOneof("result") == "verified":
                 r.num_accepted = len(msg.verified.accepted)
+        elif link == FROM_DRAFT and self._in_ahead:
+            r.ahead_received_ns, self._in_ahead = now, False
+            if msg.HasField("timing"):
+                r.ahead = msg.timing
         elif link == FROM_DRAFT:
             r.draft_received_ns = now
             r.num_drafts = len(msg.drafts)

@@ -66,6 +66,7 @@ class ProfileConfig:
     target_device: str = "cpu"
     draft_device: str = "cpu"
     dtype: str = "float32"
+    overlap: bool = False  # a launched stack: the coordinator's --overlap
 
 
 def load_prompts(path: Path | None) -> list[str | list[int]]:
@@ -107,7 +108,8 @@ class LaunchedStack:
         names = ("coordinator", "target", "draft") if with_metrics else ()
         self.metrics = {name: f"127.0.0.1:{free_port()}" for name in names}
         args = [sys.executable, "-m", "tandem.cli", "serve", "--port", "0", "--target-device", config.target_device,
-                "--draft-device", config.draft_device, "--dtype", config.dtype]
+                "--draft-device", config.draft_device, "--dtype", config.dtype,
+                "--overlap", "on" if config.overlap else "off"]
         if config.target is not None:
             args += ["--target", config.target]
         if config.draft is not None:

@@ -10,7 +10,11 @@ services' durations are differences on their own clocks, so no clock alignment i
                     codec, the service shell, and relaying the previous step's feature chunks
     coordinator     the rest of the round: the round loop, detokenizing, stop strings, the client send
 
-They add up to the round's wall time. Rounds run propose then verify, one after the other.
+They add up to the round's wall time. Rounds run propose then verify, one after the other; with
+overlap, a round whose drafts were prepared during the last verify (a hit) has no propose, and the
+ahead step runs during the verify: only the part of it that outlasts the verify is waited for (counted
+as draft_compute). "Saved per round" estimates what overlap won: a hit round skips a propose round trip
+(the mean of the rounds that ran one), minus the time waited on aheads that outlasted their verify.
 """
 
 from __future__ import annotations
@@ -64,8 +68,17 @@ def round_stages(r: profile_pb2.RoundProfile) -> dict[str, int]:
         stages["queueing"] += step.queue_ns
         stages["transport"] += rtt - step.compute_ns - step.queue_ns
         waited += rtt
+    if r.ahead_sent_ns and r.ahead_received_ns:  # ran during the verify: only the rest is waited for
+        exposed = ahead_exposed_ns(r)
+        stages["draft_compute"] += exposed
+        waited += exposed
     stages["coordinator"] = wall - waited
     return stages
+
+
+def ahead_exposed_ns(r: profile_pb2.RoundProfile) -> int:
+    """How long the round waited for its ahead step after the verify had answered."""
+    return max(0, r.ahead_received_ns - max(r.target_received_ns, r.ahead_sent_ns))
 
 
 def connection_transport(r: profile_pb2.RoundProfile) -> dict[str, int]:
@@ -109,6 +122,9 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
     accepted_per_position: list[int] = []
     num_draft_tokens = num_accepted = num_drafts = 0
     profile0 = done[0].profile if done else None
+    overlap_rounds = overlap_hits = hit_rounds = 0
+    propose_ns: list[int] = []  # round trips of the proposes that ran
+    exposed_ns = 0
 
     for rec in done:
         p = rec.profile
@@ -122,6 +138,11 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
             if r.index > 0:
                 verify_rounds += 1
                 wall_rounds_ns += r.end_ns - r.start_ns
+                hit_rounds += r.overlap_hit
+                if r.draft_sent_ns and r.draft_received_ns:
+                    propose_ns.append(r.draft_received_ns - r.draft_sent_ns)
+                if r.ahead_sent_ns and r.ahead_received_ns:
+                    exposed_ns += ahead_exposed_ns(r)
             for name, ns in connection_transport(r).items():
                 conn_ns[name] += ns
             codec_ns += r.target.codec_ns + r.draft.codec_ns
@@ -154,6 +175,8 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
                 if n:
                     itl.append((now - before) / 1e9 / n)
         s = rec.stats
+        overlap_rounds += s.get("num_overlap_rounds", 0)
+        overlap_hits += s.get("num_overlap_hits", 0)
         num_draft_tokens += s.get("num_draft_tokens", 0)
         num_accepted += s.get("num_accepted_tokens", 0)
         if s.get("accepted_per_position"):
@@ -224,6 +247,14 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
         "requests": requests,
         "errors": [{"index": r.index, "error": r.error} for r in records if r.error is not None],
     }
+    propose_ms = statistics.fmean(propose_ns) / 1e6 if propose_ns else 0.0
+    report["overlap"] = {
+        "rounds": overlap_rounds, "hits": overlap_hits,
+        "hit_rate": overlap_hits / overlap_rounds if overlap_rounds else 0.0,
+        "rounds_with_prepared_drafts": hit_rounds, "propose_round_trip_ms": propose_ms,
+        "ahead_wait_ms_per_round": exposed_ns / 1e6 / rounds,
+        "saved_ms_per_round": (hit_rounds * propose_ms - exposed_ns / 1e6) / rounds,
+    }
     if send_site is not None:
         report["transport"]["send_site"] = send_site
     return report
@@ -263,6 +294,14 @@ def summary(report: dict) -> str:
     for stage in STAGES:
         lines.append(f"{stage:<16}{lat['stages'][stage]:>10.3f}{lat['per_round_ms'][stage]:>10.2f}"
                      f"{100 * lat['share'][stage]:>7.1f}%")
+    ov = report.get("overlap", {})
+    if ov.get("rounds"):
+        lines.append(
+            f"overlap: {ov['hits']}/{ov['rounds']} verifies hit ({100 * ov['hit_rate']:.0f}%): "
+            f"{ov['rounds_with_prepared_drafts']} rounds skipped a propose ({ov['propose_round_trip_ms']:.2f} ms "
+            f"round trip), {ov['ahead_wait_ms_per_round']:.2f} ms/round waited on aheads; "
+            f"saved {ov['saved_ms_per_round']:.2f} ms/round of {lat['round_ms']:.2f}"
+        )
     lines.append(
         f"TTFT p50 {1e3 * lat['ttft_s']['p50']:.1f} ms, ITL p50 {1e3 * lat['itl_s']['p50']:.2f} ms, "
         f"e2e p50 {lat['e2e_s']['p50']:.3f} s; features: {report['transport']['feature_row_bytes']} B per position "

@@ -44,7 +44,7 @@ class LinkTraffic(_message.Message):
     def __init__(self, link: _Optional[str] = ..., transport: _Optional[str] = ..., messages: _Optional[int] = ..., bytes: _Optional[_Mapping[str, int]] = ..., token_ids: _Optional[int] = ..., feature_rows: _Optional[int] = ...) -> None: ...
 
 class RoundProfile(_message.Message):
-    __slots__ = ("index", "start_ns", "end_ns", "draft_sent_ns", "draft_received_ns", "target_sent_ns", "target_received_ns", "draft", "target", "num_drafts", "num_accepted", "num_tokens", "traffic")
+    __slots__ = ("index", "start_ns", "end_ns", "draft_sent_ns", "draft_received_ns", "target_sent_ns", "target_received_ns", "draft", "target", "num_drafts", "num_accepted", "num_tokens", "traffic", "ahead_sent_ns", "ahead_received_ns", "ahead", "overlap_hit")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     START_NS_FIELD_NUMBER: _ClassVar[int]
     END_NS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,10 @@ class RoundProfile(_message.Message):
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_SENT_NS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_HIT_FIELD_NUMBER: _ClassVar[int]
     index: int
     start_ns: int
     end_ns: int
@@ -71,7 +75,11 @@ class RoundProfile(_message.Message):
     num_accepted: int
     num_tokens: int
     traffic: _containers.RepeatedCompositeFieldContainer[LinkTraffic]
-    def __init__(self, index: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., draft_sent_ns: _Optional[int] = ..., draft_received_ns: _Optional[int] = ..., target_sent_ns: _Optional[int] = ..., target_received_ns: _Optional[int] = ..., draft: _Optional[_Union[StepTiming, _Mapping]] = ..., target: _Optional[_Union[StepTiming, _Mapping]] = ..., num_drafts: _Optional[int] = ..., num_accepted: _Optional[int] = ..., num_tokens: _Optional[int] = ..., traffic: _Optional[_Iterable[_Union[LinkTraffic, _Mapping]]] = ...) -> None: ...
+    ahead_sent_ns: int
+    ahead_received_ns: int
+    ahead: StepTiming
+    overlap_hit: bool
+    def __init__(self, index: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., draft_sent_ns: _Optional[int] = ..., draft_received_ns: _Optional[int] = ..., target_sent_ns: _Optional[int] = ..., target_received_ns: _Optional[int] = ..., draft: _Optional[_Union[StepTiming, _Mapping]] = ..., target: _Optional[_Union[StepTiming, _Mapping]] = ..., num_drafts: _Optional[int] = ..., num_accepted: _Optional[int] = ..., num_tokens: _Optional[int] = ..., traffic: _Optional[_Iterable[_Union[LinkTraffic, _Mapping]]] = ..., ahead_sent_ns: _Optional[int] = ..., ahead_received_ns: _Optional[int] = ..., ahead: _Optional[_Union[StepTiming, _Mapping]] = ..., overlap_hit: _Optional[bool] = ...) -> None: ...
 
 class RequestProfile(_message.Message):
     __slots__ = ("start_ns", "end_ns", "rounds", "transport", "target_hidden_size", "target_dtype", "target_device", "draft_device")
