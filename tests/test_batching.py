@@ -10,24 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from test_core import assert_same_or_tie, hf_greedy, make_prompts
-from transformers import AutoModelForCausalLM
+from test_core import assert_same_or_tie, generator, hf_greedy, hf_target, make_prompts  # noqa: F401 (fixtures)
 
 from tandem.batching import Batcher
 from tandem.inprocess import InProcessGenerator
 from tandem.params import GenerationRequest, SamplingParams
 from tandem.sessions import ResourceExhausted
 from target_server.engine import TargetEngine
-
-
-@pytest.fixture(scope="module")
-def generator(tiny_dir) -> InProcessGenerator:
-    return InProcessGenerator(tiny_dir / "target", tiny_dir / "draft")
-
-
-@pytest.fixture(scope="module")
-def hf_target(tiny_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_dir / "target").eval()
 
 
 def run_concurrently(generator: InProcessGenerator, requests: list[GenerationRequest]) -> list[list[int]]:
