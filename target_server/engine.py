@@ -26,7 +26,8 @@ from typing import Literal
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers.cache_utils import Cache, DynamicLayer
 from transformers.utils import logging as hf_logging
 
 from tandem.batching import Batcher
@@ -41,9 +42,50 @@ hf_logging.disable_progress_bar()  # a service logs; it does not draw progress b
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class KVLayer(DynamicLayer):
+    """One layer's KV in a preallocated buffer [B, kv_heads, capacity, head_dim], the first `length`
+    positions filled. The forward writes its new keys in place; transformers' DynamicLayer concatenates,
+    which copies a session's whole cache at every step (measured: 15% of the target's time at 16
+    sessions). Growing past the capacity doubles it (one copy)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        super().__init__()
+        self.buffer_keys, self.buffer_values = keys, values
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self._set_length(length)
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, head_dim: int, capacity: int, dtype, device) -> KVLayer:
+        keys = torch.zeros(batch, heads, capacity, head_dim, dtype=dtype, device=device)
+        return cls(keys, torch.zeros_like(keys), 0)
+
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        self.keys = self.buffer_keys[:, :, :length]
+        self.values = self.buffer_values[:, :, :length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        if end > self.buffer_keys.shape[2]:
+            capacity = max(end, 2 * self.buffer_keys.shape[2])
+            for name in ("buffer_keys", "buffer_values"):
+                old = getattr(self, name)
+                new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+                new[:, :, : self.length] = old[:, :, : self.length]
+                setattr(self, name, new)
+        self.buffer_keys[:, :, self.length : end] = key_states
+        self.buffer_values[:, :, self.length : end] = value_states
+        self._set_length(end)
+        return self.keys, self.values
+
+    def crop(self, max_length: int) -> None:
+        self._set_length(min(self.length, max_length if max_length >= 0 else self.length + max_length))
+
+
 @dataclass
 class _Session:
-    cache: DynamicCache
+    kv: list[KVLayer]  # one per decoder layer, batch 1
     params: SamplingParams
     generator: torch.Generator | None
     length: int = 0  # tokens whose KV is committed
@@ -103,14 +145,6 @@ def aux_layer_ids_from_draft(draft_dir: str | Path) -> list[int] | None:
     return None
 
 
-def crop_cache(cache: DynamicCache, keep: int) -> None:
-    """Drop KV entries past `keep`. A negative count means 'remove that many' in both transformers 4.x
-    and 5.x (5.x refuses a positive absolute length), so we always pass one."""
-    remove = cache.get_seq_length() - keep
-    if remove > 0:
-        cache.crop(-remove)
-
-
 class TargetEngine(SessionOwner):
     """Loads a local HF checkpoint (config.json + safetensors, single or sharded) and serves sessions."""
 
@@ -137,6 +171,9 @@ class TargetEngine(SessionOwner):
         self.model.to(self.device).eval()
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
+        config = self.config
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         layers = self.decoder.layers
         self.num_layers = len(layers)
         self.layer_ids = tuple(layer_ids) if layer_ids else default_layer_ids(self.num_layers)
@@ -153,10 +190,7 @@ class TargetEngine(SessionOwner):
     @property
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes one token takes over all layers (sizes --kv-cache-gib in tokens)."""
-        config = self.config
-        heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-        return 2 * self.num_layers * heads * head_dim * torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
 
     def release(self, session_id: str) -> bool:
         session = self.sessions.pop(session_id)
@@ -206,9 +240,13 @@ class TargetEngine(SessionOwner):
             reserve = min(reserve, len(prompt_ids) + max_new_tokens + MAX_DRAFT_TOKENS + 1)
         self.kv_budget.reserve(reserve)
         try:
-            # A plain DynamicCache keeps every layer's full KV, so verify can always roll back; the
-            # config-built one trims sliding-window layers (Mistral) and then refuses to crop.
-            session = _Session(cache=DynamicCache(), params=params, generator=generator, reserved=reserve)
+            # Every layer keeps its full KV, so verify can always roll back (a config-built cache trims
+            # sliding-window layers, Mistral's, and then cannot crop). Room for the prompt and a few
+            # rounds; it doubles when needed, up to the reservation.
+            capacity = min(reserve, len(prompt_ids) + 64)
+            kv = [KVLayer.empty(1, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
+                  for _ in range(self.num_layers)]
+            session = _Session(kv=kv, params=params, generator=generator, reserved=reserve)
             step = _Step("prefill", session, list(prompt_ids), want_features)
             result = self.batcher.submit(step, len(prompt_ids), key=session_id)
             self.sessions.add(session_id, session)
@@ -237,14 +275,18 @@ class TargetEngine(SessionOwner):
 
     @torch.inference_mode()
     def _run_batch(self, steps: list[_Step]) -> list[PrefillResult | VerifyResult]:
-        if len(steps) == 1:  # alone: the session's own cache, no padding, no copies
+        if len(steps) == 1:  # alone: the forward writes into the session's own buffers, no padding
             step = steps[0]
             ids = torch.tensor([step.ids], device=self.device)
-            hidden = self.decoder(input_ids=ids, past_key_values=step.session.cache, use_cache=True).last_hidden_state
+            own = step.session.kv
+            hidden = self.decoder(input_ids=ids, past_key_values=Cache(layers=own), use_cache=True).last_hidden_state
             rows = hidden[0, -1:] if step.kind == "prefill" else hidden[0]
-            cache = step.session.cache
-            return [self._finish(step, self._logits(rows), self.capture.take()[0],
-                                 lambda keep: crop_cache(cache, step.session.length + keep))]
+
+            def keep_first(keep: int) -> None:
+                for layer in own:
+                    layer.crop(step.session.length + keep)
+
+            return [self._finish(step, self._logits(rows), self.capture.take()[0], keep_first)]
         past = [step.session.length for step in steps]
         sizes = [len(step.ids) for step in steps]
         longest, width = max(past), max(sizes)
@@ -255,12 +297,12 @@ class TargetEngine(SessionOwner):
             ids[i, : sizes[i]] = torch.tensor(step.ids)
             mask[i, longest - past[i] : longest + sizes[i]] = 1  # padding before the past and after the new tokens
             positions[i] = torch.arange(past[i], past[i] + width)
-        cache = DynamicCache(ddp_cache_data=self._stack_kv(steps, past, longest)) if longest else DynamicCache()
+        batch = self._stack_kv(steps, past, longest, width)
         hidden = self.decoder(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             position_ids=positions.to(self.device),
-            past_key_values=cache,
+            past_key_values=Cache(layers=batch),
             use_cache=True,
         ).last_hidden_state
         features = self.capture.take()
@@ -270,31 +312,28 @@ class TargetEngine(SessionOwner):
         logits = self._logits(torch.cat(rows)).split([len(r) for r in rows])
 
         def commit(i: int) -> Callable[[int], None]:
-            def keep_first(keep: int) -> None:  # the tokens it commits go to the session's own cache
-                own = steps[i].session.cache
-                for index, layer in enumerate(cache.layers):
-                    end = longest + keep
-                    own.update(layer.keys[i : i + 1, :, longest:end], layer.values[i : i + 1, :, longest:end], index)
+            def keep_first(keep: int) -> None:  # the tokens it commits go to the session's own buffers
+                end = longest + keep
+                for own, layer in zip(steps[i].session.kv, batch, strict=True):
+                    own.update(layer.buffer_keys[i : i + 1, :, longest:end], layer.buffer_values[i : i + 1, :, longest:end])
 
             return keep_first
 
         return [self._finish(step, logits[i], features[i, : sizes[i]], commit(i)) for i, step in enumerate(steps)]
 
-    @staticmethod
-    def _stack_kv(steps: list[_Step], past: list[int], longest: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's KV of the batch, [B, kv_heads, longest, head_dim], each sequence left-padded."""
-        reference = next(step.session.cache for step, n in zip(steps, past, strict=True) if n)
-        stacked = []
-        for index, layer in enumerate(reference.layers):
-            k = layer.keys.new_zeros(len(steps), layer.keys.shape[1], longest, layer.keys.shape[3])
-            v = torch.zeros_like(k)
+    def _stack_kv(self, steps: list[_Step], past: list[int], longest: int, width: int) -> list[KVLayer]:
+        """The batch's KV, each sequence left-padded to `longest`, with room for `width` new tokens."""
+        batch = []
+        for index in range(self.num_layers):
+            keys = torch.zeros(len(steps), self.kv_heads, longest + width, self.head_dim, dtype=self.dtype, device=self.device)
+            values = torch.zeros_like(keys)
             for i, step in enumerate(steps):
                 if past[i]:
-                    own = step.session.cache.layers[index]
-                    k[i, :, longest - past[i] :] = own.keys[0]
-                    v[i, :, longest - past[i] :] = own.values[0]
-            stacked.append((k, v))
-        return stacked
+                    own = step.session.kv[index]
+                    keys[i, :, longest - past[i] : longest] = own.keys[0]
+                    values[i, :, longest - past[i] : longest] = own.values[0]
+            batch.append(KVLayer(keys, values, longest))  # the forward appends its tokens in place
+        return batch
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
