@@ -96,6 +96,9 @@ class DraftEngine(SessionOwner):
         self.batcher: Batcher[_Step | _Ahead] = Batcher(self._run_steps, max_batch_size, max_batch_tokens)
         self._ahead_pool: ThreadPoolExecutor | None = None  # in-process aheads run here, beside the verify
         self._max_batch_size = max_batch_size
+        # ahead after a hit: re-roll the assumed drafts from the exact new pairs (J more one-token
+        # forwards, hidden behind the verify) rather than feed the stale hidden states that proposed them
+        self.exact_assumed = True
         # K -> how many verifies accepted 0..K drafts: acceptance runs in streaks (the draft's own
         # probabilities are flat even where it is right), so the outcomes are ranked by this
         self._outcomes: dict[int, list[int]] = {}
@@ -297,14 +300,30 @@ class DraftEngine(SessionOwner):
         model, session, device = self.model, step.session, self.device
         m, j_max = len(step.next_tokens), len(step.assumed)
         kv, start = session.kv, session.length
-        hidden = torch.cat([model.fc(step.features.to(device, self.dtype)), step.rows.to(device, self.dtype)])
-        tokens = torch.tensor([step.next_tokens + step.assumed], device=device)  # [1, m+J]
-        positions = torch.arange(start, start + m + j_max, device=device)[None]
-        out = model(hidden[None], tokens, positions, kv)[0]  # [m+J, H]
+        if m == 0 or not self.exact_assumed:
+            # the assumed drafts fed with the hidden states that proposed them, in one forward with the
+            # new pairs; after a propose (m == 0) those are exactly what a rollout here computes
+            hidden = torch.cat([model.fc(step.features.to(device, self.dtype)), step.rows.to(device, self.dtype)])
+            tokens = torch.tensor([step.next_tokens + step.assumed], device=device)  # [1, m+J]
+            positions = torch.arange(start, start + m + j_max, device=device)[None]
+            out = model(hidden[None], tokens, positions, kv)[0]  # [m+J, H]
+            last = out[m - 1 : m] if m else step.rows[:1].to(device, self.dtype)
+            fork = torch.cat([last, out[m:]])  # [J+1, H]
+        else:
+            # the new pairs changed the context the drafts were proposed in (they were the draft's guesses
+            # at those positions): roll the assumed drafts through again, one step each, from the exact pairs
+            hidden = model.fc(step.features.to(device, self.dtype))[None]  # [1, m, H]
+            tokens = torch.tensor([step.next_tokens], device=device)
+            positions = torch.arange(start, start + m, device=device)[None]
+            a = model(hidden, tokens, positions, kv)[:, -1:]  # [1, 1, H]
+            forks = [a[0, 0]]
+            for j, token in enumerate(step.assumed):
+                position = torch.tensor([[start + m + j]], device=device)
+                a = model(a, torch.tensor([[token]], device=device), position, kv)
+                forks.append(a[0, 0])
+            fork = torch.stack(forks)  # [J+1, H]
         session.length = base = start + m  # the committed pairs are kept; the assumed drafts are not
         # fork j (j drafts accepted): the hidden state whose logits pick the token after them
-        last = out[m - 1 : m] if m else step.rows[:1].to(device, self.dtype)
-        fork = torch.cat([last, out[m:]])  # [J+1, H]
         logp = model.draft_logits(fork).float().log_softmax(-1)  # [J+1, draft_vocab]
         # outcome (j, c): d_1..d_j accepted, then c; c != d_{j+1}, for that one was rejected.
         # log P(j) from the verifies so far, log P(c | j) from the draft's logits

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch
+
+from tandem.protocol import Branch
 
 
 class OracleDraft:
@@ -43,6 +47,24 @@ class OracleDraft:
             drafts.append(int(top[pick]))
             rollout.append(drafts[-1])
         return drafts
+
+    def ahead(self, session_id, features, next_tokens, drafts, num_draft_tokens, branches=1):
+        """Overlap: assume `drafts` accepted and the target's greedy bonus after them, then draft on (with
+        the same corruption). With corrupt=0 against a greedy target every verify is a hit."""
+        self.context[session_id].extend(next_tokens)
+        assumed = [*self.context[session_id], *drafts]
+        bonus = int(self._last_logits(assumed).argmax())
+        rollout, upcoming = [*assumed, bonus], []
+        for _ in range(num_draft_tokens):
+            top = self._last_logits(rollout).topk(5).indices
+            pick = 0
+            if float(torch.rand(1, generator=self.rng)) < self.corrupt:
+                pick = int(torch.randint(1, 5, (1,), generator=self.rng))
+            upcoming.append(int(top[pick]))
+            rollout.append(upcoming[-1])
+        done: Future = Future()
+        done.set_result([Branch(accepted=len(drafts), bonus=bonus, drafts=upcoming)])
+        return done
 
     def release(self, session_id):
         self.context.pop(session_id, None)
