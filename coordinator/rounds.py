@@ -18,9 +18,9 @@ from tandem.protocol import Branch, DraftBackend, DraftUnavailable, Pending, Tar
 
 log = logging.getLogger("tandem.rounds")
 
-# outcomes of a verify the draft prepares for while it runs (overlap): all K accepted with the draft's
-# top bonus, then the likeliest others by the draft's own probabilities (measured on the demo pair, K=3)
-DEFAULT_BRANCHES = 4
+# outcomes of a verify the draft prepares for while it runs (overlap), the likeliest by the verifies so
+# far and the draft's bonus probabilities (tandem.config.OVERLAP_BRANCHES says why 8)
+DEFAULT_BRANCHES = 8
 
 
 class GenerationStats(BaseModel):

@@ -117,6 +117,7 @@ class BenchConfig:
     temperatures: Sequence[float] = (0.0, 1.0)
     concurrency: Sequence[int] = (1,)
     overlap: Sequence[bool] = (False,)
+    pin_cores: bool = False
     max_new_tokens: int = 64
     seed: int = 0
     threads: int = 1
@@ -131,7 +132,8 @@ class ServicesRunner:
 
     stack = "services"
 
-    def __init__(self, target: Path, draft: Path, log: Path, startup_timeout: float, overlap: bool = False):
+    def __init__(self, target: Path, draft: Path, log: Path, startup_timeout: float, overlap: bool = False,
+                 pin_cores: bool = False):
         from coordinator.client import TandemClient
 
         self.log = log
@@ -139,6 +141,8 @@ class ServicesRunner:
                 "--port", "0", "--startup-timeout", str(startup_timeout), "--overlap", "on" if overlap else "off"]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
         self.address = self._wait_listening()
+        if pin_cores:
+            pin_services(self.proc.pid)
         self.client = TandemClient(self.address, timeout=startup_timeout)
 
     def _wait_listening(self) -> str:
@@ -165,6 +169,30 @@ class ServicesRunner:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def pin_services(serve_pid: int, cores: dict[str, int] | None = None) -> dict[str, int]:
+    """Pin the target and draft processes `tandem serve` started to one CPU core each (Linux), every
+    thread of them: two cores standing in for two devices. The coordinator is left to the scheduler."""
+    import os
+
+    cores = cores or {"target": 0, "draft": 1}
+    if max(cores.values()) >= (os.cpu_count() or 1):
+        raise ValueError(f"pinning needs cores {sorted(cores.values())}; this machine has {os.cpu_count()}")
+    pids = []
+    for task in Path(f"/proc/{serve_pid}/task").iterdir():
+        pids += [int(p) for p in (task / "children").read_text().split()]
+    pinned = {}
+    for pid in pids:
+        role = next((r for r in cores if r in Path(f"/proc/{pid}/cmdline").read_text().split("\0")), None)
+        if role is None:
+            continue
+        for thread in Path(f"/proc/{pid}/task").iterdir():  # threads that exist now; later ones inherit
+            os.sched_setaffinity(int(thread.name), {cores[role]})
+        pinned[role] = pid
+    if set(pinned) != set(cores):
+        raise RuntimeError(f"found only {sorted(pinned)} among the children of tandem serve")
+    return pinned
 
 
 class InProcessRunner:
@@ -290,7 +318,8 @@ def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = 
                 echo(f"bench: starting the target, draft and coordinator services (tandem serve --overlap "
                      f"{'on' if overlap else 'off'}) ...")
                 log = out_dir / ("serve-overlap.log" if overlap else "serve.log")
-                services = ServicesRunner(config.target, config.draft, log, config.startup_timeout, overlap)
+                services = ServicesRunner(config.target, config.draft, log, config.startup_timeout, overlap,
+                                          config.pin_cores)
                 runners["services", EAGLE3, overlap] = services
                 runners.setdefault(("services", TARGET_ONLY, False), services)
         if "in-process" in config.stacks:
@@ -493,6 +522,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         target=target, draft=draft, assistant=assistant, prompts=_prompts(args, target, demo), stacks=args.stack,
         num_draft_tokens=args.num_draft_tokens, temperatures=args.temperature, concurrency=args.concurrency,
         max_new_tokens=args.max_new_tokens, seed=args.seed, threads=args.threads, overlap=args.overlap,
+        pin_cores=args.pin_cores,
     )
     out = Path(args.out)
     runs = run_bench(config, out, echo=lambda m: print(m, file=sys.stderr, flush=True))
@@ -529,6 +559,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=_list(int), default=[1], help="concurrent requests (default 1)")
     p.add_argument("--overlap", type=_list(_on_off), default=[False],
                    help="on,off: EAGLE-3 cases with overlapped drafting, without, or both (default off)")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="services (Linux): the target on core 0, the draft on core 1, as two devices would be")
     p.add_argument("--num-prompts", "-n", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompts", metavar="FILE", help="one prompt per line, or .jsonl with prompt / prompt_ids")

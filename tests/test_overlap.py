@@ -66,6 +66,24 @@ def test_greedy_with_overlap_and_mixed_hits_matches_target_only(generator, hf_ta
     assert hits > 0 and misses > 0
 
 
+def test_concurrent_sessions_with_overlap_match_target_only(generator, hf_target):
+    """Aheads and proposes of different sessions share the draft's batches: each output is still its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = make_prompts(6, generator.target.vocab_size, seed=8)
+
+    def one(prompt):
+        request = GenerationRequest(prompt_ids=prompt, max_new_tokens=20, num_draft_tokens=2)
+        return generate(generator, generator.draft, request, overlap=True, branches=3)
+
+    with ThreadPoolExecutor(3) as pool:
+        outcomes = list(pool.map(one, prompts))
+    for prompt, (tokens, stats) in zip(prompts, outcomes, strict=True):
+        assert_same_or_tie(hf_target, prompt, tokens, hf_greedy(hf_target, prompt, 20))
+        assert stats.num_overlap_rounds > 0
+    assert generator.draft.num_sessions == 0
+
+
 def test_an_always_right_draft_hits_every_round(generator, hf_target):
     oracle = OracleDraft(hf_target, corrupt=0.0)
     for prompt in make_prompts(4, generator.target.vocab_size, seed=5):
