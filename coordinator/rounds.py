@@ -19,8 +19,8 @@ from tandem.protocol import Branch, DraftBackend, DraftUnavailable, Pending, Tar
 log = logging.getLogger("tandem.rounds")
 
 # outcomes of a verify the draft prepares for while it runs (overlap), the likeliest by the verifies so
-# far and the draft's bonus probabilities (tandem.config.OVERLAP_BRANCHES says why 8)
-DEFAULT_BRANCHES = 8
+# far and the draft's bonus probabilities (tandem.config.OVERLAP_BRANCHES says why 16)
+DEFAULT_BRANCHES = 16
 
 
 class GenerationStats(BaseModel):

@@ -125,7 +125,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         deltas = (
             GenerateDelta(token_ids=d.token_ids, text=d.text, finish_reason=d.finish_reason,
                           stats=d.stats.as_dict() if d.stats is not None else None)
-            for d in text_deltas(generator.stream(request), generator.tokenizer.backend_tokenizer, args.stop)
+            for d in text_deltas(generator.stream(request, overlap=args.overlap == "on"),
+                                 generator.tokenizer.backend_tokenizer, args.stop)
         )
         if args.stream:
             print_deltas(deltas, args.json)
@@ -136,7 +137,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             finish_reason=pieces[-1].finish_reason, stats=pieces[-1].stats,
         )
     else:
-        result = generator.generate(request, detokenize=True)
+        result = generator.generate(request, detokenize=True, overlap=args.overlap == "on")
     print_result(result, args.json)
     return 0
 
@@ -263,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help="EAGLE-3 head directory")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--overlap", choices=["on", "off"], default="off",
+                   help="--in-process: " + OVERLAP_HELP + " (--server: the coordinator's setting)")
     add_generation_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -283,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adaptive K: draft tokens per round over all running generations (default 64; 0 = off)")
     p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP)
     p.add_argument("--overlap-branches", type=int,
-                   help="overlap: verify outcomes the draft prepares for (default 4)")
+                   help="overlap: verify outcomes the draft prepares for (default 16)")
     for name in ("coordinator", "target", "draft"):
         p.add_argument(f"--{name}-metrics-port", type=int, help=f"the {name}'s Prometheus /metrics port (default: off)")
     p.set_defaults(func=cmd_serve)
@@ -333,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adaptive K: draft tokens per round over all running generations (default 64; 0 = off)")
     p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP)
     p.add_argument("--overlap-branches", type=int,
-                   help="overlap: verify outcomes the draft prepares for (default 4)")
+                   help="overlap: verify outcomes the draft prepares for (default 16)")
     add_service_args(p, "port (default 50050; 0 = any free port)")
     p.set_defaults(func=cmd_coordinator)
 
