@@ -179,16 +179,23 @@ def pin_services(serve_pid: int, cores: dict[str, int] | None = None) -> dict[st
     cores = cores or {"target": 0, "draft": 1}
     if max(cores.values()) >= (os.cpu_count() or 1):
         raise ValueError(f"pinning needs cores {sorted(cores.values())}; this machine has {os.cpu_count()}")
-    pids = []
-    for task in Path(f"/proc/{serve_pid}/task").iterdir():
-        pids += [int(p) for p in (task / "children").read_text().split()]
+    def read(path: Path) -> str:  # a thread may end while we look
+        try:
+            return path.read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            return ""
+
+    pids = [int(p) for task in Path(f"/proc/{serve_pid}/task").iterdir() for p in read(task / "children").split()]
     pinned = {}
     for pid in pids:
-        role = next((r for r in cores if r in Path(f"/proc/{pid}/cmdline").read_text().split("\0")), None)
+        role = next((r for r in cores if r in read(Path(f"/proc/{pid}/cmdline")).split("\0")), None)
         if role is None:
             continue
         for thread in Path(f"/proc/{pid}/task").iterdir():  # threads that exist now; later ones inherit
-            os.sched_setaffinity(int(thread.name), {cores[role]})
+            try:
+                os.sched_setaffinity(int(thread.name), {cores[role]})
+            except (FileNotFoundError, ProcessLookupError):
+                pass
         pinned[role] = pid
     if set(pinned) != set(cores):
         raise RuntimeError(f"found only {sorted(pinned)} among the children of tandem serve")
