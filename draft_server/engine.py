@@ -10,12 +10,14 @@ left-padded, their new pairs right-padded, one extend forward and one forward pe
 all of them; each session keeps the KV of its committed pairs only.
 
 Overlap (`ahead`, while the target verifies): the engine appends the new committed pairs as propose
-does and, in the same forward, the drafts under verification, fed with the hidden states that
-proposed them (the draft's own stand-ins for the target features it does not have yet). From each
-possible outcome of that verify (j drafts accepted, then a bonus) it scores the draft's own
-probability and rolls out K drafts for the likeliest ones, all in one batch. Only the committed
-pairs' KV is kept: the assumed drafts and the rollouts are dropped, so every committed position is
-still read with its exact target features.
+does, then feeds the drafts under verification as a rollout would (the draft's own hidden states
+stand in for the target features it does not have yet): right after a propose, with the hidden
+states that proposed them, in one forward; after new pairs, one step each from the exact pairs, since
+the drafts were proposed before those pairs were known. From every possible outcome of that verify
+(j drafts accepted, then a bonus c) it picks the likeliest — P(j) from the verifies it has seen, P(c)
+from its logits — and rolls out K drafts for each, all in one batch. Only the committed pairs' KV is
+kept: the assumed drafts and the rollouts are dropped, so every committed position is still read with
+its exact target features.
 """
 
 from __future__ import annotations
@@ -296,7 +298,7 @@ class DraftEngine(SessionOwner):
 
     @torch.inference_mode()
     def _run_ahead(self, step: _Ahead) -> list[Branch]:
-        """One forward over [new committed pairs | assumed drafts], then K batched steps per branch."""
+        """The new committed pairs and the assumed drafts, then K batched steps per branch."""
         model, session, device = self.model, step.session, self.device
         m, j_max = len(step.next_tokens), len(step.assumed)
         kv, start = session.kv, session.length
