@@ -115,6 +115,8 @@ def run_rounds(
     session = uuid.uuid4().hex
     want_drafts = request.speculate and request.num_draft_tokens > 0
     speculate = want_drafts and draft is not None
+    if speculate and k_for is not None and k_for(request.num_draft_tokens) == 0:
+        want_drafts = speculate = False  # too busy already: no features, no draft session at all
     stop_ids = set(request.stop_token_ids)
     if not request.ignore_eos:
         stop_ids |= set(target.eos_token_ids)

@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float, help="seconds to wait for the services (default 600)")
     p.add_argument("--session-ttl", type=float, help="target and draft: evict sessions idle this long (default 600)")
     p.add_argument("--spec-token-budget", type=int,
-                   help="adaptive K: draft tokens per round over all running generations (default 64; 0 = off)")
+                   help="adaptive K: draft tokens per round over all running generations (default 256; 0 = off)")
     p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP)
     p.add_argument("--overlap-branches", type=int,
                    help="overlap: verify outcomes the draft prepares for (default 16)")
@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float,
                    help="seconds between health checks of the target and draft (default 1)")
     p.add_argument("--spec-token-budget", type=int,
-                   help="adaptive K: draft tokens per round over all running generations (default 64; 0 = off)")
+                   help="adaptive K: draft tokens per round over all running generations (default 256; 0 = off)")
     p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP)
     p.add_argument("--overlap-branches", type=int,
                    help="overlap: verify outcomes the draft prepares for (default 16)")

@@ -64,7 +64,11 @@ def check_address(v: str) -> str:
     return v
 
 
-SPEC_TOKEN_BUDGET = 64
+# Measured on the 2-core CPU with the demo pair (services, K=3, adaptation off): EAGLE-3 over
+# target-only 1.29x at 1 request, 1.04x at 16, 1.27x at 64, so drafts still pay at 64 there and the
+# default leaves K alone up to 64 (256 // 64 - 1 = 3). A GPU's knee is elsewhere: measure it with
+# `tandem bench --concurrency ...` and TANDEM_COORDINATOR_SPEC_TOKEN_BUDGET=0, then set the budget.
+SPEC_TOKEN_BUDGET = 256
 # Overlap: outcomes of a verify the draft prepares the next round for while it runs. On the demo pair
 # (K=3) 4, 8, 16, 32 branches hit about 63%, 73%, 82%, 90% of verifies; their rollouts are one batch,
 # cheap on a GPU, but on a CPU core the ahead step grows past the verify it hides behind beyond 16

@@ -172,8 +172,8 @@ def test_adaptive_k_shrinks_with_load_and_sheds_the_draft(generator, hf_target):
 
     for event in run_rounds(generator.target, generator.draft, request, k_for=k_for_round):
         tokens.extend(event.new_tokens)
-    assert ks[:3] == [5, 5, 5] and ks[3] == 0
-    assert event.stats.num_rounds_load_shed == event.stats.num_rounds - 3 > 0
+    assert ks[:3] == [5, 5, 5] and ks[3] == 0  # asked once before the prefill, then per round
+    assert event.stats.num_rounds_load_shed == event.stats.num_rounds - 2 > 0
     assert generator.draft.num_sessions == 0  # released when shed
     assert_same_or_tie(hf_target, prompt, tokens, hf_greedy(hf_target, prompt, len(tokens)))
 
@@ -208,3 +208,16 @@ def test_a_service_with_a_full_kv_budget_answers_resource_exhausted(tiny_dir, tm
             assert len(out.token_ids) == 100
     finally:
         stop_stack(procs)
+
+
+def test_a_generation_that_starts_under_full_load_never_opens_a_draft_session(generator):
+    from helpers import RecordingDraft
+
+    from coordinator.rounds import run_rounds
+
+    draft = RecordingDraft(generator.draft)
+    request = GenerationRequest(prompt_ids=[5, 6, 7, 8], max_new_tokens=10, num_draft_tokens=4, ignore_eos=True)
+    events = list(run_rounds(generator.target, draft, request, k_for=lambda k: 0))
+    assert draft.calls == [] and generator.draft.num_sessions == 0
+    stats = events[-1].stats
+    assert stats.num_rounds_load_shed == stats.num_rounds == 9 and stats.num_draft_tokens == 0
