@@ -99,6 +99,7 @@ def run_rounds(
     k_for: Callable[[int], int] | None = None,
     overlap: bool = False,
     branches: int = DEFAULT_BRANCHES,
+    overlap_while: Callable[[], bool] | None = None,
 ) -> Iterator[RoundEvent]:
     """Prefill, then verify rounds until a stop condition; yields committed tokens as they commit.
 
@@ -111,6 +112,8 @@ def run_rounds(
     likeliest outcomes (a draft without `ahead` runs sequentially). When the outcome is one of them
     (a hit), the next verify goes out at once with those drafts; on a miss the round drafts as without
     overlap. Drafts only choose what the target checks, so the output is the same either way.
+    `overlap_while()` gates it round by round: the ahead step is the draft's spare time put to use,
+    and under load there is none (the coordinator: while few generations run).
     """
     session = uuid.uuid4().hex
     want_drafts = request.speculate and request.num_draft_tokens > 0
@@ -153,6 +156,7 @@ def run_rounds(
             # prepare the next round during this verify only when one can follow (it may commit k+1);
             # prepared drafts are taken only then too: the ahead carries the last round's pairs
             ahead = overlap and k > 0 and limit - stopper.produced > k + 2
+            ahead = ahead and (overlap_while is None or overlap_while())
             if k > 0 and speculate and ready and ahead:
                 drafts = ready[:k]
             elif k > 0 and speculate:

@@ -230,8 +230,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             budget = self.service.settings.spec_token_budget
             k_for = adaptive_k(budget, lambda: self.service.admission.active) if budget else None
             settings = self.service.settings
-            events = observer.rounds(run_rounds(target, draft, gen, max_context=b.target_info.max_context, k_for=k_for,
-                                                overlap=settings.overlap, branches=settings.overlap_branches))
+            running = self.service.admission
+            events = observer.rounds(run_rounds(
+                target, draft, gen, max_context=b.target_info.max_context, k_for=k_for, overlap=settings.overlap,
+                branches=settings.overlap_branches,
+                overlap_while=lambda: running.active <= settings.overlap_max_running,
+            ))
             try:
                 produced = 0
                 for delta in observer.deltas(text_deltas(events, b.tokenizer, stop)):

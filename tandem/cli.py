@@ -337,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP)
     p.add_argument("--overlap-branches", type=int,
                    help="overlap: verify outcomes the draft prepares for (default 16)")
+    p.add_argument("--overlap-max-running", type=int,
+                   help="overlap only while at most this many generations run (default 1)")
     add_service_args(p, "port (default 50050; 0 = any free port)")
     p.set_defaults(func=cmd_coordinator)
 
