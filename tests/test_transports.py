@@ -208,11 +208,15 @@ def test_a_transport_mismatch_is_one_clear_error(stacks, tmp_path):
 def test_a_killed_draft_never_holds_the_target(stacks):
     procs, _ = stacks("nccl")
     target = procs["target"].address
-    expected = generations(procs["coordinator"].address, max_new_tokens=40)
+    expected = generations(procs["coordinator"].address, max_new_tokens=150)
     results = {}
-    long_run = threading.Thread(target=lambda: results.update(out=generations(procs["coordinator"].address, 40)))
+    long_run = threading.Thread(target=lambda: results.update(out=generations(procs["coordinator"].address, 150)))
     long_run.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 30
+    while _target_sessions(target) == 0:  # batched generations are quick: kill inside one, not after
+        assert time.monotonic() < deadline, "the long run never started"
+        time.sleep(0.02)
+    time.sleep(0.2)
     procs["draft"].kill()  # mid-generation, in the middle of nccl sends
     long_run.join(120)
     assert not long_run.is_alive() and results["out"] == expected  # finished target-only, losslessly
@@ -220,8 +224,9 @@ def test_a_killed_draft_never_holds_the_target(stacks):
     while _target_sessions(target) != 0:
         assert time.monotonic() < deadline, "the target still holds sessions after the draft died"
         time.sleep(0.1)
-    assert generations(procs["coordinator"].address, 40) == expected  # and it goes on serving
-    assert "feature channel" in procs["target"].log() and "broke" in procs["target"].log()
+    assert generations(procs["coordinator"].address, 150) == expected  # and it goes on serving
+    # (the target logs "the nccl feature channel ... broke" only when a send was under way at the kill;
+    # when the coordinator noticed first, no feature is sent to the dead draft at all)
 
 
 def _target_sessions(address: str) -> int:
