@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from coordinator.client import TandemClient  # noqa: E402
+from coordinator.client import TandemClient
 
 
 def rss_mib(pid: int) -> float:
@@ -32,7 +32,7 @@ def rss_mib(pid: int) -> float:
 
 def service_pids(serve_pid: int) -> dict[str, int]:
     """`tandem serve`'s children by service name (their argv: python -m tandem.cli NAME ...)."""
-    children = subprocess.run(["pgrep", "-P", str(serve_pid)], capture_output=True, text=True).stdout.split()
+    children = subprocess.run(["pgrep", "-P", str(serve_pid)], capture_output=True, text=True, check=False).stdout.split()
     return {Path(f"/proc/{pid}/cmdline").read_text().split("\0")[3]: int(pid) for pid in children}
 
 

@@ -137,21 +137,14 @@ class ServicesRunner:
         from coordinator.client import TandemClient
 
         self.log = log
-        args = [sys.executable, "-m", "tandem.cli", "serve", "--target", str(target), "--draft", str(draft),
-                "--port", "0", "--startup-timeout", str(startup_timeout), "--overlap", "on" if overlap else "off"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
-        self.address = self._wait_listening()
+        from tandem.serve import launch
+
+        self.proc, self.address = launch(["--target", str(target), "--draft", str(draft), "--port", "0",
+                                          "--startup-timeout", str(startup_timeout),
+                                          "--overlap", "on" if overlap else "off"], log)
         if pin_cores:
             pin_services(self.proc.pid)
         self.client = TandemClient(self.address, timeout=startup_timeout)
-
-    def _wait_listening(self) -> str:
-        for line in self.proc.stdout:
-            if "listening on" in line:
-                threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # keep the pipe drained
-                return line.rsplit(" ", 1)[1].strip()
-        self.proc.wait()
-        raise RuntimeError(f"tandem serve did not start:\n{self.log.read_text()[-3000:]}")
 
     def run(self, prompt_ids: list[int], mode: str, k: int, temperature: float, seed: int, max_new: int) -> Outcome:
         result = self.client.generate(

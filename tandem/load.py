@@ -170,14 +170,9 @@ def print_report(report: dict) -> None:
 
 def start_serve() -> tuple[subprocess.Popen, str]:
     """`tandem serve` on a free port (the built-in tiny pair); its process and address."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "serve", "--port", "0"],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    for line in proc.stdout:
-        if "listening on" in line:
-            return proc, line.rsplit(" ", 1)[1].strip()
-    raise RuntimeError(f"tandem serve exited with status {proc.wait()} before listening")
+    from tandem.serve import launch
+
+    return launch(["--port", "0"], env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -21,8 +21,6 @@ import json
 import signal
 import socket
 import subprocess
-import sys
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +31,7 @@ import grpc
 
 from coordinator.client import DEFAULT_MAX_MESSAGE_MIB, build_request, stats_from_pb
 from tandem.report import RequestRecord, build_report, summary
+from tandem.serve import launch
 from tandem.v1 import coordinator_pb2_grpc
 
 # Prompts of the kind the built-in tiny models were trained on (Python source).
@@ -107,7 +106,7 @@ class LaunchedStack:
     def __init__(self, config: ProfileConfig, log: Path, with_metrics: bool = True):
         names = ("coordinator", "target", "draft") if with_metrics else ()
         self.metrics = {name: f"127.0.0.1:{free_port()}" for name in names}
-        args = [sys.executable, "-m", "tandem.cli", "serve", "--port", "0", "--target-device", config.target_device,
+        args = ["--port", "0", "--target-device", config.target_device,
                 "--draft-device", config.draft_device, "--dtype", config.dtype,
                 "--overlap", "on" if config.overlap else "off"]
         if config.target is not None:
@@ -117,16 +116,7 @@ class LaunchedStack:
         for name, address in self.metrics.items():
             args += [f"--{name}-metrics-port", address.rsplit(":", 1)[1]]
         self.log = log
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
-        self.address = self._wait_listening()
-
-    def _wait_listening(self) -> str:
-        for line in self.proc.stdout:
-            if "listening on" in line:
-                threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # keep the pipe drained
-                return line.rsplit(" ", 1)[1].strip()
-        self.proc.wait()
-        raise RuntimeError(f"tandem serve did not start:\n{self.log.read_text()[-3000:]}")
+        self.proc, self.address = launch(args, log)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -165,3 +165,19 @@ def _shutdown(children: list[Child], grace: float) -> int:
         for child in group:
             status |= child.wait(grace + 10) != 0
     return int(status)
+
+
+def launch(args: list[str], log: Path | None = None, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`tandem serve ARGS` as a child process (bench, profile, load): the process and the coordinator's
+    address once it listens. Its stdout stays drained from then on (a full pipe would stall it); its
+    stderr goes to `log`."""
+    stderr = log.open("w") if log is not None else None
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", *args], stdout=subprocess.PIPE,
+                            stderr=stderr, text=True, env=env)
+    for line in proc.stdout:
+        if "listening on" in line:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            return proc, line.rsplit(" ", 1)[1].strip()
+    status = proc.wait()
+    detail = log.read_text()[-3000:] if log is not None else ""
+    raise RuntimeError(f"tandem serve exited with status {status} before listening\n{detail}".rstrip())

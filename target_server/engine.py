@@ -20,10 +20,10 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import Literal
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig

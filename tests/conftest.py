@@ -14,6 +14,22 @@ def tiny_dir(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("tiny"))
 
 
+@pytest.fixture(scope="module")
+def generator(tiny_dir):
+    """Both engines of the tiny pair in this process (tandem.inprocess), one per test module."""
+    from tandem.inprocess import InProcessGenerator
+
+    return InProcessGenerator(tiny_dir / "target", tiny_dir / "draft")
+
+
+@pytest.fixture(scope="module")
+def hf_target(tiny_dir):
+    """The tiny target as plain transformers loads it: the reference for greedy output."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_dir / "target").eval()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread():
     """The tiny models are latency-bound: one thread avoids OpenMP spin contention on a 2-core machine

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from test_core import assert_same_or_tie, generator, hf_greedy, hf_target, make_prompts  # noqa: F401 (fixtures)
+from test_core import assert_same_or_tie, hf_greedy, make_prompts
 
 from tandem.batching import Batcher
 from tandem.inprocess import InProcessGenerator

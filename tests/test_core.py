@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch
 from helpers import OracleDraft, RecordingDraft
-from transformers import AutoModelForCausalLM
 
 from coordinator.rounds import run_rounds
 from draft_server.checkpoint import REFERENCE, read_target_embedding, save_draft
@@ -27,16 +26,6 @@ def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 40, (n,), generator=g)
     return [torch.randint(2, vocab, (int(length),), generator=g).tolist() for length in lengths]
-
-
-@pytest.fixture(scope="module")
-def generator(tiny_dir) -> InProcessGenerator:
-    return InProcessGenerator(tiny_dir / "target", tiny_dir / "draft")
-
-
-@pytest.fixture(scope="module")
-def hf_target(tiny_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_dir / "target").eval()
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -11,23 +11,11 @@ import pytest
 import torch
 from helpers import OracleDraft
 from test_core import assert_same_or_tie, chi_square_p_value, hf_greedy, make_prompts
-from transformers import AutoModelForCausalLM
 
 from coordinator.rounds import run_rounds
 from draft_server.engine import DraftEngine
-from tandem.inprocess import InProcessGenerator
 from tandem.params import GenerationRequest, SamplingParams
 from target_server.acceptance import target_probs
-
-
-@pytest.fixture(scope="module")
-def generator(tiny_dir) -> InProcessGenerator:
-    return InProcessGenerator(tiny_dir / "target", tiny_dir / "draft")
-
-
-@pytest.fixture(scope="module")
-def hf_target(tiny_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_dir / "target").eval()
 
 
 def generate(generator, draft, request, **kw):
