@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import random
-import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.client import TandemClient
+from tandem.serve import launch
+from tandem.serve import stop as stop_serve
 
 
 def rss_mib(pid: int) -> float:
@@ -58,13 +58,8 @@ def main() -> int:
         pair = ensure_tiny()
         target, draft = pair / "target", pair / "draft"
 
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "serve", "--target", str(target), "--draft", str(draft), "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
+    serve, address = launch(["--target", str(target), "--draft", str(draft), "--port", "0"])
     try:
-        address = next(line for line in serve.stdout if "listening on" in line).rsplit(" ", 1)[1].strip()
-        threading.Thread(target=serve.stdout.read, daemon=True).start()
         pids = service_pids(serve.pid)
         client = TandemClient(address, timeout=600)
         stop = time.monotonic() + args.duration
@@ -91,8 +86,7 @@ def main() -> int:
             for future in futures:
                 future.result()
     finally:
-        serve.send_signal(signal.SIGTERM)
-        serve.wait(60)
+        stop_serve(serve)
     return 0
 
 

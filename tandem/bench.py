@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -155,13 +153,9 @@ class ServicesRunner:
 
     def close(self) -> None:
         self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from tandem.serve import stop
+
+        stop(self.proc)
 
 
 def pin_services(serve_pid: int, cores: dict[str, int] | None = None) -> dict[str, int]:

@@ -17,7 +17,6 @@ import itertools
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -192,8 +191,9 @@ def run(args: argparse.Namespace) -> int:
         report = run_load(address, args.clients, args.duration, args.timeout)
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+            from tandem.serve import stop
+
+            stop(proc)
     if args.json:
         print(json.dumps(report))
     else:

@@ -18,9 +18,7 @@ what each process counted at its own send site beside the coordinator's join (re
 from __future__ import annotations
 
 import json
-import signal
 import socket
-import subprocess
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +30,7 @@ import grpc
 from coordinator.client import DEFAULT_MAX_MESSAGE_MIB, build_request, stats_from_pb
 from tandem.report import RequestRecord, build_report, summary
 from tandem.serve import launch
+from tandem.serve import stop as stop_serve
 from tandem.v1 import coordinator_pb2_grpc
 
 # Prompts of the kind the built-in tiny models were trained on (Python source).
@@ -119,13 +118,7 @@ class LaunchedStack:
         self.proc, self.address = launch(args, log)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_serve(self.proc)
 
 
 def scrape_sent_bytes(address: str) -> dict[str, dict[str, int]]:

@@ -181,3 +181,14 @@ def launch(args: list[str], log: Path | None = None, env: dict[str, str] | None 
     status = proc.wait()
     detail = log.read_text()[-3000:] if log is not None else ""
     raise RuntimeError(f"tandem serve exited with status {status} before listening\n{detail}".rstrip())
+
+
+def stop(proc: subprocess.Popen, grace: float = 60.0) -> None:
+    """Stop a launched `tandem serve`: SIGTERM (it drains), then SIGKILL after `grace` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
