@@ -144,7 +144,9 @@ class DraftEngine(SessionOwner):
         if not create:
             self._count_outcome(num_draft_tokens, m - 1)
         step = _Step(session, features, list(next_tokens), num_draft_tokens)
-        drafts = self.batcher.submit(step, m + num_draft_tokens, key=session_id)
+        # a session's first extend carries the whole prompt: padding the other sessions' few pairs to it
+        # would be wasted work, so first extends share batches only with each other
+        drafts = self.batcher.submit(step, m + num_draft_tokens, key=session_id, group="first" if create else "next")
         session.last_used = time.monotonic()
         return drafts
 

@@ -6,12 +6,13 @@ The protocol per session (ARCHITECTURE.md, 0-indexed positions):
   verify(t, d_1..d_K)          -> one forward at positions n..n+K, accept a drafts,
                                   bonus b, KV cropped to n+1+a, features of t, d_1..d_a [a+1, 3H]
 
-Concurrent sessions are batched (tandem/batching.py): the prefill and verify steps queued while a
-forward runs share the next one. Each session keeps its own unpadded KV; a batch stacks them
-left-padded (with an attention mask and per-sequence positions), runs one forward over the new
-tokens right-padded, and each session keeps only the KV of the tokens it commits. KV memory is
-bounded: a prefill reserves its whole generation's KV (prompt + max_new_tokens) and waits, then
-fails with ResourceExhausted, while the budget is taken.
+Concurrent sessions are batched (tandem/batching.py): the prefill steps queued while a forward runs
+share the next one, and so do the verify steps (a prefill padded among verifies is wasted work).
+Each session keeps its own unpadded KV; a batch stacks them left-padded (with an attention mask and
+per-sequence positions), runs one forward over the new tokens right-padded, and each session keeps
+only the KV of the tokens it commits. KV memory is bounded: a prefill reserves its whole
+generation's KV (prompt + max_new_tokens) and waits, then fails with ResourceExhausted, while the
+budget is taken.
 """
 
 from __future__ import annotations
@@ -248,7 +249,7 @@ class TargetEngine(SessionOwner):
                   for _ in range(self.num_layers)]
             session = _Session(kv=kv, params=params, generator=generator, reserved=reserve)
             step = _Step("prefill", session, list(prompt_ids), want_features)
-            result = self.batcher.submit(step, len(prompt_ids), key=session_id)
+            result = self.batcher.submit(step, len(prompt_ids), key=session_id, group="prefill")
             self.sessions.add(session_id, session)
         except BaseException:
             self.kv_budget.free(reserve)
@@ -267,7 +268,7 @@ class TargetEngine(SessionOwner):
                 "reserved (prompt + max_new_tokens)"
             )
         step = _Step("verify", session, [token, *drafts], want_features)
-        result = self.batcher.submit(step, 1 + len(drafts), key=session_id)
+        result = self.batcher.submit(step, 1 + len(drafts), key=session_id, group="verify")
         session.last_used = time.monotonic()
         return result
 

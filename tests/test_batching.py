@@ -130,6 +130,29 @@ def test_batches_respect_the_size_and_token_bounds():
     assert sorted(i for batch in seen for i in batch) == list(range(8))
 
 
+
+def test_steps_of_different_groups_never_share_a_batch():
+    """A long prefill is not padded among one-token verifies; the group left behind runs next."""
+    seen: list[list[tuple[str, int]]] = []
+    gate = threading.Event()
+
+    def run(items):
+        gate.wait(5)
+        seen.append(list(items))
+        return items
+
+    batcher = Batcher(run, max_batch=16, max_tokens=1000)
+    steps = [("verify", 1), ("prefill", 2), ("verify", 3), ("verify", 4), ("prefill", 5)]
+    with ThreadPoolExecutor(8) as pool:
+        first = pool.submit(batcher.submit, ("verify", 0), 1, "s0", "verify")
+        time.sleep(0.1)  # it runs alone; the rest queue behind it
+        rest = [pool.submit(batcher.submit, step, 48 if step[0] == "prefill" else 1, f"s{step[1]}", step[0])
+                for step in steps]
+        time.sleep(0.2)
+        gate.set()
+        assert first.result() == ("verify", 0) and [f.result() for f in rest] == steps
+    assert seen == [[("verify", 0)], [("verify", 1), ("verify", 3), ("verify", 4)], [("prefill", 2), ("prefill", 5)]]
+
 @torch.inference_mode()
 def test_memory_does_not_grow_over_a_long_batched_run(generator):
     """Many rounds of 8 concurrent sessions: the number of live tensors returns to where it was."""
