@@ -110,6 +110,10 @@ class DraftEngine(SessionOwner):
         self._draft_id[self.model.to_target_ids(torch.arange(d2t.numel(), device=d2t.device))] = torch.arange(
             d2t.numel(), device=d2t.device)
 
+    def release(self, session_id: str) -> bool:
+        self.batcher.forget(session_id)
+        return super().release(session_id)
+
     def shape(self, max_target_id: int | None = None) -> DraftShape:
         if max_target_id is None:
             d2t = self.model.d2t

@@ -10,9 +10,14 @@ passes: whatever arrived while a batch ran goes into the next one (vLLM's contin
 Unlike vLLM's scheduler, the engine does not make a session's next step itself: it comes back
 after a round trip (coordinator, draft). Taking only what is queued the moment a batch ends would
 split N sessions into ragged waves of a few steps each (measured: a mean batch of 6.8 for 16
-sessions). So the runner waits for the sessions served in the last two batches to queue again, at
-most `max_wait` and never longer than the previous batch took; a lone request runs at once, and a
-session that has finished costs one window.
+sessions). So the runner waits for the sessions due back soon: each session's time away between
+two of its steps is tracked (a moving average), and the runner waits for those of the last two
+batches whose return falls within a window of `window` times the previous batch's time (at most
+`max_wait`); a lone request runs at once. Sessions due later are not waited for: with drafting,
+sessions split into two waves, one verifying while the other drafts, and waiting for the wave that
+is away left the engine idle for a whole window per batch (measured at 4 concurrent: 10 ms waits
+between 11 ms batches; EAGLE-3 went from 200-237 to 264-298 tok/s on the demo pair). The engines
+`forget` a session when it is released, so that no batch waits for one that has ended.
 
 Steps of different groups never share a batch (`submit(..., group=...)`): the engines pad every
 sequence of a batch to its longest, so a 48-token prefill among one-token verifies would make the
@@ -55,7 +60,8 @@ class Batcher(Generic[Item]):
     """
 
     def __init__(
-        self, run: Callable[[list[Item]], Sequence[Any]], max_batch: int, max_tokens: int, max_wait: float = 0.01
+        self, run: Callable[[list[Item]], Sequence[Any]], max_batch: int, max_tokens: int, max_wait: float = 0.01,
+        window: float = 0.5,
     ):
         if max_batch < 1 or max_tokens < 1:
             raise ValueError(f"max_batch and max_tokens must be >= 1, got {max_batch}, {max_tokens}")
@@ -63,12 +69,15 @@ class Batcher(Generic[Item]):
         self.max_batch = max_batch
         self.max_tokens = max_tokens
         self.max_wait = max_wait
+        self.window = window
         self._queue: list[_Job] = []
         lock = threading.Lock()
         self._changed = threading.Condition(lock)  # a batch finished: the waiting callers look
         self._arrived = threading.Condition(lock)  # a step was queued: the runner looks
         self._running = False
-        self._served: dict[object, int] = {}  # session -> the batch that last served it
+        self._served: dict[object, tuple[int, float]] = {}  # session -> the batch that last served it, its end
+        self._away: dict[object, float] = {}  # session -> its time away between batches (moving average)
+        self._away_any = 0.0  # the same over all sessions: a new session's guess
         self._last_seconds = 0.0
         self.batches = 0  # forward passes run, and steps in them: the mean batch size is their ratio
         self.steps = 0
@@ -76,6 +85,10 @@ class Batcher(Generic[Item]):
     def submit(self, item: Item, tokens: int, key: object = None, group: object = None) -> Any:
         job = _Job(item, tokens, key, group, current_clock())
         with self._changed:
+            if key in self._served:
+                away = time.monotonic() - self._served[key][1]
+                self._away[key] = (self._away.get(key, away) + away) / 2
+                self._away_any = (self._away_any + away) / 2
             self._queue.append(job)
             self._arrived.notify()
             while not job.done:
@@ -97,17 +110,27 @@ class Batcher(Generic[Item]):
         return job.result
 
     def _refill(self) -> None:
-        """Wait (lock held) for the queue to reach the previous batch's size, within the window."""
+        """Wait (lock held) for the sessions due back within the window."""
         recent = self.batches - 2
-        for key in [k for k, b in self._served.items() if b < recent]:
+        for key in [k for k, (b, _) in self._served.items() if b < recent]:
             del self._served[key]
-        want = min(len(self._served.keys() | {job.key for job in self._queue}), self.max_batch)
-        deadline = time.monotonic() + min(self.max_wait, self._last_seconds)
-        while len(self._queue) < want:
+            self._away.pop(key, None)
+        deadline = time.monotonic() + min(self.max_wait, self.window * self._last_seconds)
+        while len(self._queue) < self.max_batch:
+            queued = {job.key for job in self._queue}
+            due = any(end + self._away.get(k, self._away_any) <= deadline
+                      for k, (_, end) in self._served.items() if k not in queued)
             left = deadline - time.monotonic()
-            if left <= 0:
+            if not due or left <= 0:
                 return
             self._arrived.wait(left)
+
+    def forget(self, key: object) -> None:
+        """The session ended: no batch waits for it to come back."""
+        with self._arrived:
+            self._away.pop(key, None)
+            if self._served.pop(key, None) is not None:
+                self._arrived.notify()
 
     def _take(self) -> list[_Job]:
         """The next batch: the oldest step's group in arrival order; a step larger than `max_tokens`
@@ -139,6 +162,6 @@ class Batcher(Generic[Item]):
             self.batches += 1
             for job in batch:
                 if job.key is not None:
-                    self._served[job.key] = self.batches
+                    self._served[job.key] = (self.batches, time.monotonic())
         for job, result in zip(batch, results, strict=True):
             job.result, job.done = result, True

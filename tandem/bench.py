@@ -11,8 +11,10 @@ setting, the coordinator's --overlap) and calls the coordinator with coordinator
 (constant schedule, transformers' default confidence threshold), in this process.
 
 Every case decodes every prompt to exactly --max-new-tokens tokens (EOS does not stop it), after one
-warm-up generation. The cases take turns prompt by prompt (a batch of `concurrency` prompts at a time),
-each batch in a rotated order, so that a change in the machine's load touches all of them alike.
+warm-up generation. At concurrency c, c clients keep c requests in flight (a client starts its next
+request as soon as one ends, vLLM's benchmark_serving --max-concurrency); the prompts repeat until
+there are 4 requests per client. The cases take turns block by block (4c requests at a time), each
+block in a rotated order, so that a change in the machine's load touches all of them alike.
 
 Output: a markdown table on stdout; with --json PATH, {"runs": [...]} (one entry per case, the fields of
 RunResult) and a PNG next to it; without, the PNG goes under --out. `accepted_per_position[k]` is the
@@ -330,19 +332,36 @@ def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = 
             runners[case.stack, case.mode, case.overlap].run(warm, case.mode, case.K, case.temperature, config.seed, 8)
         for c in sorted(set(config.concurrency)):
             group = [case for case in cases if case.concurrency == c]
-            batches = [config.prompts[i : i + c] for i in range(0, len(config.prompts), c)]
-            for b, batch in enumerate(batches):
+            requests = concurrency_requests(config.prompts, c)
+            blocks = [requests[i : i + BLOCK_PER_CLIENT * c] for i in range(0, len(requests), BLOCK_PER_CLIENT * c)]
+            first = 0
+            for b, block in enumerate(blocks):
                 offset = b % len(group)
                 for case in group[offset:] + group[:offset]:  # rotated: no case always runs first
-                    _run_batch(case, runners[case.stack, case.mode, case.overlap], batch, b * c, config)
-                echo(f"bench: concurrency {c}: {min(len(config.prompts), (b + 1) * c)}/{len(config.prompts)} prompts")
+                    _run_block(case, runners[case.stack, case.mode, case.overlap], block, first, c, config)
+                first += len(block)
+                echo(f"bench: concurrency {c}: {first}/{len(requests)} requests")
     finally:
         for runner in {id(r): r for r in runners.values()}.values():
             runner.close()
     return [case.result() for case in cases]
 
 
-def _run_batch(case: Case, runner, batch: list[list[int]], first: int, config: BenchConfig) -> None:
+# a case runs its requests in blocks of this many per client: the last requests of a block run with
+# fewer than `concurrency` in flight, so blocks are long enough for that tail to be small
+BLOCK_PER_CLIENT = 4
+
+
+def concurrency_requests(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """The prompts, repeated in turn until there are BLOCK_PER_CLIENT per client."""
+    n = max(len(prompts), BLOCK_PER_CLIENT * concurrency)
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def _run_block(case: Case, runner, batch: list[list[int]], first: int, concurrency: int, config: BenchConfig) -> None:
+    """`concurrency` clients take the block's requests one after another: a client that finishes
+    starts the next request at once, so `concurrency` are in flight until the block runs out
+    (vLLM's benchmark_serving --max-concurrency)."""
     def one(i: int) -> Outcome:
         started = time.perf_counter()
         outcome = runner.run(batch[i], case.mode, case.K, case.temperature, config.seed + first + i,
@@ -351,10 +370,10 @@ def _run_batch(case: Case, runner, batch: list[list[int]], first: int, config: B
         return outcome
 
     started = time.perf_counter()
-    if len(batch) == 1:
-        outcomes = [one(0)]
+    if concurrency == 1:
+        outcomes = [one(i) for i in range(len(batch))]
     else:
-        with ThreadPoolExecutor(len(batch)) as pool:
+        with ThreadPoolExecutor(concurrency) as pool:
             outcomes = list(pool.map(one, range(len(batch))))
     case.seconds += time.perf_counter() - started
     case.outcomes += outcomes

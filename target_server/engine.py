@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.utils import logging as hf_logging
@@ -44,53 +45,74 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class KVLayer(DynamicLayer):
-    """One layer's KV in a preallocated buffer [B, kv_heads, capacity, head_dim], the first `length`
-    positions filled. The forward writes its new keys in place; transformers' DynamicLayer concatenates,
-    which copies a session's whole cache at every step (measured: 15% of the target's time at 16
-    sessions). Growing past the capacity doubles it (one copy)."""
+    """One layer's KV for one forward, in a buffer [B, kv_heads, capacity, head_dim] holding the batch's
+    past (the first `length` positions) with room for the new tokens, which the forward writes in place.
+    transformers' DynamicLayer concatenates, which copies the whole cache at every step."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
         super().__init__()
         self.buffer_keys, self.buffer_values = keys, values
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
-        self._set_length(length)
-
-    @classmethod
-    def empty(cls, batch: int, heads: int, head_dim: int, capacity: int, dtype, device) -> KVLayer:
-        keys = torch.zeros(batch, heads, capacity, head_dim, dtype=dtype, device=device)
-        return cls(keys, torch.zeros_like(keys), 0)
-
-    def _set_length(self, length: int) -> None:
         self.length = length
-        self.keys = self.buffer_keys[:, :, :length]
-        self.values = self.buffer_values[:, :, :length]
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         end = self.length + key_states.shape[-2]
-        if end > self.buffer_keys.shape[2]:
-            capacity = max(end, 2 * self.buffer_keys.shape[2])
-            for name in ("buffer_keys", "buffer_values"):
-                old = getattr(self, name)
-                new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
-                new[:, :, : self.length] = old[:, :, : self.length]
-                setattr(self, name, new)
         self.buffer_keys[:, :, self.length : end] = key_states
         self.buffer_values[:, :, self.length : end] = value_states
-        self._set_length(end)
+        self.length = end
+        self.keys, self.values = self.buffer_keys[:, :, :end], self.buffer_values[:, :, :end]
         return self.keys, self.values
 
-    def crop(self, max_length: int) -> None:
-        self._set_length(min(self.length, max_length if max_length >= 0 else self.length + max_length))
+
+class KVPool:
+    """Every session's KV in blocks of BLOCK positions (vLLM's paged KV cache, gathered for each forward):
+    per layer one keys and one values tensor [blocks * BLOCK, kv_heads, head_dim]. A session holds a list
+    of blocks and `rows`, the pool row of each of its positions. A batch's past is one gather per layer,
+    and the tokens it commits one scatter per layer, whatever the number of sessions (per-session
+    buffers cost two copies per session and layer each way: 30% of the target's time at 16 sessions).
+    The pool grows by doubling when its blocks run out; the KV budget bounds what the sessions hold."""
+
+    BLOCK = 16
+
+    def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 blocks: int = 64):
+        self.shape = (heads, head_dim)
+        self.keys = [torch.zeros(blocks * self.BLOCK, heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self._free = list(range(blocks))
+        self._lock = threading.Lock()  # releases come from the service threads
+
+    @property
+    def blocks(self) -> int:
+        return self.keys[0].shape[0] // self.BLOCK
+
+    def allocate(self, n: int) -> list[int]:
+        with self._lock:
+            if len(self._free) < n:
+                old = self.blocks
+                grown = max(2 * old, old + n - len(self._free))
+                for table in (self.keys, self.values):
+                    for i, t in enumerate(table):
+                        table[i] = torch.cat([t, t.new_zeros((grown - old) * self.BLOCK, *self.shape)])
+                self._free += range(old, grown)
+            taken, self._free = self._free[:n], self._free[n:]
+            return taken
+
+    def free(self, blocks: list[int]) -> None:
+        with self._lock:
+            self._free += blocks
 
 
 @dataclass
 class _Session:
-    kv: list[KVLayer]  # one per decoder layer, batch 1
     params: SamplingParams
     generator: torch.Generator | None
     length: int = 0  # tokens whose KV is committed
     reserved: int = 0  # KV tokens this session may grow to (its share of the budget)
+    blocks: list[int] = field(default_factory=list)  # its KVPool blocks
+    rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # pool row per position
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -185,6 +207,7 @@ class TargetEngine(SessionOwner):
         self.eos_token_ids = _eos_ids(self.model_dir, self.config)
         self.sessions: SessionTable[_Session] = SessionTable("target")
         self.kv_budget = KVBudget(kv_cache_tokens, queue_timeout)
+        self.kv_pool = KVPool(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device)
         # One forward at a time (the model and the capture hooks are shared), batched across sessions.
         self.batcher: Batcher[_Step] = Batcher(self._run_batch, max_batch_size, max_batch_tokens)
 
@@ -195,16 +218,22 @@ class TargetEngine(SessionOwner):
 
     def release(self, session_id: str) -> bool:
         session = self.sessions.pop(session_id)
+        self.batcher.forget(session_id)
         if session is None:
             return False
-        self.kv_budget.free(session.reserved)
+        self._free(session)
         return True
 
     def evict_idle(self, ttl: float) -> list[str]:
         evicted = self.sessions.evict_idle_items(ttl)
         for session in evicted.values():
-            self.kv_budget.free(session.reserved)
+            self._free(session)
         return list(evicted)
+
+    def _free(self, session: _Session) -> None:
+        self.kv_pool.free(session.blocks)
+        session.blocks = []
+        self.kv_budget.free(session.reserved)
 
     def _check_ids(self, ids: list[int], what: str) -> None:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
@@ -240,19 +269,15 @@ class TargetEngine(SessionOwner):
         if max_new_tokens is not None:
             reserve = min(reserve, len(prompt_ids) + max_new_tokens + MAX_DRAFT_TOKENS + 1)
         self.kv_budget.reserve(reserve)
+        # Every layer keeps its full KV, so verify can always roll back (a config-built cache trims
+        # sliding-window layers, Mistral's, and then cannot crop); blocks are taken as it grows.
+        session = _Session(params=params, generator=generator, reserved=reserve)
         try:
-            # Every layer keeps its full KV, so verify can always roll back (a config-built cache trims
-            # sliding-window layers, Mistral's, and then cannot crop). Room for the prompt and a few
-            # rounds; it doubles when needed, up to the reservation.
-            capacity = min(reserve, len(prompt_ids) + 64)
-            kv = [KVLayer.empty(1, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
-                  for _ in range(self.num_layers)]
-            session = _Session(kv=kv, params=params, generator=generator, reserved=reserve)
             step = _Step("prefill", session, list(prompt_ids), want_features)
             result = self.batcher.submit(step, len(prompt_ids), key=session_id, group="prefill")
             self.sessions.add(session_id, session)
         except BaseException:
-            self.kv_budget.free(reserve)
+            self._free(session)
             raise
         return result
 
@@ -276,21 +301,11 @@ class TargetEngine(SessionOwner):
 
     @torch.inference_mode()
     def _run_batch(self, steps: list[_Step]) -> list[PrefillResult | VerifyResult]:
-        if len(steps) == 1:  # alone: the forward writes into the session's own buffers, no padding
-            step = steps[0]
-            ids = torch.tensor([step.ids], device=self.device)
-            own = step.session.kv
-            hidden = self.decoder(input_ids=ids, past_key_values=Cache(layers=own), use_cache=True).last_hidden_state
-            rows = hidden[0, -1:] if step.kind == "prefill" else hidden[0]
-
-            def keep_first(keep: int) -> None:
-                for layer in own:
-                    layer.crop(step.session.length + keep)
-
-            return [self._finish(step, self._logits(rows), self.capture.take()[0], keep_first)]
         past = [step.session.length for step in steps]
         sizes = [len(step.ids) for step in steps]
         longest, width = max(past), max(sizes)
+        for step, n in zip(steps, sizes, strict=True):
+            self._grow(step.session, step.session.length + n)
         ids = torch.zeros(len(steps), width, dtype=torch.long)
         mask = torch.zeros(len(steps), longest + width, dtype=torch.long)
         positions = torch.zeros(len(steps), width, dtype=torch.long)
@@ -298,10 +313,10 @@ class TargetEngine(SessionOwner):
             ids[i, : sizes[i]] = torch.tensor(step.ids)
             mask[i, longest - past[i] : longest + sizes[i]] = 1  # padding before the past and after the new tokens
             positions[i] = torch.arange(past[i], past[i] + width)
-        batch = self._stack_kv(steps, past, longest, width)
+        batch = self._gather_kv(steps, longest, width)
         hidden = self.decoder(
             input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
+            attention_mask=None if len(steps) == 1 else mask.to(self.device),
             position_ids=positions.to(self.device),
             past_key_values=Cache(layers=batch),
             use_cache=True,
@@ -311,30 +326,50 @@ class TargetEngine(SessionOwner):
         rows = [hidden[i, n - 1 : n] if step.kind == "prefill" else hidden[i, :n]
                 for i, (step, n) in enumerate(zip(steps, sizes, strict=True))]
         logits = self._logits(torch.cat(rows)).split([len(r) for r in rows])
+        kept = [0] * len(steps)
+        results = [self._finish(step, logits[i], features[i, : sizes[i]], lambda n, i=i: kept.__setitem__(i, n))
+                   for i, step in enumerate(steps)]
+        self._scatter_kv(steps, past, kept, batch, longest, width)
+        for step, n in zip(steps, kept, strict=True):
+            step.session.length += n
+        return results
 
-        def commit(i: int) -> Callable[[int], None]:
-            def keep_first(keep: int) -> None:  # the tokens it commits go to the session's own buffers
-                end = longest + keep
-                for own, layer in zip(steps[i].session.kv, batch, strict=True):
-                    own.update(layer.buffer_keys[i : i + 1, :, longest:end], layer.buffer_values[i : i + 1, :, longest:end])
+    def _grow(self, session: _Session, length: int) -> None:
+        """Blocks for `length` positions."""
+        need = -(-length // KVPool.BLOCK) - len(session.blocks)
+        if need > 0:
+            blocks = self.kv_pool.allocate(need)
+            session.blocks += blocks
+            first = torch.tensor(blocks, device=self.device)[:, None] * KVPool.BLOCK
+            session.rows = torch.cat([session.rows.to(self.device), (first + torch.arange(KVPool.BLOCK, device=self.device)).flatten()])
 
-            return keep_first
-
-        return [self._finish(step, logits[i], features[i, : sizes[i]], commit(i)) for i, step in enumerate(steps)]
-
-    def _stack_kv(self, steps: list[_Step], past: list[int], longest: int, width: int) -> list[KVLayer]:
-        """The batch's KV, each sequence left-padded to `longest`, with room for `width` new tokens."""
+    def _gather_kv(self, steps: list[_Step], longest: int, width: int) -> list[KVLayer]:
+        """The batch's KV, each sequence's past left-padded to `longest`, with room for `width` new tokens."""
+        shape = (len(steps), self.kv_heads, longest + width, self.head_dim)
+        if longest == 0:
+            return [KVLayer(torch.empty(shape, dtype=self.dtype, device=self.device),
+                            torch.empty(shape, dtype=self.dtype, device=self.device), 0)
+                    for _ in range(self.num_layers)]
+        index = pad_sequence([step.session.rows[: step.session.length] for step in steps], batch_first=True,
+                             padding_side="left")  # [B, longest]; padding reads row 0, masked out
         batch = []
-        for index in range(self.num_layers):
-            keys = torch.zeros(len(steps), self.kv_heads, longest + width, self.head_dim, dtype=self.dtype, device=self.device)
-            values = torch.zeros_like(keys)
-            for i, step in enumerate(steps):
-                if past[i]:
-                    own = step.session.kv[index]
-                    keys[i, :, longest - past[i] : longest] = own.keys[0]
-                    values[i, :, longest - past[i] : longest] = own.values[0]
-            batch.append(KVLayer(keys, values, longest))  # the forward appends its tokens in place
+        for pool_keys, pool_values in zip(self.kv_pool.keys, self.kv_pool.values, strict=True):
+            keys = torch.empty(shape, dtype=self.dtype, device=self.device)
+            values = torch.empty(shape, dtype=self.dtype, device=self.device)
+            keys[:, :, :longest] = pool_keys[index].transpose(1, 2)
+            values[:, :, :longest] = pool_values[index].transpose(1, 2)
+            batch.append(KVLayer(keys, values, longest))
         return batch
+
+    def _scatter_kv(self, steps: list[_Step], past: list[int], kept: list[int], batch: list[KVLayer],
+                    longest: int, width: int) -> None:
+        """The KV of the tokens each session commits (its first `kept` new ones) into its pool rows."""
+        rows = torch.cat([step.session.rows[p : p + n] for step, p, n in zip(steps, past, kept, strict=True)])
+        chosen = torch.arange(width)[None] < torch.tensor(kept)[:, None]  # [B, width]
+        chosen = chosen.to(self.device)
+        for layer, pool_keys, pool_values in zip(batch, self.kv_pool.keys, self.kv_pool.values, strict=True):
+            pool_keys[rows] = layer.buffer_keys[:, :, longest:].transpose(1, 2)[chosen]
+            pool_values[rows] = layer.buffer_values[:, :, longest:].transpose(1, 2)[chosen]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
@@ -345,7 +380,7 @@ class TargetEngine(SessionOwner):
         self, step: _Step, logits: torch.Tensor, features: torch.Tensor, commit: Callable[[int], None]
     ) -> PrefillResult | VerifyResult:
         """Sample or accept from one sequence's logits (prefill: [1, V], verify: [K+1, V]); `commit(n)`
-        keeps the KV of its first n new tokens."""
+        is told how many of its new tokens it keeps."""
         session = step.session
         if step.kind == "prefill":
             keep = len(step.ids)
@@ -360,7 +395,6 @@ class TargetEngine(SessionOwner):
                 accepted=drafts[:accepted], bonus=bonus, features=features[:keep] if step.want_features else None
             )
         commit(keep)
-        session.length += keep
         return out
 
 

@@ -16,7 +16,7 @@ from tandem.batching import Batcher
 from tandem.inprocess import InProcessGenerator
 from tandem.params import GenerationRequest, SamplingParams
 from tandem.sessions import ResourceExhausted
-from target_server.engine import TargetEngine
+from target_server.engine import KVPool, TargetEngine
 
 
 def run_concurrently(generator: InProcessGenerator, requests: list[GenerationRequest]) -> list[list[int]]:
@@ -57,6 +57,25 @@ def test_concurrent_greedy_sessions_match_target_only(generator, hf_target):
                                                                           draft_steps, draft_batches)
     assert generator.target.num_sessions == 0 and generator.draft.num_sessions == 0
     assert generator.target.kv_budget.used == 0
+
+
+def test_the_paged_kv_pool_grows_under_load_and_gets_every_block_back(generator, hf_target):
+    """From a pool of one block, concurrent sessions take blocks as they grow (the pool doubles, mid-run);
+    outputs equal transformers' greedy and every block is free again afterwards."""
+    target = generator.target
+    saved = target.kv_pool
+    target.kv_pool = KVPool(target.num_layers, target.kv_heads, target.head_dim, target.dtype, target.device, blocks=1)
+    try:
+        prompts = make_prompts(6, target.vocab_size, seed=5)
+        requests = [GenerationRequest(prompt_ids=p, max_new_tokens=24 + 4 * i, num_draft_tokens=3, ignore_eos=True)
+                    for i, p in enumerate(prompts)]
+        outputs = run_concurrently(generator, requests)
+        for request, ours in zip(requests, outputs, strict=True):
+            assert_same_or_tie(hf_target, request.prompt_ids, ours, hf_greedy(hf_target, request.prompt_ids, len(ours)))
+        pool = target.kv_pool
+        assert pool.blocks > 1 and sorted(pool._free) == list(range(pool.blocks))
+    finally:
+        target.kv_pool = saved
 
 
 def test_sampled_sessions_give_the_same_tokens_batched_as_alone(generator):
@@ -152,6 +171,18 @@ def test_steps_of_different_groups_never_share_a_batch():
         gate.set()
         assert first.result() == ("verify", 0) and [f.result() for f in rest] == steps
     assert seen == [[("verify", 0)], [("verify", 1), ("verify", 3), ("verify", 4)], [("prefill", 2), ("prefill", 5)]]
+
+def test_a_batch_does_not_wait_for_a_session_that_ended():
+    """The runner waits for sessions due back soon, unless the engine said they are released."""
+    batcher = Batcher(lambda items: items, max_batch=8, max_tokens=100, max_wait=5.0, window=1000.0)
+    batcher.submit("a1", 1, key="a")
+    batcher.submit("b1", 1, key="b")
+    batcher._last_seconds = 1.0  # a window far longer than the test: only `forget` ends the wait
+    threading.Timer(0.3, batcher.forget, args=("a",)).start()
+    started = time.monotonic()
+    assert batcher.submit("b2", 1, key="b") == "b2"
+    assert 0.25 < time.monotonic() - started < 3.0
+
 
 @torch.inference_mode()
 def test_memory_does_not_grow_over_a_long_batched_run(generator):

@@ -87,7 +87,8 @@ def test_verify_crops_the_kv_cache_to_the_committed_length(generator):
     first = target.prefill("crop", prompt, SamplingParams()).token
     result = target.verify("crop", first, [3, 3, 3, 3])  # almost surely rejected at once
     committed = len(prompt) + 1 + len(result.accepted)
-    assert all(layer.length == committed for layer in target.sessions.get("crop").kv)
+    session = target.sessions.get("crop")
+    assert session.length == committed and len(session.rows) >= committed
     assert result.features.shape == (len(result.accepted) + 1, 3 * target.hidden_size)
     assert target.release("crop")
 
