@@ -4,8 +4,8 @@ temperatures against `tandem serve`, printing the resident memory of each servic
     python bench/batching_soak.py [--demo | --target DIR --draft DIR] [-c 16] [--duration 240] [--interval 15]
 
 Every client loops: a random prompt of 1-60 tokens, 8-96 new tokens, K 1-5, temperature 0 or 0.7. The
-KV of a finished generation must be gone (the target's KV buffers, the draft's cache): RSS should
-level off after the first interval and stay there. Linux only (/proc).
+KV of a finished generation must be given back (the target's pool blocks, which the pool keeps for the
+next ones; the draft's cache): RSS should level off after the first interval and stay there. Linux only (/proc).
 """
 
 from __future__ import annotations

@@ -6,14 +6,16 @@ Features are opaque here (a tensor in-process, a wire message over gRPC): the lo
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from tandem.params import GenerationRequest
+from tandem.params import MAX_DRAFT_TOKENS, GenerationRequest
 from tandem.protocol import Branch, DraftBackend, DraftUnavailable, Pending, TargetBackend
 
 log = logging.getLogger("tandem.rounds")
@@ -30,7 +32,8 @@ class GenerationStats(BaseModel):
     accepted_per_position: list[int] = []  # [K]: rounds in which draft k was accepted
     # rounds that asked for drafts and ran without (no draft, or it was lost mid-request)
     num_rounds_without_draft: int = 0
-    # rounds run target-only because the server was too busy for speculation to pay (adaptive K)
+    # rounds run target-only because speculation would not pay: the server was too busy (adaptive K)
+    # or the drafts were rarely accepted (the acceptance gate)
     num_rounds_load_shed: int = 0
     # overlap: verify rounds during which the draft prepared the next round, and of those the ones
     # whose outcome it had prepared for (the next drafts were ready when the verify answered)
@@ -91,6 +94,64 @@ def adaptive_k(budget: int, running: Callable[[], int]) -> Callable[[int], int]:
     return k_for
 
 
+class AcceptanceGate:
+    """K by what the drafts win: speculation runs only where the drafts accepted pay for drafting them.
+
+    Over the server's verify rounds (greedy and sampled requests apart: a head is accepted far more
+    often at temperature 0), it counts for each draft position k how often draft k was verified after
+    k-1 accepted ones, and how often it was accepted: p_k. With K drafts a round commits
+    E(K) = 1 + p_1 + p_1 p_2 + ... tokens and costs 1 + cost * K verify rounds' time (`cost`: one draft
+    token's share, drafting and its transfer included), so K is the one that maximises E(K) / (1 + cost * K),
+    and 0 (target-only) when none beats 1. On the 2-core CPU with the demo pair a K=3 round costs
+    about two target-only rounds (cost 0.3); with a random head (the tiny pair) EAGLE-3 ran at 0.55x
+    target-only, and sampling at temperature 1 with the demo head at 0.59x.
+
+    Until a position has been tried `MIN_ROUNDS` times it counts as always accepted, so a new server
+    speculates at the requested K until the counts say otherwise. While the gate is shut one request in `PROBE_EVERY` speculates for its
+    first `PROBE_ROUNDS` rounds anyway, so that a change of traffic (a prompt mix the head knows) can
+    open it again. Old counts fade (halved past HALF_LIFE rounds).
+    """
+
+    MIN_ROUNDS = 16
+    PROBE_EVERY = 32
+    PROBE_ROUNDS = 4
+    HALF_LIFE = 4096
+
+    def __init__(self, cost: float):
+        self.cost = cost
+        self._lock = threading.Lock()
+        # greedy / sampled -> per position k (1-based): rounds that verified draft k, and that accepted it
+        self._tried = {g: [0] * (MAX_DRAFT_TOKENS + 1) for g in (True, False)}
+        self._accepted = {g: [0] * (MAX_DRAFT_TOKENS + 1) for g in (True, False)}
+        self._requests = itertools.count()
+
+    def record(self, greedy: bool, drafted: int, accepted: int) -> None:
+        with self._lock:
+            tried, ok = self._tried[greedy], self._accepted[greedy]
+            for k in range(1, min(drafted, accepted + 1) + 1):
+                tried[k] += 1
+                ok[k] += k <= accepted
+            if tried[1] > self.HALF_LIFE:
+                for counts in (tried, ok):
+                    counts[:] = [c // 2 for c in counts]
+
+    def best_k(self, greedy: bool, requested: int) -> int:
+        with self._lock:
+            tried, ok = self._tried[greedy], self._accepted[greedy]
+            best, best_score, expected, reach = 0, 1.0, 1.0, 1.0
+            for k in range(1, requested + 1):
+                reach *= ok[k] / tried[k] if tried[k] >= self.MIN_ROUNDS else 1.0
+                expected += reach
+                score = expected / (1 + self.cost * k)
+                if score > best_score:
+                    best, best_score = k, score
+            return best
+
+    def probe(self) -> int:
+        """Rounds this new request speculates before the gate decides: PROBE_ROUNDS for one in PROBE_EVERY."""
+        return self.PROBE_ROUNDS if next(self._requests) % self.PROBE_EVERY == 0 else 0
+
+
 def run_rounds(
     target: TargetBackend,
     draft: DraftBackend | None,
@@ -100,6 +161,7 @@ def run_rounds(
     overlap: bool = False,
     branches: int = DEFAULT_BRANCHES,
     overlap_while: Callable[[], bool] | None = None,
+    gate: AcceptanceGate | None = None,
 ) -> Iterator[RoundEvent]:
     """Prefill, then verify rounds until a stop condition; yields committed tokens as they commit.
 
@@ -114,12 +176,18 @@ def run_rounds(
     overlap. Drafts only choose what the target checks, so the output is the same either way.
     `overlap_while()` gates it round by round: the ahead step is the draft's spare time put to use,
     and under load there is none (the coordinator: while few generations run).
+    `gate` (AcceptanceGate) cuts K further to what the drafts accepted so far pay for; at 0 the
+    generation goes target-only as under load.
     """
     session = uuid.uuid4().hex
     want_drafts = request.speculate and request.num_draft_tokens > 0
     speculate = want_drafts and draft is not None
+    greedy = request.sampling.greedy
+    probing = gate.probe() if gate is not None and speculate else 0
     if speculate and k_for is not None and k_for(request.num_draft_tokens) == 0:
         want_drafts = speculate = False  # too busy already: no features, no draft session at all
+    if speculate and gate is not None and not probing and gate.best_k(greedy, request.num_draft_tokens) == 0:
+        want_drafts = speculate = False  # drafts have not paid lately: the same
     stop_ids = set(request.stop_token_ids)
     if not request.ignore_eos:
         stop_ids |= set(target.eos_token_ids)
@@ -143,9 +211,12 @@ def run_rounds(
         while finish is None:
             # never draft past the limit: verify commits up to k+1 tokens
             k = min(request.num_draft_tokens, limit - stopper.produced - 1) if want_drafts else 0
-            if speculate and k > 0 and k_for is not None:
-                k = k_for(k)
-                if k == 0:  # too busy for drafts: target-only from here on
+            if speculate and k > 0:
+                if k_for is not None:
+                    k = k_for(k)
+                if k > 0 and gate is not None and stats.num_rounds >= probing:
+                    k = gate.best_k(greedy, k)
+                if k == 0:  # too busy for drafts, or they do not pay: target-only from here on
                     want_drafts = speculate = False
                     if draft_open:
                         draft.release(session)
@@ -183,6 +254,8 @@ def run_rounds(
             result = target.verify(session, token, drafts, speculate)
             accepted, bonus, features = result.accepted, result.bonus, result.features
             a = len(accepted)
+            if gate is not None and drafts:
+                gate.record(greedy, len(drafts), a)
             stats.num_rounds += 1
             stats.num_draft_tokens += len(drafts)
             stats.num_accepted_tokens += a

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from coordinator.backends import BackendError, GrpcDraft, GrpcTarget
 from coordinator.links import Backends, Monitor
 from coordinator.probe import RequestObserver, RequestProbe
-from coordinator.rounds import GenerationStats, adaptive_k, run_rounds
+from coordinator.rounds import AcceptanceGate, GenerationStats, adaptive_k, run_rounds
 from coordinator.text import TextDelta, text_deltas
 from tandem.config import CoordinatorSettings
 from tandem.metrics import CoordinatorMetrics
@@ -158,6 +158,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.service = service
         self.monitor: Monitor | None = None
         self.metrics = CoordinatorMetrics(service.registry)
+        cost = service.settings.spec_draft_cost
+        self.gate = AcceptanceGate(cost) if cost else None  # one for the server: it learns from every request
 
     def attach(self, monitor: Monitor) -> None:
         self.monitor = monitor
@@ -234,7 +236,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             events = observer.rounds(run_rounds(
                 target, draft, gen, max_context=b.target_info.max_context, k_for=k_for, overlap=settings.overlap,
                 branches=settings.overlap_branches,
-                overlap_while=lambda: running.active <= settings.overlap_max_running,
+                overlap_while=lambda: running.active <= settings.overlap_max_running, gate=self.gate,
             ))
             try:
                 produced = 0

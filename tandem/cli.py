@@ -284,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session-ttl", type=float, help="target and draft: evict sessions idle this long (default 600)")
     p.add_argument("--spec-token-budget", type=int,
                    help="adaptive K: draft tokens per round over all running generations (default 256; 0 = off)")
+    p.add_argument("--spec-draft-cost", type=float,
+                   help="acceptance gate: a draft token's cost as a share of a verify round; K only as far as "
+                        "accepted drafts pay for it (default 0.3; 0 = off)")
     p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP)
     p.add_argument("--overlap-branches", type=int,
                    help="overlap: verify outcomes the draft prepares for (default 16)")
@@ -334,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between health checks of the target and draft (default 1)")
     p.add_argument("--spec-token-budget", type=int,
                    help="adaptive K: draft tokens per round over all running generations (default 256; 0 = off)")
+    p.add_argument("--spec-draft-cost", type=float,
+                   help="acceptance gate: a draft token's cost as a share of a verify round; K only as far as "
+                        "accepted drafts pay for it (default 0.3; 0 = off)")
     p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP)
     p.add_argument("--overlap-branches", type=int,
                    help="overlap: verify outcomes the draft prepares for (default 16)")

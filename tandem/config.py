@@ -69,6 +69,12 @@ def check_address(v: str) -> str:
 # default leaves K alone up to 64 (256 // 64 - 1 = 3). A GPU's knee is elsewhere: measure it with
 # `tandem bench --concurrency ...` and TANDEM_COORDINATOR_SPEC_TOKEN_BUDGET=0, then set the budget.
 SPEC_TOKEN_BUDGET = 256
+# Acceptance gate (coordinator.rounds.AcceptanceGate): one draft token's cost as a share of a verify
+# round, drafting and moving the features included. Measured on the 2-core CPU: a K=3 round of the
+# demo pair takes about twice a target-only round (1 + 0.3 * 3 = 1.9), as does one of the tiny pair.
+# On GPUs, where a one-layer head is far cheaper than the target, it is smaller: measure it as
+# (round time at K / target-only step time - 1) / K with `tandem bench`.
+SPEC_DRAFT_COST = 0.3
 # Overlap: outcomes of a verify the draft prepares the next round for while it runs. On the demo pair
 # (K=3) 4, 8, 16, 32 branches hit about 63%, 73%, 82%, 90% of verifies; their rollouts are one batch,
 # cheap on a GPU, but on a CPU core the ahead step grows past the verify it hides behind beyond 16
@@ -203,6 +209,9 @@ class CoordinatorSettings(ServiceSettings):
     # each gets K = min(its K, budget // n - 1), down to 0 (target-only) under heavy load, where
     # verifying drafts costs the batch more than their accepted tokens win. 0 turns adaptation off.
     spec_token_budget: int = Field(SPEC_TOKEN_BUDGET, ge=0)
+    # Acceptance gate: K only as far as the drafts accepted so far pay for them, at this cost of a draft
+    # token relative to a verify round (SPEC_DRAFT_COST); 0 turns it off.
+    spec_draft_cost: float = Field(SPEC_DRAFT_COST, ge=0)
     # Overlapped drafting (on/off): see OVERLAP_BRANCHES.
     overlap: bool = Field(False, description=OVERLAP_HELP)
     overlap_branches: int = Field(OVERLAP_BRANCHES, ge=1, le=64)
@@ -234,6 +243,7 @@ class ServeSettings(BaseSettings):
     grace_period: float = Field(30.0, ge=0)
     session_ttl: float | None = Field(None, gt=0, description=SESSION_TTL_HELP)
     spec_token_budget: int | None = Field(None, ge=0)  # none: the coordinator's default
+    spec_draft_cost: float | None = Field(None, ge=0)  # none: the coordinator's default
     overlap: bool = Field(False, description=OVERLAP_HELP)
     overlap_branches: int | None = Field(None, ge=1, le=64)  # none: the coordinator's default
     # Prometheus /metrics of each child (none: off, or the child's own TANDEM_<SERVICE>_METRICS_PORT)

@@ -112,6 +112,8 @@ def serve(settings: ServeSettings) -> int:
             coordinator_args += _metrics(settings.coordinator_metrics_port)
             if settings.spec_token_budget is not None:
                 coordinator_args += ["--spec-token-budget", str(settings.spec_token_budget)]
+            if settings.spec_draft_cost is not None:
+                coordinator_args += ["--spec-draft-cost", str(settings.spec_draft_cost)]
             coordinator_args += ["--overlap", "on" if settings.overlap else "off"]
             if settings.overlap_branches is not None:
                 coordinator_args += ["--overlap-branches", str(settings.overlap_branches)]

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tandem.tiny import make_tiny
+
+# The tiny pair's head is random (no draft is ever accepted), so the coordinator's acceptance gate would
+# soon stop drafting, and the tests of what drafting does would test target-only decoding. The tests
+# pin it off; test_batching turns it on where it is the subject. Services started by tests inherit this.
+os.environ.setdefault("TANDEM_COORDINATOR_SPEC_DRAFT_COST", "0")
 
 
 @pytest.fixture(scope="session")

@@ -275,3 +275,39 @@ def test_a_generation_that_starts_under_full_load_never_opens_a_draft_session(ge
     assert draft.calls == [] and generator.draft.num_sessions == 0
     stats = events[-1].stats
     assert stats.num_rounds_load_shed == stats.num_rounds == 9 and stats.num_draft_tokens == 0
+
+
+def test_the_acceptance_gate_keeps_the_k_that_pays():
+    from coordinator.rounds import AcceptanceGate
+
+    gate = AcceptanceGate(0.3)
+    assert gate.best_k(True, 5) == 5  # nothing seen yet: speculate
+    for accepted in [3] * 8 + [2] * 4 + [1] * 2 + [0] * 2:  # a head the target usually agrees with
+        gate.record(True, 3, accepted)
+    assert gate.best_k(True, 3) == 3
+    for _ in range(40):  # sampled requests are counted apart: this head fails them
+        gate.record(False, 3, 0)
+    assert gate.best_k(False, 3) == 0 and gate.best_k(True, 3) == 3
+    probes = [gate.probe() for _ in range(2 * AcceptanceGate.PROBE_EVERY)]
+    assert probes.count(AcceptanceGate.PROBE_ROUNDS) == 2 and probes.count(0) == len(probes) - 2
+
+
+def test_a_head_that_is_never_accepted_is_shed_and_the_output_stays(generator, hf_target):
+    """The tiny pair's random head: once each position has been tried MIN_ROUNDS times the gate stops
+    drafting, mid-request, and later requests never open a draft session; every output is still the
+    target's own."""
+    from coordinator.rounds import AcceptanceGate, run_rounds
+
+    gate = AcceptanceGate(0.3)
+    prompts = make_prompts(4, generator.target.vocab_size, seed=9)
+    stats = []
+    for prompt in prompts:
+        request = GenerationRequest(prompt_ids=prompt, max_new_tokens=24, num_draft_tokens=3, ignore_eos=True)
+        tokens, event = [], None
+        for event in run_rounds(generator.target, generator.draft, request, gate=gate):
+            tokens.extend(event.new_tokens)
+        assert_same_or_tie(hf_target, prompt, tokens, hf_greedy(hf_target, prompt, len(tokens)))
+        stats.append(event.stats)
+    assert stats[0].num_draft_tokens == 3 * AcceptanceGate.MIN_ROUNDS and stats[0].num_rounds_load_shed > 0
+    assert all(s.num_draft_tokens == 0 and s.num_rounds_load_shed == s.num_rounds for s in stats[1:])
+    assert generator.draft.num_sessions == 0

@@ -604,7 +604,10 @@ def test_cpu_compose_stack_serves_a_generation_through_the_coordinator(tmp_path,
         reference = InProcessGenerator(target, draft)
         ids = reference.tokenizer("def main(")["input_ids"]
         want = reference.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=24), detokenize=True)
-        assert got == json.loads(json.dumps(want.model_dump())), (got, want)
+        # the output is the reference's; the stats differ where the coordinator's acceptance gate (on, as
+        # deployed) stops drafting for the tiny pair's random head after 16 rounds
+        want = json.loads(json.dumps(want.model_dump()))
+        assert {k: v for k, v in got.items() if k != "stats"} == {k: v for k, v in want.items() if k != "stats"}
         assert got["stats"]["num_rounds"] > 0 and got["stats"]["num_draft_tokens"] > 0
         procs = dict(stack.procs)
     # every long-running service drained and exited cleanly on SIGTERM; the init service had finished
