@@ -13,7 +13,7 @@ setting, the coordinator's --overlap) and calls the coordinator with coordinator
 Every case decodes every prompt to exactly --max-new-tokens tokens (EOS does not stop it), after one
 warm-up generation. At concurrency c, c clients keep c requests in flight (a client starts its next
 request as soon as one ends, vLLM's benchmark_serving --max-concurrency); the prompts repeat until
-there are 4 requests per client. The cases take turns block by block (4c requests at a time), each
+there are 8 requests per client. The cases take turns block by block (4c requests at a time), each
 block in a rotated order, so that a change in the machine's load touches all of them alike.
 
 Output: a markdown table on stdout; with --json PATH, {"runs": [...]} (one entry per case, the fields of
@@ -348,13 +348,15 @@ def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = 
 
 
 # a case runs its requests in blocks of this many per client: the last requests of a block run with
-# fewer than `concurrency` in flight, so blocks are long enough for that tail to be small
+# fewer than `concurrency` in flight, so blocks are long enough for that tail to be small; and at
+# least two blocks, so that the cases take turns going first
 BLOCK_PER_CLIENT = 4
+MIN_BLOCKS = 2
 
 
 def concurrency_requests(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
-    """The prompts, repeated in turn until there are BLOCK_PER_CLIENT per client."""
-    n = max(len(prompts), BLOCK_PER_CLIENT * concurrency)
+    """The prompts, repeated in turn until there are MIN_BLOCKS blocks of BLOCK_PER_CLIENT per client."""
+    n = max(len(prompts), MIN_BLOCKS * BLOCK_PER_CLIENT * concurrency)
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
