@@ -8,9 +8,9 @@ The protocol per session (ARCHITECTURE.md, 0-indexed positions):
 
 Concurrent sessions are batched (tandem/batching.py): the prefill steps queued while a forward runs
 share the next one, and so do the verify steps (a prefill padded among verifies is wasted work).
-Each session keeps its own unpadded KV; a batch stacks them left-padded (with an attention mask and
-per-sequence positions), runs one forward over the new tokens right-padded, and each session keeps
-only the KV of the tokens it commits. KV memory is bounded: a prefill reserves its whole
+Every session's KV lives in one paged pool (KVPool); a batch gathers the sessions' pasts left-padded
+(with an attention mask and per-sequence positions), runs one forward over the new tokens
+right-padded, and scatters back only the KV of the tokens each session commits. KV memory is bounded: a prefill reserves its whole
 generation's KV (prompt + max_new_tokens) and waits, then fails with ResourceExhausted, while the
 budget is taken.
 """

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -127,8 +128,9 @@ def test_a_failing_step_fails_alone():
             assert future.result() == i * 10
 
 
-def test_batches_respect_the_size_and_token_bounds():
-    seen: list[list[int]] = []
+def held_batches() -> tuple[Callable[[list], list], list[list], threading.Event]:
+    """A batch function that records its batches and holds each until the event is set."""
+    seen: list[list] = []
     gate = threading.Event()
 
     def run(items):
@@ -136,6 +138,11 @@ def test_batches_respect_the_size_and_token_bounds():
         seen.append(list(items))
         return items
 
+    return run, seen, gate
+
+
+def test_batches_respect_the_size_and_token_bounds():
+    run, seen, gate = held_batches()
     batcher = Batcher(run, max_batch=3, max_tokens=10)
     with ThreadPoolExecutor(8) as pool:
         first = pool.submit(batcher.submit, 0, 1)
@@ -149,17 +156,9 @@ def test_batches_respect_the_size_and_token_bounds():
     assert sorted(i for batch in seen for i in batch) == list(range(8))
 
 
-
 def test_steps_of_different_groups_never_share_a_batch():
     """A long prefill is not padded among one-token verifies; the group left behind runs next."""
-    seen: list[list[tuple[str, int]]] = []
-    gate = threading.Event()
-
-    def run(items):
-        gate.wait(5)
-        seen.append(list(items))
-        return items
-
+    run, seen, gate = held_batches()
     batcher = Batcher(run, max_batch=16, max_tokens=1000)
     steps = [("verify", 1), ("prefill", 2), ("verify", 3), ("verify", 4), ("prefill", 5)]
     with ThreadPoolExecutor(8) as pool:
