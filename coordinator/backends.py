@@ -30,6 +30,7 @@ from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_
 from tandem.wire import is_last_chunk
 
 if TYPE_CHECKING:
+    from coordinator.cohorts import CohortLink
     from coordinator.probe import RequestProbe
 
 _CLOSE = object()
@@ -198,15 +199,19 @@ class GrpcTarget:
         eos_token_ids: list[int],
         timeout: float | None,
         probe: RequestProbe | None = None,
+        cohorts: CohortLink | None = None,
     ):
         self.eos_token_ids = eos_token_ids
         self._stream = _Stream("target", stub.Session, timeout, probe)
         self._features: RelayedFeatures | None = None
+        self._cohorts = cohorts  # shared with the generation's GrpcDraft
 
     def _answer(self, expected: str) -> tuple[target_pb2.TargetResponse, RelayedFeatures | None]:
         response = self._stream.recv()
         if response.WhichOneof("result") != expected:
             raise BackendError("target", grpc.StatusCode.INTERNAL, f"expected {expected}, got {response}")
+        if self._cohorts is not None and response.HasField("batch"):
+            self._cohorts.from_target(response.batch.id, response.batch.size)
         features = RelayedFeatures(response.features, self._stream) if response.HasField("features") else None
         self._features = features
         return response, features
@@ -234,16 +239,26 @@ class GrpcTarget:
 
     def verify(self, session_id: str, token: int, drafts: list[int], want_features: bool = True) -> VerifyResult:
         self._drain()
-        verify = target_pb2.Verify(token=token, drafts=drafts, want_features=want_features)
-        self._stream.send(target_pb2.TargetRequest(verify=verify))
+        request = target_pb2.TargetRequest(verify=target_pb2.Verify(token=token, drafts=drafts,
+                                                                    want_features=want_features))
+        if self._cohorts is not None:
+            self._cohorts.leave()  # a round without a propose first: this step did not go to the draft
+            cohort = self._cohorts.to_target()
+            if cohort is not None:
+                request.cohort.id, request.cohort.size = cohort
+        self._stream.send(request)
         response, features = self._answer("verified")
         return VerifyResult(accepted=list(response.verified.accepted), bonus=response.verified.bonus, features=features)
 
     def release(self, session_id: str) -> bool:
+        if self._cohorts is not None:
+            self._cohorts.leave()
         self._stream.close()
         return True
 
     def cancel(self) -> None:
+        if self._cohorts is not None:
+            self._cohorts.leave()
         self._stream.cancel()
 
 
@@ -262,10 +277,12 @@ class GrpcDraft:
         step_timeout: float | None = None,
         on_fault: Callable[[BackendError], None] | None = None,
         probe: RequestProbe | None = None,
+        cohorts: CohortLink | None = None,
     ):
         self._stream = _Stream("draft", stub.Session, timeout, probe)
         self._step_timeout = step_timeout
         self._on_fault = on_fault
+        self._cohorts = cohorts  # shared with the generation's GrpcTarget
 
     def propose(
         self,
@@ -275,6 +292,7 @@ class GrpcDraft:
         num_draft_tokens: int,
         create: bool = False,
     ) -> list[int]:
+        cohort = self._cohorts.to_draft() if self._cohorts is not None else None
         first = True
         for chunk in features:
             request = draft_pb2.DraftRequest(features=chunk)
@@ -284,9 +302,14 @@ class GrpcDraft:
                 if create:
                     request.session_id = session_id
                     request.want_timing = self._stream.probe is not None
+                if cohort is not None:
+                    request.cohort.id, request.cohort.size = cohort
                 first = False
             self._stream.send(request)
-        return list(self._answer().drafts)
+        response = self._answer()
+        if self._cohorts is not None and response.HasField("batch"):
+            self._cohorts.from_draft(response.batch.id, response.batch.size)
+        return list(response.drafts)
 
     def ahead(
         self,
@@ -298,6 +321,8 @@ class GrpcDraft:
         branches: int,
     ) -> _PendingAhead:
         """Send an ahead step and return at once: the answer is read when the verify has answered."""
+        if self._cohorts is not None:
+            self._cohorts.leave()
         ahead = draft_pb2.Ahead(assumed=drafts, branches=branches)
         head = draft_pb2.DraftRequest(next_tokens=next_tokens, num_draft_tokens=num_draft_tokens, ahead=ahead)
         if not next_tokens or features is None:

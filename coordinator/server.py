@@ -16,6 +16,7 @@ import grpc
 from tokenizers import Tokenizer
 
 from coordinator.backends import BackendError, GrpcDraft, GrpcTarget
+from coordinator.cohorts import CohortLink, Cohorts
 from coordinator.links import Backends, Monitor
 from coordinator.probe import RequestObserver, RequestProbe
 from coordinator.rounds import AcceptanceGate, GenerationStats, adaptive_k, run_rounds
@@ -160,6 +161,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.metrics = CoordinatorMetrics(service.registry)
         cost = service.settings.spec_draft_cost
         self.gate = AcceptanceGate(cost) if cost else None  # one for the server: it learns from every request
+        self.cohorts = Cohorts()
 
     def attach(self, monitor: Monitor) -> None:
         self.monitor = monitor
@@ -216,11 +218,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             gen = generation_request_from_pb(request, b.tokenizer, b.target_info.vocab_size, b.target_info.max_context)
             stop = check_stop_strings(list(request.stop), b.tokenizer)
             timeout = _timeout(context)
-            target = GrpcTarget(b.target, list(b.target_info.eos_token_ids), timeout, probe=probe)
+            link = CohortLink(self.cohorts)  # the batch of each step goes along to the next service
+            target = GrpcTarget(b.target, list(b.target_info.eos_token_ids), timeout, probe=probe, cohorts=link)
             draft = None
             if b.draft is not None and gen.speculate:  # no draft (or it is down): run_rounds goes target-only
                 draft = GrpcDraft(b.draft, timeout, step_timeout=self.service.settings.draft_timeout,
-                                  on_fault=lambda error: self.monitor.fault("draft", error), probe=probe)
+                                  on_fault=lambda error: self.monitor.fault("draft", error), probe=probe,
+                                  cohorts=link)
 
             def cancel() -> None:  # the client went away or its deadline passed: free both sessions now
                 target.cancel()

@@ -111,6 +111,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                         timed = request.want_timing  # answers carry StepTiming
                     if not assembler.started:  # the first message of a step
                         clock = StepClock(getattr(engine, "device", None))
+                        if request.HasField("cohort"):
+                            clock.cohort = (request.cohort.id, request.cohort.size)
                         next_tokens, k = list(request.next_tokens), request.num_draft_tokens
                         if not 0 <= k <= MAX_DRAFT_TOKENS:
                             raise InvalidRequest(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {k}")
@@ -150,6 +152,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                             drafts = engine.propose(session_id, features, next_tokens, k, create=create)
                         self.metrics.observe("propose", clock)
                         response = draft_pb2.DraftResponse(drafts=drafts)
+                        if clock.batch is not None:
+                            response.batch.id, response.batch.size = clock.batch
                     if timed:
                         response.timing.CopyFrom(clock.to_pb())
                     yield response

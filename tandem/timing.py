@@ -14,6 +14,10 @@ call's wall time less its wait for its batch. On a GPU it is measured with CUDA 
 the step's batch starts to the end of the call (the engine has synchronised by then: it returns
 token ids), so a late kernel is not missed and no extra synchronisation is added.
 
+The clock also carries the step's place among batches both ways between the service and the engine's
+batcher: `cohort` (id, size), the cohort the step came with, and `batch` (id, size), the batch that
+computed it (tandem.batching says what cohorts are for).
+
 No torch at import: the coordinator imports the clock helpers too.
 """
 
@@ -30,7 +34,7 @@ _current = threading.local()  # the StepClock of the step this thread is computi
 
 
 class StepClock:
-    __slots__ = ("_cuda", "_start_event", "codec_ns", "compute_ns", "queue_ns", "received_ns")
+    __slots__ = ("_cuda", "_start_event", "batch", "codec_ns", "cohort", "compute_ns", "queue_ns", "received_ns")
 
     def __init__(self, device=None):
         self.received_ns = time.monotonic_ns()
@@ -39,6 +43,8 @@ class StepClock:
         self.codec_ns = 0
         self._cuda = getattr(device, "type", str(device or "")).startswith("cuda")
         self._start_event = None
+        self.cohort: tuple[int, int] | None = None
+        self.batch: tuple[int, int] | None = None
 
     @contextmanager
     def compute(self) -> Iterator[None]:

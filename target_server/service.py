@@ -131,6 +131,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             try:
                 for request in request_iterator:
                     clock = StepClock(getattr(engine, "device", None))
+                    if request.HasField("cohort"):
+                        clock.cohort = (request.cohort.id, request.cohort.size)
                     step = request.WhichOneof("step")
                     if step == "prefill":
                         if session_id is not None:
@@ -183,6 +185,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.metrics.observe(step, clock)
         if timed:
             head.timing.CopyFrom(clock.to_pb())
+        if clock.batch is not None:
+            head.batch.id, head.batch.size = clock.batch
         yield head
         for chunk in chunks[1:]:
             yield target_pb2.TargetResponse(features=chunk)

@@ -13,10 +13,12 @@ import pytest
 import torch
 from test_core import assert_same_or_tie, hf_greedy, make_prompts
 
+from coordinator.cohorts import CohortLink, Cohorts
 from tandem.batching import Batcher
 from tandem.inprocess import InProcessGenerator
 from tandem.params import GenerationRequest, SamplingParams
 from tandem.sessions import ResourceExhausted
+from tandem.timing import StepClock
 from target_server.engine import KVPool, TargetEngine
 
 
@@ -181,6 +183,70 @@ def test_a_batch_does_not_wait_for_a_session_that_ended():
     started = time.monotonic()
     assert batcher.submit("b2", 1, key="b") == "b2"
     assert 0.25 < time.monotonic() - started < 3.0
+
+
+def cohort_step(batcher: Batcher, item, cohort: tuple[int, int] | None):
+    """Submit as a service does: the step's clock carries the cohort it came with; returns the result
+    and the batch (id, size) that computed it."""
+    clock = StepClock()
+    clock.cohort = cohort
+    with clock.compute():
+        result = batcher.submit(item, 1, key=item)
+    return result, clock.batch
+
+
+def test_a_cohort_arriving_in_pieces_runs_as_one_batch():
+    """The steps of one earlier batch come back spread out; the runner waits for the rest of them,
+    and tells each step the batch that computed it."""
+    seen: list[list] = []
+    batcher = Batcher(lambda items: seen.append(list(items)) or items, max_batch=8, max_tokens=100, max_wait=2.0)
+    with ThreadPoolExecutor(4) as pool:
+        futures = []
+        for item in ("a", "b", "c"):
+            futures.append(pool.submit(cohort_step, batcher, item, (7, 3)))
+            time.sleep(0.15)  # far past the due-back window: only the cohort keeps the runner waiting
+        results = [f.result() for f in futures]
+    assert seen == [["a", "b", "c"]]
+    assert [r for r, _ in results] == ["a", "b", "c"]
+    (batch_id, size), = {batch for _, batch in results}
+    assert size == 3
+    # a cohort whose last step never comes is waited for max_wait, no longer
+    batcher.max_wait = 0.2
+    started = time.monotonic()
+    assert cohort_step(batcher, "d", (8, 2))[0] == "d"
+    assert 0.15 < time.monotonic() - started < 2.0
+    assert cohort_step(batcher, "e", None)[1][0] != batch_id  # every batch has its own id
+
+
+def test_the_coordinator_counts_who_goes_on_to_the_draft():
+    """Members of a target batch that go on wait for the others to decide and all get the same count;
+    one that finished does not hold them up; a member that decides after the wait goes alone."""
+    cohorts = Cohorts(wait=5.0)
+    links = [CohortLink(cohorts) for _ in range(4)]
+    for link in links:
+        link.from_target(41, 4)
+    with ThreadPoolExecutor(4) as pool:
+        going = [pool.submit(link.to_draft) for link in links[:2]]
+        time.sleep(0.1)
+        assert not any(f.done() for f in going)  # two members have not said yet
+        links[2].leave()  # finished: its target session is released
+        links[3].to_target()
+        links[3].leave()  # a target-only round
+        hints = {f.result(timeout=2) for f in going}
+    assert len(hints) == 1 and next(iter(hints))[1] == 2
+    cohorts.wait = 0.1
+    late = [CohortLink(cohorts) for _ in range(3)]
+    for link in late:
+        link.from_target(42, 3)
+    started = time.monotonic()
+    assert late[0].to_draft()[1] == 1  # the others never said: the count is final after the wait
+    assert time.monotonic() - started < 2.0
+    assert late[1].to_draft() is None  # too late to join: it goes without a cohort
+    solo = CohortLink(cohorts)
+    solo.from_target(43, 1)
+    assert solo.to_draft() is None  # a batch of one is no cohort
+    solo.from_draft(9, 5)
+    assert solo.to_target() == (9, 5) and solo.to_target() is None  # a draft batch goes on as it is
 
 
 @torch.inference_mode()

@@ -42,6 +42,14 @@ class SamplingParams(_message.Message):
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class Cohort(_message.Message):
+    __slots__ = ("id", "size")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    size: int
+    def __init__(self, id: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
 class FeatureRef(_message.Message):
     __slots__ = ("transport", "channel", "sequence", "offset", "rows", "width", "dtype", "event")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]

@@ -51,12 +51,14 @@ class FileChunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class TargetRequest(_message.Message):
-    __slots__ = ("prefill", "verify")
+    __slots__ = ("prefill", "verify", "cohort")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    COHORT_FIELD_NUMBER: _ClassVar[int]
     prefill: Prefill
     verify: Verify
-    def __init__(self, prefill: _Optional[_Union[Prefill, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ...) -> None: ...
+    cohort: _common_pb2.Cohort
+    def __init__(self, prefill: _Optional[_Union[Prefill, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., cohort: _Optional[_Union[_common_pb2.Cohort, _Mapping]] = ...) -> None: ...
 
 class Prefill(_message.Message):
     __slots__ = ("session_id", "prompt_ids", "sampling", "want_features", "want_timing", "max_new_tokens")
@@ -85,16 +87,18 @@ class Verify(_message.Message):
     def __init__(self, token: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., want_features: _Optional[bool] = ...) -> None: ...
 
 class TargetResponse(_message.Message):
-    __slots__ = ("prefilled", "verified", "features", "timing")
+    __slots__ = ("prefilled", "verified", "features", "timing", "batch")
     PREFILLED_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     prefilled: Prefilled
     verified: Verified
     features: _common_pb2.Features
     timing: _profile_pb2.StepTiming
-    def __init__(self, prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., timing: _Optional[_Union[_profile_pb2.StepTiming, _Mapping]] = ...) -> None: ...
+    batch: _common_pb2.Cohort
+    def __init__(self, prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., timing: _Optional[_Union[_profile_pb2.StepTiming, _Mapping]] = ..., batch: _Optional[_Union[_common_pb2.Cohort, _Mapping]] = ...) -> None: ...
 
 class Prefilled(_message.Message):
     __slots__ = ("token",)
