@@ -117,7 +117,7 @@ class BenchConfig:
     temperatures: Sequence[float] = (0.0, 1.0)
     concurrency: Sequence[int] = (1,)
     overlap: Sequence[bool] = (False,)
-    pin_cores: bool = False
+    split_cpus: bool = True  # services: tandem serve --split-cpus
     max_new_tokens: int = 64
     seed: int = 0
     threads: int = 1
@@ -133,7 +133,7 @@ class ServicesRunner:
     stack = "services"
 
     def __init__(self, target: Path, draft: Path, log: Path, startup_timeout: float, overlap: bool = False,
-                 pin_cores: bool = False):
+                 split_cpus: bool = True):
         from coordinator.client import TandemClient
 
         self.log = log
@@ -141,9 +141,8 @@ class ServicesRunner:
 
         self.proc, self.address = launch(["--target", str(target), "--draft", str(draft), "--port", "0",
                                           "--startup-timeout", str(startup_timeout),
-                                          "--overlap", "on" if overlap else "off"], log)
-        if pin_cores:
-            pin_services(self.proc.pid)
+                                          "--overlap", "on" if overlap else "off",
+                                          "--split-cpus", "on" if split_cpus else "off"], log)
         self.client = TandemClient(self.address, timeout=startup_timeout)
 
     def run(self, prompt_ids: list[int], mode: str, k: int, temperature: float, seed: int, max_new: int) -> Outcome:
@@ -158,37 +157,6 @@ class ServicesRunner:
         from tandem.serve import stop
 
         stop(self.proc)
-
-
-def pin_services(serve_pid: int, cores: dict[str, int] | None = None) -> dict[str, int]:
-    """Pin the target and draft processes `tandem serve` started to one CPU core each (Linux), every
-    thread of them: two cores standing in for two devices. The coordinator is left to the scheduler."""
-    import os
-
-    cores = cores or {"target": 0, "draft": 1}
-    if max(cores.values()) >= (os.cpu_count() or 1):
-        raise ValueError(f"pinning needs cores {sorted(cores.values())}; this machine has {os.cpu_count()}")
-    def read(path: Path) -> str:  # a thread may end while we look
-        try:
-            return path.read_text()
-        except (FileNotFoundError, ProcessLookupError):
-            return ""
-
-    pids = [int(p) for task in Path(f"/proc/{serve_pid}/task").iterdir() for p in read(task / "children").split()]
-    pinned = {}
-    for pid in pids:
-        role = next((r for r in cores if r in read(Path(f"/proc/{pid}/cmdline")).split("\0")), None)
-        if role is None:
-            continue
-        for thread in Path(f"/proc/{pid}/task").iterdir():  # threads that exist now; later ones inherit
-            try:
-                os.sched_setaffinity(int(thread.name), {cores[role]})
-            except (FileNotFoundError, ProcessLookupError):
-                pass
-        pinned[role] = pid
-    if set(pinned) != set(cores):
-        raise RuntimeError(f"found only {sorted(pinned)} among the children of tandem serve")
-    return pinned
 
 
 class InProcessRunner:
@@ -315,7 +283,7 @@ def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = 
                      f"{'on' if overlap else 'off'}) ...")
                 log = out_dir / ("serve-overlap.log" if overlap else "serve.log")
                 services = ServicesRunner(config.target, config.draft, log, config.startup_timeout, overlap,
-                                          config.pin_cores)
+                                          config.split_cpus)
                 runners["services", EAGLE3, overlap] = services
                 runners.setdefault(("services", TARGET_ONLY, False), services)
         if "in-process" in config.stacks:
@@ -537,7 +505,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         target=target, draft=draft, assistant=assistant, prompts=_prompts(args, target, demo), stacks=args.stack,
         num_draft_tokens=args.num_draft_tokens, temperatures=args.temperature, concurrency=args.concurrency,
         max_new_tokens=args.max_new_tokens, seed=args.seed, threads=args.threads, overlap=args.overlap,
-        pin_cores=args.pin_cores,
+        split_cpus=args.split_cpus,
     )
     out = Path(args.out)
     runs = run_bench(config, out, echo=lambda m: print(m, file=sys.stderr, flush=True))
@@ -574,8 +542,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=_list(int), default=[1], help="concurrent requests (default 1)")
     p.add_argument("--overlap", type=_list(_on_off), default=[False],
                    help="on,off: EAGLE-3 cases with overlapped drafting, without, or both (default off)")
-    p.add_argument("--pin-cores", action="store_true",
-                   help="services (Linux): the target on core 0, the draft on core 1, as two devices would be")
+    p.add_argument("--split-cpus", type=_on_off, default=True,
+                   help="services: tandem serve --split-cpus, the target on half the CPUs and the draft and the "
+                        "coordinator on the rest (default on)")
     p.add_argument("--num-prompts", "-n", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompts", metavar="FILE", help="one prompt per line, or .jsonl with prompt / prompt_ids")

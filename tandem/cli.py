@@ -183,6 +183,7 @@ def add_service_args(p: argparse.ArgumentParser, port_help: str) -> None:
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--metrics-port", type=int,
                    help="serve Prometheus /metrics on this port (default: off; 0 = any free port)")
+    p.add_argument("--cpus", help="run on these CPUs only, every thread (Linux): e.g. 0 or 2-3,6 (default: all)")
     p.add_argument("--announce-file", help=argparse.SUPPRESS)  # `serve` learns the bound port from it
 
 
@@ -290,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP)
     p.add_argument("--overlap-branches", type=int,
                    help="overlap: verify outcomes the draft prepares for (default 16)")
+    p.add_argument("--split-cpus", choices=["on", "off"],
+                   help="on: with the models on the CPU, the target runs on half the CPUs and the draft and the "
+                        "coordinator on the rest, as on two devices (default on)")
     for name in ("coordinator", "target", "draft"):
         p.add_argument(f"--{name}-metrics-port", type=int, help=f"the {name}'s Prometheus /metrics port (default: off)")
     p.set_defaults(func=cmd_serve)

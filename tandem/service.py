@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
-from tandem.config import ServiceSettings
+from tandem.config import ServiceSettings, parse_cpus
 from tandem.metrics import new_registry, serve_metrics
 from tandem.traffic import SERVER_LINKS, Traffic, TrafficInterceptor
 
@@ -138,11 +138,23 @@ class Admission:
         return True
 
 
+def restrict_cpus(cpus: frozenset[int]) -> None:
+    """Run this process on `cpus` only: every thread it has (threads started later inherit it)."""
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+    log.info("running on CPUs %s", sorted(cpus))
+
+
 class Service:
     """A gRPC server with health, reflection, admission and the drain; the servicers are added by the caller."""
 
     def __init__(self, name: str, settings: ServiceSettings, service_names: Sequence[str]):
         self.name = name  # "target", "draft", "coordinator": for messages
+        if settings.cpus is not None:  # before the server's threads start: they inherit it
+            restrict_cpus(parse_cpus(settings.cpus))
         self.settings = settings
         self.service_names = list(service_names)
         # what this process sends and receives, counted at the serializers; exported on /metrics

@@ -97,6 +97,32 @@ def remote(client: TandemClient, prompt, **params) -> dict:
     return client.generate(prompt_ids=prompt, **params).model_dump()
 
 
+def test_serve_gives_the_target_cpus_of_its_own(stack):
+    """With the models on the CPU, the target runs on one half of the CPUs and the draft and the
+    coordinator on the other, every thread of them."""
+    available = os.sched_getaffinity(0)
+    if len(available) < 2:
+        pytest.skip("one CPU: nothing to split")
+    def alive(read, *args):  # a thread may end while we look
+        try:
+            return read(*args)
+        except (FileNotFoundError, ProcessLookupError):
+            return None
+
+    children = [int(pid) for task in Path(f"/proc/{stack.proc.pid}/task").iterdir()
+                for pid in (alive((task / "children").read_text) or "").split()]
+    cpus = {}
+    for pid in children:
+        role = next(r for r in ("target", "draft", "coordinator") if r in Path(f"/proc/{pid}/cmdline").read_text().split("\0"))
+        threads = [alive(os.sched_getaffinity, int(task.name)) for task in Path(f"/proc/{pid}/task").iterdir()]
+        threads = {frozenset(t) for t in threads if t is not None}
+        assert len(threads) == 1, (role, threads)  # every thread alike
+        cpus[role] = threads.pop()
+    assert cpus["draft"] == cpus["coordinator"]
+    assert not cpus["target"] & cpus["draft"] and cpus["target"] | cpus["draft"] == available
+    assert len(cpus["target"]) == (len(available) + 1) // 2
+
+
 # -- same output as in-process --------------------------------------------------------------------
 
 

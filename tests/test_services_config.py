@@ -32,6 +32,8 @@ def test_flags_override_environment_variables(tiny_dir, monkeypatch):
         (TargetSettings, {"port": 70000}, ["--port", "70000"]),
         (CoordinatorSettings, {"target_addr": "nohost"}, ["--target-addr", "TANDEM_COORDINATOR_TARGET_ADDR", "'nohost'"]),
         (ServeSettings, {"draft_device": "tpu"}, ["--draft-device", "TANDEM_SERVE_DRAFT_DEVICE", "'tpu'"]),
+        (TargetSettings, {"cpus": "0-4095"}, ["--cpus", "TANDEM_TARGET_CPUS", "4095", "not available"]),
+        (CoordinatorSettings, {"target_addr": "h:1", "cpus": "1-0"}, ["--cpus", "'1-0'"]),
     ],
 )
 def test_bad_settings_are_refused_naming_the_value(tiny_dir, cls, flags, named):
