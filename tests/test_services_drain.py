@@ -60,7 +60,9 @@ def test_sigterm_drains_every_service_and_lets_the_in_flight_generation_finish(s
     address = services["coordinator"][1]
     with TandemClient(address, timeout=120) as client:
         stream = client.generate_stream(prompt_ids=[5, 6, 7], max_new_tokens=600, ignore_eos=True)
-        deltas = [next(stream)]
+        # the prefill's token, then a verify's: the draft session opens with the first propose, so only
+        # now does the generation hold a session on every service
+        deltas = [next(stream), next(stream)]
         for proc, _ in services.values():
             proc.send_signal(signal.SIGTERM)
 
