@@ -150,8 +150,9 @@ def split_cpus(target_device: str) -> dict[str, list[int]] | None:
     """With the target on the CPU, the CPUs this process may use in two halves: the first (the larger)
     for the target, the rest for the draft and the coordinator, as two devices would hold them. On a
     2-core machine at 16 requests, sharing every core cost the demo pair a fifth of its throughput: a
-    round's steps queued behind the other processes' threads (target-only 360 -> 445 tok/s split, EAGLE-3
-    410 -> 487). None where there is nothing to split (one CPU, or the target on a GPU)."""
+    round's steps queued behind the other processes' threads (two runs each way: target-only 322-367 ->
+    419-447 tok/s split, EAGLE-3 420-470 -> 492-541). None where there is nothing to split (one CPU, or
+    the target on a GPU)."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if target_device != "cpu" or len(cpus) < 2:
         return None
