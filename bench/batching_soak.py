@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.client import TandemClient
-from tandem.serve import launch
-from tandem.serve import stop as stop_serve
+from tandem_tools.serve import launch
+from tandem_tools.serve import stop as stop_serve
 
 
 def rss_mib(pid: int) -> float:
@@ -31,7 +31,7 @@ def rss_mib(pid: int) -> float:
 
 
 def service_pids(serve_pid: int) -> dict[str, int]:
-    """`tandem serve`'s children by service name (their argv: python -m tandem.cli NAME ...)."""
+    """`tandem serve`'s children by service name (their argv: python -m tandem_tools.cli NAME ...)."""
     children = subprocess.run(["pgrep", "-P", str(serve_pid)], capture_output=True, text=True, check=False).stdout.split()
     return {Path(f"/proc/{pid}/cmdline").read_text().split("\0")[3]: int(pid) for pid in children}
 
@@ -46,14 +46,14 @@ def main() -> int:
     p.add_argument("--interval", type=float, default=15)
     args = p.parse_args()
     if args.demo:
-        from tandem.demo import ensure_demo
+        from tandem_tools.demo import ensure_demo
 
         pair = ensure_demo()
         target, draft = pair / "target", pair / "draft"
     elif args.target and args.draft:
         target, draft = Path(args.target), Path(args.draft)
     else:
-        from tandem.tiny import ensure_tiny
+        from tandem_tools.tiny import ensure_tiny
 
         pair = ensure_tiny()
         target, draft = pair / "target", pair / "draft"

@@ -30,8 +30,8 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.client import build_request
-from tandem.profile import DEFAULT_PROMPTS, LaunchedStack, ProfileConfig
 from tandem.v1 import coordinator_pb2_grpc
+from tandem_tools.profile import DEFAULT_PROMPTS, LaunchedStack, ProfileConfig
 
 
 def batch(stub, args, profile: bool) -> tuple[int, float]:

@@ -22,7 +22,7 @@ SIZES = [(3 * 4096, "bfloat16", n) for n in (1, 8, 64, 4096)] + [(3 * 64, "float
 def _draft(conn, plan_bytes: bytes, device: str) -> None:
     import torch
 
-    from tandem.transports.base import open_receiver
+    from tandem.transports.endpoints import open_receiver
     from tandem.v1 import common_pb2
     from tandem.wire import decode_features
 
@@ -59,7 +59,8 @@ def _split(data: bytes) -> list[bytes]:
 def bench(transport: str, device: str, iters: int) -> list[tuple] | str:
     import torch
 
-    from tandem.transports.base import TransportError, available
+    from tandem.transports.caps import available
+    from tandem.transports.contract import TransportError
     from tandem.transports.endpoints import TargetTransport
     from tandem.v1 import common_pb2
     from tandem.wire import encode_features

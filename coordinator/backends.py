@@ -1,4 +1,4 @@
-"""gRPC implementations of TargetBackend and DraftBackend (tandem/protocol.py) for run_rounds.
+"""gRPC implementations of TargetBackend and DraftBackend (tandem/protocol.py) for the round loop.
 
 One object per generation: it opens one bidirectional stream to its service and sends one step
 per round on it, so a round costs one message each way and no per-call set-up. Closing the stream
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from tandem.convert import branches_from_pb, sampling_to_pb
 from tandem.params import SamplingParams
 from tandem.protocol import Branch, DraftUnavailable, PrefillResult, VerifyResult
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -199,13 +200,6 @@ class RelayedFeatures:
             self._done = is_last_chunk(self._stream.recv().features)
 
 
-def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
-    if params.seed is not None:
-        msg.seed = params.seed
-    return msg
-
-
 class GrpcTarget:
     """TargetBackend over one TargetService.Session stream (one generation)."""
 
@@ -377,5 +371,4 @@ class _PendingAhead:
         self._draft = draft
 
     def result(self) -> list[Branch]:
-        response = self._draft._answer()
-        return [Branch(accepted=b.accepted, bonus=b.bonus, drafts=list(b.drafts)) for b in response.branches]
+        return branches_from_pb(self._draft._answer().branches)

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 from pydantic import BaseModel
 
+from tandem.convert import stats_from_pb
 from tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 DEFAULT_MAX_MESSAGE_MIB = 16
@@ -46,22 +47,6 @@ class GenerateDelta(BaseModel):
     text: str
     finish_reason: str | None = None
     stats: dict | None = None
-
-
-def stats_from_pb(msg: coordinator_pb2.GenerationStats) -> dict:
-    # the key order of GenerationStats.as_dict(), so that --json output is byte-identical
-    return {
-        "num_rounds": msg.num_rounds,
-        "num_draft_tokens": msg.num_draft_tokens,
-        "num_accepted_tokens": msg.num_accepted_tokens,
-        "accepted_per_position": list(msg.accepted_per_position),
-        "num_rounds_without_draft": msg.num_rounds_without_draft,
-        "num_rounds_load_shed": msg.num_rounds_load_shed,
-        "num_overlap_rounds": msg.num_overlap_rounds,
-        "num_overlap_hits": msg.num_overlap_hits,
-        "mean_acceptance_length": msg.mean_acceptance_length,
-        "overlap_hit_rate": msg.overlap_hit_rate,
-    }
 
 
 def build_request(
@@ -104,15 +89,21 @@ def build_request(
 
 
 class TandemClient:
-    def __init__(self, address: str, timeout: float | None = None, max_message_mib: int = DEFAULT_MAX_MESSAGE_MIB):
-        """`timeout`: the default deadline of each call in seconds (None: none); the server then
-        cancels the generation and frees its sessions when the deadline passes."""
+    def __init__(self, address: str, timeout: float | None = None, max_message_mib: int = DEFAULT_MAX_MESSAGE_MIB,
+                 lb_policy: str | None = None):
+        """`address`: HOST:PORT, or any gRPC target such as dns:///tandem-headless.tandem.svc.cluster.local:50050
+        (every pair behind a Kubernetes headless Service). `lb_policy`: how calls spread over the addresses
+        the name resolves to; default round_robin for a dns: target (one call to each pair in turn), gRPC's
+        pick_first (one address) otherwise. `timeout`: the default deadline of each call in seconds (None:
+        none); the server then cancels the generation and frees its sessions when the deadline passes."""
         self.address = address
         self.timeout = timeout
+        self.lb_policy = lb_policy or ("round_robin" if address.startswith("dns:") else None)
         limit = max_message_mib << 20
-        self._channel = grpc.insecure_channel(
-            address, options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
-        )
+        options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+        if self.lb_policy is not None:
+            options.append(("grpc.lb_policy_name", self.lb_policy))
+        self._channel = grpc.insecure_channel(address, options=options)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     def close(self) -> None:

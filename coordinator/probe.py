@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from coordinator.rounds import RoundEvent
-from coordinator.text import TextDelta
 from tandem.metrics import CoordinatorMetrics
+from tandem.rounds import RoundEvent
+from tandem.text import TextDelta
 from tandem.traffic import GRPC, LinkCount, parts_of
 from tandem.v1 import coordinator_pb2, draft_pb2, profile_pb2, target_pb2
 

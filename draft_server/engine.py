@@ -33,10 +33,10 @@ import torch
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.model import DraftKV, Eagle3Draft
 from tandem.batching import Batcher
+from tandem.dtypes import TORCH_DTYPES
 from tandem.pairing import DraftShape, TargetShape, check_pair
 from tandem.protocol import Branch
 from tandem.sessions import InvalidRequest, SessionOwner, SessionTable
-from target_server.engine import DTYPES
 
 
 @dataclass
@@ -78,10 +78,10 @@ class DraftEngine(SessionOwner):
         max_batch_size: int = 32,
         max_batch_tokens: int = 4096,
     ):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if dtype not in TORCH_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype!r}")
         self.device = torch.device(device)
-        self.dtype = DTYPES[dtype]
+        self.dtype = TORCH_DTYPES[dtype]
         self.config, self.layout = read_config(draft_dir)
         # the head's trained context; RoPE is computed per position, so longer sequences still run
         self.max_context = int(getattr(self.config.layer, "max_position_embeddings", 0) or 0)
@@ -98,9 +98,6 @@ class DraftEngine(SessionOwner):
         self.batcher: Batcher[_Step | _Ahead] = Batcher(self._run_steps, max_batch_size, max_batch_tokens)
         self._ahead_pool: ThreadPoolExecutor | None = None  # in-process aheads run here, beside the verify
         self._max_batch_size = max_batch_size
-        # ahead after a hit: re-roll the assumed drafts from the exact new pairs (J more one-token
-        # forwards, hidden behind the verify) rather than feed the stale hidden states that proposed them
-        self.exact_assumed = True
         # K -> how many verifies accepted 0..K drafts: acceptance runs in streaks (the draft's own
         # probabilities are flat even where it is right), so the outcomes are ranked by this
         self._outcomes: dict[int, list[int]] = {}
@@ -154,7 +151,7 @@ class DraftEngine(SessionOwner):
         session.last_used = time.monotonic()
         return drafts
 
-    def speculate(
+    def prepare(
         self,
         session_id: str,
         features: torch.Tensor | None,  # [m, 3Ht] of the new committed pairs; None or [0, 3Ht]: none
@@ -202,11 +199,11 @@ class DraftEngine(SessionOwner):
         self, session_id: str, features: torch.Tensor | None, next_tokens: list[int], drafts: list[int],
         num_draft_tokens: int, branches: int = 1,
     ) -> Future:
-        """speculate() on a worker thread: the in-process round loop verifies meanwhile."""
+        """prepare() on a worker thread: the in-process round loop verifies meanwhile."""
         if self._ahead_pool is None:
             self._ahead_pool = ThreadPoolExecutor(self._max_batch_size, thread_name_prefix="draft-ahead")
         return self._ahead_pool.submit(
-            self.speculate, session_id, features, next_tokens, drafts, num_draft_tokens, branches
+            self.prepare, session_id, features, next_tokens, drafts, num_draft_tokens, branches
         )
 
     # -- one batched step -----------------------------------------------------------------------
@@ -308,9 +305,10 @@ class DraftEngine(SessionOwner):
         model, session, device = self.model, step.session, self.device
         m, j_max = len(step.next_tokens), len(step.assumed)
         kv, start = session.kv, session.length
-        if m == 0 or not self.exact_assumed:
-            # the assumed drafts fed with the hidden states that proposed them, in one forward with the
-            # new pairs; after a propose (m == 0) those are exactly what a rollout here computes
+        if m == 0:
+            # after a propose the assumed drafts are fed with the hidden states that proposed them: exactly
+            # what a rollout here computes. After a hit (m > 0) they are re-rolled from the exact new pairs
+            # (J more one-token forwards, hidden behind the verify) rather than fed those stale states
             hidden = torch.cat([model.fc(step.features.to(device, self.dtype)), step.rows.to(device, self.dtype)])
             tokens = torch.tensor([step.next_tokens + step.assumed], device=device)  # [1, m+J]
             positions = torch.arange(start, start + m + j_max, device=device)[None]

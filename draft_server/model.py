@@ -138,7 +138,7 @@ class Eagle3Draft(nn.Module):
         tokens: torch.Tensor,  # [B, S] target ids x_{i+1}
         positions: torch.Tensor,  # [B, S] RoPE positions i
         kv: DraftKV | None = None,
-        attn_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,  # [S, past + S] bool, True attends; None: causal (TTT: its own)
     ) -> torch.Tensor:
         """-> a [B, S, H], the pre-norm output that feeds the next step."""
         embeds = self.embed_tokens(tokens).to(hidden.dtype)

@@ -15,176 +15,152 @@ import torch
 
 from draft_server.engine import DraftEngine
 from tandem.config import DraftSettings
-from tandem.metrics import StepMetrics
+from tandem.convert import branches_to_pb
+from tandem.dtypes import name_of
+from tandem.errors import Abort
 from tandem.params import MAX_DRAFT_TOKENS
-from tandem.service import Abort, Service, SessionReaper, errors_to_status, setup_logging
-from tandem.sessions import InvalidRequest, SessionNotFound
+from tandem.service import Service, run_service
+from tandem.servicer import EngineServicer
+from tandem.sessions import InvalidRequest
 from tandem.timing import StepClock
-from tandem.transports.base import NoChannel, TransportError
+from tandem.transports.contract import NoChannel
 from tandem.transports.endpoints import DraftTransport
-from tandem.transports.negotiate import TransportMismatch
 from tandem.v1 import draft_pb2, draft_pb2_grpc
-from tandem.wire import FeatureAssembler, WireError
+from tandem.wire import FeatureAssembler
 
 log = logging.getLogger("tandem.draft")
 
 MAX_BRANCHES = 64  # outcomes an ahead step may prepare for: each is one row of its rollout batch
 
-ERRORS = (
-    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (WireError, grpc.StatusCode.INVALID_ARGUMENT),
-    (SessionNotFound, grpc.StatusCode.NOT_FOUND),
-    # a descriptor for a channel this draft has not opened (it restarted): the coordinator takes the
-    # draft down and runs the handshake again
-    (NoChannel, grpc.StatusCode.FAILED_PRECONDITION),
-    # a fast path that lost a step is broken: the same, through UNAVAILABLE
-    (TransportError, grpc.StatusCode.UNAVAILABLE),
-)
-HANDSHAKE_ERRORS = ((TransportMismatch, grpc.StatusCode.FAILED_PRECONDITION),
-                    (TransportError, grpc.StatusCode.FAILED_PRECONDITION))
 
+class DraftServicer(EngineServicer[DraftEngine], draft_pb2_grpc.DraftServiceServicer):
+    WHAT = "draft"
+    SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
-class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, service: Service):
-        self.service = service
-        self.engine: DraftEngine | None = None
+        super().__init__(service)
         self.model_dir = ""
-        self.reaper: SessionReaper | None = None
-        self.metrics = StepMetrics(service.registry)
-        self.transport: DraftTransport | None = None  # the feature path from the target; None: inline only
+        self.transport: DraftTransport | None = None
 
-    def attach(self, engine: DraftEngine, model_dir: str, session_ttl: float | None = None,
-               transport: DraftTransport | None = None) -> None:
-        self.engine, self.model_dir, self.transport = engine, model_dir, transport
-        self.metrics.count_sessions(lambda: engine.num_sessions)
-        if session_ttl is not None:
-            self.reaper = SessionReaper("draft", session_ttl, engine.evict_idle)
-            self.reaper.start()
-
-    def _engine(self) -> DraftEngine:
-        if self.engine is None:
-            raise Abort(grpc.StatusCode.UNAVAILABLE, "the draft service is still loading")
-        return self.engine
+    def add_to_server(self, server: grpc.Server) -> None:
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(self, server)
 
     def ModelInfo(self, request, context):
-        with errors_to_status(context):
-            engine = self._engine()
-            shape = engine.shape()
-            return draft_pb2.DraftInfo(
-                model=self.model_dir,
-                vocab_size=shape.vocab_size,
-                draft_vocab_size=engine.config.draft_vocab_size,
-                target_hidden_size=shape.target_hidden_size,
-                max_target_id=shape.max_target_id,
-                aux_layer_ids=shape.aux_layer_ids or [],
-                dtype=str(engine.dtype).removeprefix("torch."),
-                device=str(engine.device),
-                num_sessions=engine.num_sessions,
-                max_context=engine.max_context,
-                target_max_context=engine.target_max_context or 0,
-                transport=self.transport.caps if self.transport is not None else None,
-            )
+        engine = self.loaded()
+        shape = engine.shape()
+        return draft_pb2.DraftInfo(
+            model=self.model_dir,
+            vocab_size=shape.vocab_size,
+            draft_vocab_size=engine.config.draft_vocab_size,
+            target_hidden_size=shape.target_hidden_size,
+            max_target_id=shape.max_target_id,
+            aux_layer_ids=shape.aux_layer_ids or [],
+            dtype=name_of(engine.dtype),
+            device=str(engine.device),
+            num_sessions=engine.num_sessions,
+            max_context=engine.max_context,
+            target_max_context=engine.target_max_context or 0,
+            transport=self.transport.caps if self.transport is not None else None,
+        )
 
     def OpenTransport(self, request, context):
-        with errors_to_status(context, HANDSHAKE_ERRORS):
-            self._engine()
-            if self.transport is None:
-                raise Abort(grpc.StatusCode.FAILED_PRECONDITION, "this draft takes features inline only")
-            self.transport.open(request)
-            return request
+        self.loaded()
+        if self.transport is None:
+            raise Abort(grpc.StatusCode.FAILED_PRECONDITION, "this draft takes features inline only")
+        self.transport.open(request)
+        return request
 
     def Session(self, request_iterator, context) -> Iterator[draft_pb2.DraftResponse]:
+        """One generation: proposes (and, with overlap, ahead steps), each once its features are in."""
         session_id = None
         created = False
-        with errors_to_status(context, ERRORS), self.service.admission.admit():
-            engine = self._engine()
+        with self.service.admission.admit():
+            engine = self.loaded()
             try:
                 assembler = FeatureAssembler()
-                next_tokens: list[int] = []
-                k = 0
-                ahead = None
                 for request in request_iterator:
                     if session_id is None:
                         if not request.session_id:
                             raise InvalidRequest("the first message of a draft stream names the session")
-                        session_id = request.session_id
-                        timed = request.want_timing  # answers carry StepTiming
+                        session_id, timed = request.session_id, request.want_timing  # answers carry StepTiming
                     if not assembler.started:  # the first message of a step
-                        clock = StepClock(getattr(engine, "device", None))
-                        if request.HasField("cohort"):
-                            clock.cohort = (request.cohort.id, request.cohort.size)
-                        next_tokens, k = list(request.next_tokens), request.num_draft_tokens
-                        if not 0 <= k <= MAX_DRAFT_TOKENS:
-                            raise InvalidRequest(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {k}")
-                        ahead = request.ahead if request.HasField("ahead") else None
-                        if ahead is not None and not 1 <= ahead.branches <= MAX_BRANCHES:
-                            raise InvalidRequest(f"ahead.branches must be in [1, {MAX_BRANCHES}], got {ahead.branches}")
+                        clock = StepClock(getattr(engine, "device", None), request)
+                        step = _check_step(request)
                     with clock.codec():
-                        if ahead is not None and not next_tokens:  # no new pairs: no features follow
-                            features = torch.empty(0, engine.feature_size)
-                        elif request.features.WhichOneof("payload") == "ref":  # a fast path: the whole step
-                            if self.transport is None:
-                                raise NoChannel("a feature descriptor, but this draft has no fast path")
-                            features = self.transport.recv(request.features.ref, len(next_tokens), engine.feature_size)
-                        else:  # inline: [m, 3Ht] once the step's last chunk is in
-                            features = assembler.add(request.features, len(next_tokens), engine.feature_size)
+                        features = self._features(engine, request, step, assembler)
                     if features is None:
-                        continue
-                    if ahead is not None and not created:
+                        continue  # more chunks of this step to come
+                    if step.HasField("ahead") and not created:
                         raise InvalidRequest("a draft stream starts with a propose, not an ahead")
                     create = not created
                     if create:
                         if session_id in engine.session_ids():
                             raise InvalidRequest(f"draft session {session_id!r} already exists")
                         created = True  # from here on the session is ours to release, even if propose fails
-                        if self.reaper is not None:
-                            self.reaper.register(session_id, context)
-                    if ahead is not None:
-                        with clock.compute():
-                            branches = engine.speculate(session_id, features, next_tokens, list(ahead.assumed), k,
-                                                        ahead.branches)
-                        self.metrics.observe("ahead", clock)
-                        response = draft_pb2.DraftResponse(branches=[
-                            draft_pb2.Branch(accepted=b.accepted, bonus=b.bonus, drafts=b.drafts) for b in branches
-                        ])
-                    else:
-                        with clock.compute():
-                            drafts = engine.propose(session_id, features, next_tokens, k, create=create)
-                        self.metrics.observe("propose", clock)
-                        response = draft_pb2.DraftResponse(drafts=drafts)
-                        if clock.batch is not None:
-                            response.batch.id, response.batch.size = clock.batch
+                        self.session(session_id, context)
+                    response = self._run(engine, session_id, step, features, clock, create)
                     if timed:
                         response.timing.CopyFrom(clock.to_pb())
                     yield response
             finally:
                 if created:
-                    engine.release(session_id)
-                    if self.reaper is not None:
-                        self.reaper.unregister(session_id)
+                    self.session_ended(session_id)
+
+    def _features(self, engine: DraftEngine, request: draft_pb2.DraftRequest, step: draft_pb2.DraftRequest,
+                  assembler: FeatureAssembler) -> torch.Tensor | None:
+        """The step's new features [m, 3Ht], or None while chunks are still to come."""
+        m = len(step.next_tokens)
+        if step.HasField("ahead") and not m:  # no new pairs: no features follow
+            return torch.empty(0, engine.feature_size)
+        if request.features.WhichOneof("payload") == "ref":  # a fast path: the whole step
+            if self.transport is None:
+                raise NoChannel("a feature descriptor, but this draft has no fast path")
+            return self.transport.recv(request.features.ref, m, engine.feature_size)
+        return assembler.add(request.features, m, engine.feature_size)  # inline, once the last chunk is in
+
+    def _run(self, engine: DraftEngine, session_id: str, step: draft_pb2.DraftRequest, features: torch.Tensor,
+             clock: StepClock, create: bool) -> draft_pb2.DraftResponse:
+        k, tokens = step.num_draft_tokens, list(step.next_tokens)
+        if step.HasField("ahead"):
+            with clock.compute():
+                branches = engine.prepare(session_id, features, tokens, list(step.ahead.assumed), k, step.ahead.branches)
+            self.metrics.observe("ahead", clock)
+            return draft_pb2.DraftResponse(branches=branches_to_pb(branches))
+        with clock.compute():
+            drafts = engine.propose(session_id, features, tokens, k, create=create)
+        self.metrics.observe("propose", clock)
+        response = draft_pb2.DraftResponse(drafts=drafts)
+        if clock.batch is not None:
+            response.batch.id, response.batch.size = clock.batch
+        return response
 
 
-def serve(settings: DraftSettings) -> int:
-    setup_logging(settings.log_level)
-    service = Service("draft", settings, [draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name])
-    servicer = DraftServicer(service)
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, service.server)
-    service.start()
-    service.handle_signals()
+def _check_step(request: draft_pb2.DraftRequest) -> draft_pb2.DraftRequest:
+    """The first message of a step, which carries its settings: InvalidRequest when they are out of range."""
+    k = request.num_draft_tokens
+    if not 0 <= k <= MAX_DRAFT_TOKENS:
+        raise InvalidRequest(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {k}")
+    if request.HasField("ahead") and not 1 <= request.ahead.branches <= MAX_BRANCHES:
+        raise InvalidRequest(f"ahead.branches must be in [1, {MAX_BRANCHES}], got {request.ahead.branches}")
+    return request
+
+
+def load(settings: DraftSettings, service: Service, servicer: DraftServicer):
+    """The engine and its feature transport, attached to the servicer; the clean-up."""
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     engine = DraftEngine(settings.model, settings.target, device=settings.device, dtype=settings.dtype,
                          max_batch_size=settings.max_batch_size, max_batch_tokens=settings.max_batch_tokens)
     transport = DraftTransport(settings.transport, settings.device, settings.dtype, engine.feature_size,
                                traffic=service.traffic)
-    servicer.attach(engine, str(settings.model), settings.session_ttl, transport)
+    servicer.model_dir = str(settings.model)
+    servicer.attach(engine, settings.session_ttl, transport)
     log.info("draft %s (%s layout) on %s (%s)", settings.model, engine.layout, settings.device, settings.dtype)
-    if not service.stopping:
-        service.ready()
-    try:
-        return service.run()
-    finally:
-        transport.close()
+    return transport.close
+
+
+def serve(settings: DraftSettings) -> int:
+    return run_service("draft", settings, DraftServicer, lambda service, servicer: load(settings, service, servicer))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 """Training an EAGLE-3 head for a local Hugging Face target, with training-time test (TTT) as in EAGLE-3.
 
-The target is frozen and only read: one forward over a training sequence x_0..x_{T-1} gives the captured
-features F_i [3Ht] (TargetEngine's hooks and layer ids) and the logits L_i, which predict x_{i+1}.
+The frozen target gives, for a training sequence x_0..x_{T-1}, the captured features F_i [3Ht] and the
+logits L_i, which predict x_{i+1} (draft_server/train_data.py: the teacher, the sequences, the batches).
 
 TTT step 1 is DraftEngine.propose's extend: index i holds (fc(F_i), x_{i+1}) at RoPE position i, attends
 causally, and predicts the target at i+1 (L_{i+1}). Step j > 1 is rollout step j of a round whose last
 committed pair is index i: it feeds (a^{j-1}_i, x_{i+j}) at position i+j-1, where a^{j-1}_i is the previous
 step's pre-norm output at the same index, and predicts L_{i+j}. Its query sees the step-1 keys of indices
 <= i (the committed KV) and, of each rollout step 2..j, only the key at index i (that round's rollout KV):
-the reference's diagonal mask, and exactly what propose computes at inference.
+the reference's diagonal mask, and exactly what propose computes at inference. Every step is one call of
+the draft's own forward (draft_server/model.py), with that mask.
 
 The loss of step j is the cross entropy against the target's softmax over the draft vocabulary, weighted
 by decay**(j-1). The embeddings are the target's and stay frozen; the head is saved without them in the
@@ -22,162 +23,18 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+from transformers import LlamaConfig
 
 from draft_server.checkpoint import REFERENCE, save_draft
 from draft_server.model import DraftKV, Eagle3Config, Eagle3Draft
-from draft_server.train_cli import add_train_parser, cmd_train_draft  # noqa: F401 (the CLI, torch-free, lives there)
-from tandem.tiny import draft_vocab_from_counts, stdlib_text
-from target_server.capture import FeatureCapture, default_layer_ids
-from target_server.engine import DTYPES
-
-# -- the frozen target -------------------------------------------------------------------------------------
-
-
-class Teacher:
-    """The frozen target: features and logits of whole sequences, captured as TargetEngine captures them."""
-
-    def __init__(
-        self,
-        target_dir: str | Path,
-        device: str = "cpu",
-        layer_ids: Sequence[int] | None = None,
-        dtype: torch.dtype = torch.float32,
-    ):
-        self.target_dir = Path(target_dir)
-        self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(self.target_dir, dtype=dtype)
-        self.model.to(self.device).eval().requires_grad_(False)
-        self.config = self.model.config
-        layers = self.model.get_decoder().layers
-        self.num_layers = len(layers)
-        self.layer_ids = tuple(layer_ids) if layer_ids else default_layer_ids(self.num_layers)
-        self.capture = FeatureCapture(layers, self.layer_ids)
-        self.hidden_size = int(self.config.hidden_size)
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        eos = getattr(self.model.generation_config, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(self.config, "eos_token_id", None)
-        self.eos_token_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-
-    @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids [B, T], right-padded -> features [B, T, 3Ht], logits [B, T, V]."""
-        logits = self.model(input_ids=ids.to(self.device), use_cache=False).logits
-        return self.capture.take(), logits
-
-    @torch.inference_mode()
-    def continue_sequences(
-        self, prompts: torch.Tensor, new_tokens: int, temperature: float = 0.0, generator=None
-    ) -> torch.Tensor:
-        """The target's own continuations of prompts [B, P] -> [B, P + new_tokens]. EOS does not end a row,
-        as it does not with ignore_eos."""
-        ids = prompts.to(self.device)
-        cache = DynamicCache(config=self.config)
-        step = ids
-        for _ in range(new_tokens):
-            logits = self.model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1]  # [B, V]
-            self.capture.take()  # the hooks fire on every forward; drop what they kept
-            if temperature > 0:
-                step = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator)
-            else:
-                step = logits.argmax(-1, keepdim=True)  # [B, 1]
-            ids = torch.cat([ids, step], dim=1)
-        return ids.cpu()
-
-    def remove(self) -> None:
-        self.capture.remove()
-
-
-# -- data --------------------------------------------------------------------------------------------------
-
-
-def tokenize_texts(target_dir: str | Path, texts: Sequence[str], seq_len: int) -> list[list[int]]:
-    """Texts -> token sequences of at most seq_len tokens (a long text is cut into consecutive chunks)."""
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    out: list[list[int]] = []
-    for text in texts:
-        ids = tokenizer(text)["input_ids"]
-        out.extend(ids[start : start + seq_len] for start in range(0, len(ids), seq_len))
-    return [s for s in out if len(s) >= 3]
-
-
-def text_prompts(
-    target_dir: str | Path,
-    count: int,
-    length: int,
-    seed: int,
-    texts: Sequence[str] | None = None,
-    skip_files: int = 0,
-) -> torch.Tensor:
-    """`count` prompts of `length` tokens cut at random places from `texts`, or by default from text every
-    machine with Python has (the standard library's sources, from the `skip_files`-th file on) -> [count, length]."""
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    if texts is None:
-        texts = [stdlib_text(max_bytes=200_000, skip=skip_files)]
-    ids = [i for text in texts for i in tokenizer(text)["input_ids"]]
-    if len(ids) <= length:
-        raise ValueError(f"the prompt text has {len(ids)} tokens; prompts of {length} need more")
-    rng = random.Random(seed)
-    starts = [rng.randrange(0, len(ids) - length) for _ in range(count)]
-    return torch.tensor([ids[s : s + length] for s in starts])
-
-
-def self_distilled(
-    teacher: Teacher,
-    num_sequences: int,
-    seq_len: int,
-    *,
-    prompt_len: int = 16,
-    texts: Sequence[str] | None = None,
-    sampled_fraction: float = 0.25,
-    temperature: float = 0.8,
-    seed: int = 0,
-    batch_size: int = 256,
-) -> list[list[int]]:
-    """Sequences the target writes itself from text prompts (EAGLE-3 trains on the target's own answers):
-    greedy continuations, and a `sampled_fraction` of them sampled at `temperature` for variety."""
-    prompts = text_prompts(teacher.target_dir, num_sequences, prompt_len, seed, texts=texts)
-    generator = torch.Generator(device=teacher.device).manual_seed(seed)
-    num_greedy = num_sequences - round(num_sequences * sampled_fraction)
-    sequences: list[list[int]] = []
-    for start in range(0, num_sequences, batch_size):
-        stop = min(start + batch_size, num_sequences)
-        for lo, hi, temp in ((start, min(stop, num_greedy), 0.0), (max(start, num_greedy), stop, temperature)):
-            if lo < hi:
-                out = teacher.continue_sequences(prompts[lo:hi], seq_len - prompt_len, temp, generator)
-                sequences.extend(out.tolist())
-    return sequences
-
-
-def draft_vocabulary(
-    sequences: Sequence[Sequence[int]], vocab_size: int, draft_vocab_size: int, always: Sequence[int] = ()
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """d2t [draft_vocab], t2d [vocab] from the token counts of the training data; the `always` ids (EOS)
-    are kept whatever their count, so the head can always propose the end."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for seq in sequences:
-        counts += torch.bincount(torch.as_tensor(seq, dtype=torch.long), minlength=vocab_size)
-    for token in always:
-        counts[token] = counts.max() + 1
-    return draft_vocab_from_counts(counts, draft_vocab_size)
-
-
-def pad_batch(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> ids [B, T] right-padded with 0, lengths [B]. Right padding is harmless: causal attention keeps the
-    real positions from seeing it, and the loss masks it."""
-    lengths = torch.tensor([len(s) for s in sequences])
-    ids = torch.zeros(len(sequences), int(lengths.max()), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, : len(seq)] = torch.as_tensor(seq)
-    return ids, lengths
-
+from draft_server.train_data import Batches, Teacher, draft_vocabulary, training_sequences
+from tandem.dtypes import TORCH_DTYPES
+from tandem.pairing import default_aux_layer_ids
 
 # -- the head ----------------------------------------------------------------------------------------------
 
@@ -234,45 +91,6 @@ def init_draft(
 # -- training-time test ------------------------------------------------------------------------------------
 
 
-def _rollout_step(
-    draft: Eagle3Draft,
-    hidden: torch.Tensor,  # [B, S, H] the previous step's a
-    tokens: torch.Tensor,  # [B, S]
-    positions: torch.Tensor,  # [B, S]
-    committed: DraftKV,  # step 1's keys and values, [B, nkv, S, hd]
-    rollout: list[tuple[torch.Tensor, torch.Tensor]],  # keys and values of steps 2..j-1, [B, nh, S, hd]; grows
-) -> torch.Tensor:
-    """Eagle3Draft.forward for TTT step j >= 2 with its attention written out: query i sees the committed keys
-    0..i and, of each rollout step so far (this one included), the key at index i only. The same as attending
-    over [committed | step 2 | ... | step j] with the mask [causal | eye | ... | eye], without computing the
-    S x S blocks that mask would throw away."""
-    layer = draft.midlayer
-    attn = layer.self_attn
-    b, s, _ = hidden.shape
-    embeds = draft.embed_tokens(tokens).to(hidden.dtype)
-    cos, sin = draft.rotary_emb(hidden, positions)
-    normed = layer.hidden_norm(hidden)
-    residual = normed if layer.norm_before_residual else hidden
-    x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)  # [B, S, 2H]
-    q = attn.q_proj(x).view(b, s, attn.num_heads, attn.head_dim).transpose(1, 2)  # [B, nh, S, hd]
-    k = attn.k_proj(x).view(b, s, attn.num_kv_heads, attn.head_dim).transpose(1, 2)  # [B, nkv, S, hd]
-    v = attn.v_proj(x).view(b, s, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    n_rep = attn.num_heads // attn.num_kv_heads
-    rollout.append((repeat_kv(k, n_rep), repeat_kv(v, n_rep)))
-    k1, v1 = repeat_kv(committed.k, n_rep), repeat_kv(committed.v, n_rep)
-    scale = attn.head_dim**-0.5  # scaled_dot_product_attention's default
-    causal = torch.ones(s, s, dtype=torch.bool, device=hidden.device).tril()
-    scores = (q @ k1.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [B, nh, S, S]
-    own = torch.stack([(q * km).sum(-1) * scale for km, _ in rollout], dim=-1)  # [B, nh, S, j-1]
-    probs = torch.softmax(torch.cat([scores, own], dim=-1), dim=-1)
-    out = probs[..., :s] @ v1  # [B, nh, S, hd]
-    for m, (_, vm) in enumerate(rollout):
-        out = out + probs[..., s + m, None] * vm
-    a = residual + attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-    return a + layer.mlp(layer.post_attention_layernorm(a))
-
-
 def ttt_forward(
     draft: Eagle3Draft,
     ids: torch.Tensor,  # [B, T] target ids x_0..x_{T-1}
@@ -286,13 +104,15 @@ def ttt_forward(
     b, t = ids.shape
     s = t - 1
     index = torch.arange(s, device=ids.device)
-    committed = DraftKV()
-    a = draft(draft.fc(features[:, :s]), ids[:, 1:], index[None].expand(b, s), committed)  # causal extend
+    kv = DraftKV()  # [committed | step 2 | ... | step j], S keys each
+    a = draft(draft.fc(features[:, :s]), ids[:, 1:], index[None].expand(b, s), kv)  # causal extend
     outputs = [a]
-    rollout: list[tuple[torch.Tensor, torch.Tensor]] = []
+    causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+    own = torch.eye(s, dtype=torch.bool, device=ids.device)  # a rollout step's key at the query's own index
     for j in range(2, ttt_steps + 1):
         tokens = F.pad(ids[:, j:], (0, j - 1))  # [B, S]: x_{i+j}
-        a = _rollout_step(draft, a, tokens, (index + j - 1)[None].expand(b, s), committed, rollout)
+        mask = torch.cat([causal, *[own] * (j - 1)], dim=1)  # [S, j*S]
+        a = draft(a, tokens, (index + j - 1)[None].expand(b, s), kv, attn_mask=mask)
         outputs.append(a)
     return outputs
 
@@ -340,42 +160,6 @@ def ttt_loss(
 # -- the trainer -------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Batches:
-    """Fixed groups of sequences with the frozen target's outputs, cached while they fit in `cache_bytes`."""
-
-    teacher: Teacher
-    sequences: list[list[int]]
-    batch_size: int
-    t2d: torch.Tensor
-    cache_bytes: int
-    _cache: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
-    _cached_bytes: int = 0
-
-    def __len__(self) -> int:
-        return math.ceil(len(self.sequences) / self.batch_size)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
-        if index in self._cache:
-            return self._cache[index]
-        ids, lengths = pad_batch(self.sequences[index * self.batch_size : (index + 1) * self.batch_size])
-        features, logits = self.teacher(ids)
-        device = features.device
-        # new tensors made outside inference mode, so that autograd may save them; the head trains in float32
-        batch = (
-            ids.to(device),
-            lengths.to(device),
-            features.float(),
-            torch.softmax(logits[..., self.t2d.to(device)].float(), dim=-1),  # the draft proposes only these
-            logits.argmax(-1).clone(),
-        )
-        size = sum(t.numel() * t.element_size() for t in batch)
-        if self._cached_bytes + size <= self.cache_bytes:
-            self._cache[index] = batch
-            self._cached_bytes += size
-        return batch
-
-
 def train_draft(
     target_dir: str | Path,
     data: Sequence[str] | Sequence[Sequence[int]] | None,
@@ -392,7 +176,7 @@ def train_draft(
     num_sequences: int = 1024,
     self_distill: bool | None = None,
     init_from_target: bool = True,
-    layer_ids: Sequence[int] | None = None,
+    aux_layer_ids: Sequence[int] | None = None,
     decay: float = 0.8,
     seed: int = 0,
     device: str = "cpu",
@@ -412,6 +196,7 @@ def train_draft(
     call has run `seconds`, whichever comes first; the learning rate follows a cosine over that budget.
     draft_vocab_size: the head's vocabulary, the most frequent tokens of the data (default: the target's).
     init_from_target: start norm and lm_head from the target's (see init_draft).
+    aux_layer_ids: the target layers whose features the head fuses (default: EAGLE-3's for the target's depth).
     target_dtype: the frozen target's dtype ("bfloat16" halves its memory on a GPU); the head trains in float32.
     history: when given, receives one StepStats per step.
     """
@@ -419,31 +204,16 @@ def train_draft(
     if ttt_steps < 1:
         raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
     torch.manual_seed(seed)
-    teacher = Teacher(target_dir, device=device, layer_ids=layer_ids, dtype=DTYPES[target_dtype])
-    texts = list(data) if data is not None and len(data) and isinstance(data[0], str) else None
-    if self_distill is None:
-        self_distill = data is None
-    if self_distill and data is not None and texts is None:
-        raise ValueError("self_distill cuts prompts from texts: give texts, or no data")
-    if self_distill:
-        sequences = self_distilled(teacher, num_sequences, seq_len, texts=texts, seed=seed)
-    elif texts is not None:
-        sequences = tokenize_texts(target_dir, texts, seq_len)
-    else:
-        sequences = [[int(t) for t in seq][:seq_len] for seq in data or []]
-        sequences = [s for s in sequences if len(s) >= 3]
-    if not sequences:
-        raise ValueError("no training sequence has 3 tokens or more")
-    bad = [t for s in sequences for t in s if not 0 <= t < teacher.vocab_size]
-    if bad:
-        raise ValueError(f"training data has token ids outside the target's vocabulary: {bad[:5]}")
-
+    teacher = Teacher(target_dir, device=device, aux_layer_ids=aux_layer_ids, dtype=TORCH_DTYPES[target_dtype])
+    sequences = training_sequences(
+        teacher, data, self_distill=self_distill, num_sequences=num_sequences, seq_len=seq_len, seed=seed
+    )
     draft_vocab_size = min(draft_vocab_size or teacher.vocab_size, teacher.vocab_size)
     d2t, t2d = draft_vocabulary(sequences, teacher.vocab_size, draft_vocab_size, teacher.eos_token_ids)
-    default_layers = tuple(teacher.layer_ids) == tuple(default_layer_ids(teacher.num_layers))
-    config = draft_config_for(teacher.config, draft_vocab_size, None if default_layers else teacher.layer_ids)
+    default_layers = tuple(teacher.aux_layer_ids) == tuple(default_aux_layer_ids(teacher.num_layers))
+    config = draft_config_for(teacher.config, draft_vocab_size, None if default_layers else teacher.aux_layer_ids)
     draft = init_draft(teacher, config, d2t, t2d, init_from_target).to(teacher.device).train()
-    batches = _Batches(teacher, sequences, batch_size, t2d, cache_bytes)
+    batches = Batches(teacher, sequences, batch_size, t2d, cache_bytes)
     if epochs is not None:
         steps = max(1, math.ceil(epochs * len(batches)))
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -499,7 +269,7 @@ def train_draft(
 def train_tiny_draft(
     tiny_dir: str | Path, out_dir: str | Path, *, steps: int = 400, seconds: float | None = None, **kwargs
 ) -> Path:
-    """A head for `tiny_dir/target` (laid out as tandem.tiny.make_tiny writes it), trained on the target's own
+    """A head for `tiny_dir/target` (laid out as tandem_tools/tiny.py writes it), trained on the target's own
     continuations; about half a minute of two CPU cores.
 
     A target with random weights is only as predictable as its weights make it. make_tiny's (initializer_range

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from tandem.dtypes import DTYPE_NAMES
+
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
     from draft_server.train import train_draft
@@ -57,7 +59,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-sequences", type=int, default=1024, help="self-distilled sequences to generate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"], help="the frozen target's dtype")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="the frozen target's dtype")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train_draft)
     return p

@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-Dtype = Literal["float32", "bfloat16", "float16"]
+from tandem.dtypes import DTYPE_NAMES
+
+Dtype = Literal[DTYPE_NAMES]  # the table's names, in its order (tandem/dtypes.py)
 # The feature path target -> draft (tandem/transports/). grpc, the default, works anywhere; auto
 # takes the fastest both ends support; the coordinator's handshake settles what each end asked for.
 Transport = Literal["auto", "grpc", "shm", "cuda-ipc", "nccl"]
@@ -56,10 +58,19 @@ def _check_device(v: str) -> str:
     return v
 
 
-def _check_checkpoint(v: Path | None, what: str) -> Path | None:
-    if v is not None and not (v / "config.json").is_file():
-        raise ValueError(f"{what} {str(v)!r} is not a checkpoint directory (no config.json)")
-    return v
+def _checkpoint(what: str) -> AfterValidator:
+    def check(v: Path) -> Path:
+        if not (v / "config.json").is_file():
+            raise ValueError(f"{what} {str(v)!r} is not a checkpoint directory (no config.json)")
+        return v
+
+    return AfterValidator(check)
+
+
+# Field types that validate themselves: each check is written once, whichever settings use it.
+Device = Annotated[str, AfterValidator(_check_device)]
+TargetCheckpoint = Annotated[Path, _checkpoint("target model")]
+DraftCheckpoint = Annotated[Path, _checkpoint("draft model")]
 
 
 def parse_cpus(text: str) -> frozenset[int]:
@@ -104,7 +115,7 @@ def check_address(v: str) -> str:
 # default leaves K alone up to 64 (256 // 64 - 1 = 3). A GPU's knee is elsewhere: measure it with
 # `tandem bench --concurrency ...` and TANDEM_COORDINATOR_SPEC_TOKEN_BUDGET=0, then set the budget.
 SPEC_TOKEN_BUDGET = 256
-# Acceptance gate (coordinator.rounds.AcceptanceGate): one draft token's cost as a share of a verify
+# Acceptance gate (tandem.policy.AcceptanceGate): one draft token's cost as a share of a verify
 # round, drafting and moving the features included. Measured on the 2-core CPU: a K=3 round of the
 # demo pair takes about twice a target-only round (1 + 0.3 * 3 = 1.9), as does one of the tiny pair.
 # On GPUs, where a one-layer head is far cheaper than the target, it is smaller: measure it as
@@ -145,20 +156,29 @@ class ServiceSettings(BaseSettings):
         return format_cpus(parse_cpus(v)) if v is not None else None
 
 
-class TargetSettings(ServiceSettings):
-    model_config = SettingsConfigDict(env_prefix="TANDEM_TARGET_", extra="ignore")
+class EngineSettings(ServiceSettings):
+    """What the target and draft services share: a model on a device, batched, with a feature path."""
 
-    port: int = Field(DEFAULT_TARGET_PORT, ge=0, le=65535)
-    model: Path
-    # Only the draft's config.json is read, for eagle_aux_hidden_state_layer_ids: the target must
-    # capture the layers the head was trained on.
-    draft: Path | None = None
-    device: str = "cpu"
+    device: Device = "cpu"
     dtype: Dtype = "float32"
-    feature_chunk_mib: float = Field(2.0, gt=0)
     threads: int | None = Field(None, ge=1, description=THREADS_HELP)
     session_ttl: float = Field(DEFAULT_SESSION_TTL, gt=0, description=SESSION_TTL_HELP)
     transport: Transport = Field("grpc", description=TRANSPORT_HELP)
+    # Continuous batching: at most this many sessions' steps, and tokens (new ones, + K on the
+    # draft), per batch.
+    max_batch_size: int = Field(32, ge=1, le=1024)
+    max_batch_tokens: int = Field(4096, ge=1)
+
+
+class TargetSettings(EngineSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_TARGET_", extra="ignore")
+
+    port: int = Field(DEFAULT_TARGET_PORT, ge=0, le=65535)
+    model: TargetCheckpoint
+    # Only the draft's config.json is read, for eagle_aux_hidden_state_layer_ids: the target must
+    # capture the layers the head was trained on.
+    draft: DraftCheckpoint | None = None
+    feature_chunk_mib: float = Field(2.0, gt=0)
     # The shm / cuda-ipc ring: a 4096-token prefill of an 8B target in bf16 is 96 MiB; a step that
     # does not fit (or finds the ring full) goes inline over gRPC instead of waiting.
     transport_ring_mib: float = Field(256.0, gt=0)
@@ -167,30 +187,12 @@ class TargetSettings(ServiceSettings):
     transport_max_inflight: int = Field(128, ge=1, le=4096)
     # Any wait on the fast path (rendezvous, a send, a draft waiting for a step's rows).
     transport_timeout: float = Field(10.0, gt=0)
-    # Continuous batching: at most this many sessions' steps, and new tokens, in one forward.
-    max_batch_size: int = Field(32, ge=1, le=1024)
-    max_batch_tokens: int = Field(4096, ge=1)
     # The KV cache of all sessions together (unset: 80% of the GPU memory free after loading, or half
     # the host's available memory on a CPU). A prefill reserves its generation's
     # share (prompt + max_new_tokens); while the budget is taken it queues for queue_timeout seconds,
     # then gets RESOURCE_EXHAUSTED.
     kv_cache_gib: float | None = Field(None, gt=0)
     queue_timeout: float = Field(30.0, ge=0)
-
-    @field_validator("device")
-    @classmethod
-    def _device(cls, v: str) -> str:
-        return _check_device(v)
-
-    @field_validator("model")
-    @classmethod
-    def _model(cls, v: Path) -> Path:
-        return _check_checkpoint(v, "target model")
-
-    @field_validator("draft")
-    @classmethod
-    def _draft(cls, v: Path | None) -> Path | None:
-        return _check_checkpoint(v, "draft model")
 
     @model_validator(mode="after")
     def _chunk_fits(self) -> TargetSettings:
@@ -201,35 +203,12 @@ class TargetSettings(ServiceSettings):
         return self
 
 
-class DraftSettings(ServiceSettings):
+class DraftSettings(EngineSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_DRAFT_", extra="ignore")
 
     port: int = Field(DEFAULT_DRAFT_PORT, ge=0, le=65535)
-    model: Path
-    target: Path  # the draft reads the target's embed_tokens (that one tensor)
-    device: str = "cpu"
-    dtype: Dtype = "float32"
-    threads: int | None = Field(None, ge=1, description=THREADS_HELP)
-    session_ttl: float = Field(DEFAULT_SESSION_TTL, gt=0, description=SESSION_TTL_HELP)
-    transport: Transport = Field("grpc", description=TRANSPORT_HELP)
-    # Continuous batching: at most this many sessions' steps, and tokens (new pairs + K), per batch.
-    max_batch_size: int = Field(32, ge=1, le=1024)
-    max_batch_tokens: int = Field(4096, ge=1)
-
-    @field_validator("device")
-    @classmethod
-    def _device(cls, v: str) -> str:
-        return _check_device(v)
-
-    @field_validator("model")
-    @classmethod
-    def _model(cls, v: Path) -> Path:
-        return _check_checkpoint(v, "draft model")
-
-    @field_validator("target")
-    @classmethod
-    def _target(cls, v: Path) -> Path:
-        return _check_checkpoint(v, "target model")
+    model: DraftCheckpoint
+    target: TargetCheckpoint  # the draft reads the target's embed_tokens (that one tensor)
 
 
 class CoordinatorSettings(ServiceSettings):
@@ -272,10 +251,10 @@ class ServeSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="TANDEM_SERVE_", extra="ignore")
 
-    target: Path | None = None  # none: the built-in tiny pair
-    draft: Path | None = None
-    target_device: str = "cpu"
-    draft_device: str = "cpu"
+    target: TargetCheckpoint | None = None  # none: the built-in tiny pair
+    draft: DraftCheckpoint | None = None
+    target_device: Device = "cpu"
+    draft_device: Device = "cpu"
     dtype: Dtype = "float32"
     transport: Transport = Field("grpc", description=TRANSPORT_HELP)
     host: str = "127.0.0.1"
@@ -295,21 +274,6 @@ class ServeSettings(BaseSettings):
     # as they would be on two devices: sharing every core, the services' threads took turns on them
     # and a round at 16 requests took 1.3x longer (SPLIT_CPUS_HELP).
     split_cpus: bool = Field(True, description=SPLIT_CPUS_HELP)
-
-    @field_validator("target_device", "draft_device")
-    @classmethod
-    def _device(cls, v: str) -> str:
-        return _check_device(v)
-
-    @field_validator("target")
-    @classmethod
-    def _target(cls, v: Path | None) -> Path | None:
-        return _check_checkpoint(v, "target model")
-
-    @field_validator("draft")
-    @classmethod
-    def _draft(cls, v: Path | None) -> Path | None:
-        return _check_checkpoint(v, "draft model")
 
 
 def load_settings(cls: type[BaseSettings], **flags) -> BaseSettings:

@@ -9,8 +9,9 @@ class PairMismatch(ValueError):
     """The draft head was not made for this target; the message lists every mismatch."""
 
 
-def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's choice: low, mid and high, in the input-of-layer convention."""
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """The target layers whose hidden states the draft fuses, when its config names none: EAGLE-3's
+    choice, low, mid and high, in the input-of-layer convention (target_server/capture.py)."""
     return (2, num_layers // 2, num_layers - 3)
 
 
@@ -20,7 +21,7 @@ class TargetShape:
     hidden_size: int
     num_layers: int
     # what a running target service reports; None where only the checkpoint is known
-    layer_ids: list[int] | None = None  # the layers it captures
+    aux_layer_ids: list[int] | None = None  # the layers it captures
     dtype: str | None = None
     max_context: int | None = None
 
@@ -30,7 +31,7 @@ class DraftShape:
     vocab_size: int  # rows of embed_tokens: the target vocabulary the head reads
     target_hidden_size: int  # fc reads 3 * this
     max_target_id: int  # the largest target id d2t maps to
-    aux_layer_ids: list[int] | None
+    aux_layer_ids: list[int] | None  # None: the default for the target's depth
     dtype: str | None = None
     target_max_context: int | None = None  # the context of the target checkpoint the draft was set up with
 
@@ -53,11 +54,11 @@ def check_pair(target: TargetShape, draft: DraftShape) -> None:
                 f"layer ids: the draft asks for target layers {draft.aux_layer_ids}, "
                 f"the target has {target.num_layers} decoder layers (3 ids in [0, {target.num_layers}) needed)"
             )
-    if target.layer_ids is not None:
-        wanted = list(draft.aux_layer_ids or default_layer_ids(target.num_layers))
-        if list(target.layer_ids) != wanted:
+    if target.aux_layer_ids is not None:
+        wanted = list(draft.aux_layer_ids or default_aux_layer_ids(target.num_layers))
+        if list(target.aux_layer_ids) != wanted:
             problems.append(
-                f"layer ids: the draft reads target layers {wanted}, the target captures {list(target.layer_ids)} "
+                f"layer ids: the draft reads target layers {wanted}, the target captures {list(target.aux_layer_ids)} "
                 f"(start the target with --draft pointing at the draft checkpoint)"
             )
     if target.dtype and draft.dtype and target.dtype != draft.dtype:

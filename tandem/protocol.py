@@ -6,7 +6,7 @@ Features are opaque to the loop: a torch tensor [n, 3H] in-process, a wire messa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from tandem.params import SamplingParams
 
@@ -68,6 +68,7 @@ class TargetBackend(Protocol):
     def release(self, session_id: str) -> bool: ...
 
 
+@runtime_checkable
 class DraftBackend(Protocol):
     # may raise DraftUnavailable
     def propose(
@@ -78,6 +79,7 @@ class DraftBackend(Protocol):
     def release(self, session_id: str) -> bool: ...
 
 
+@runtime_checkable
 class OverlapDraftBackend(DraftBackend, Protocol):
     """A draft that can work while the target verifies: `ahead` appends the new committed pairs, as
     propose does, then assumes `drafts` (ones this session proposed, now being verified) and prepares

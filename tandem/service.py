@@ -21,13 +21,14 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from pydantic import ValidationError
 
 from tandem.config import ServiceSettings, parse_cpus
+from tandem.errors import Abort, StatusInterceptor
 from tandem.metrics import new_registry, serve_metrics
 from tandem.traffic import SERVER_LINKS, Traffic, TrafficInterceptor
 
@@ -36,60 +37,10 @@ log = logging.getLogger("tandem")
 # Set by `tandem serve` for its children: a child whose parent is gone drains and exits.
 PARENT_PID_ENV = "TANDEM_PARENT_PID"
 
-# Exceptions a service maps to a status code, most specific first (see errors_to_status).
-ErrorMap = Sequence[tuple[type[BaseException], grpc.StatusCode]]
-
 
 def channel_options(max_message_mib: int) -> list[tuple[str, int]]:
     limit = max_message_mib << 20
     return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
-
-
-def describe_validation(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"])
-        parts.append(f"{where + ': ' if where else ''}{err['msg'].removeprefix('Value error, ')}")
-    return "; ".join(parts)
-
-
-class Abort(Exception):
-    """Raised inside a handler to end the RPC with this status (kept apart from grpc's own abort)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-@contextmanager
-def errors_to_status(context: grpc.ServicerContext, errors: ErrorMap = ()) -> Iterator[None]:
-    """Map exceptions to typed statuses: bad input INVALID_ARGUMENT, unknown session NOT_FOUND, ...
-
-    pydantic validation errors are bad input. Anything unmapped is a bug: INTERNAL, and logged.
-    """
-    try:
-        yield
-    except Abort as exc:
-        context.abort(exc.code, exc.message)
-    except ValidationError as exc:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, describe_validation(exc))
-    except Exception as exc:
-        if _is_grpc_abort(exc):
-            raise
-        if not context.is_active():  # the client went away (cancel, deadline): nobody to tell
-            log.debug("request ended after the client left: %s", exc)
-            return
-        for kind, code in errors:
-            if isinstance(exc, kind):
-                context.abort(code, str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc))
-        log.exception("internal error")
-        context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-
-
-def _is_grpc_abort(exc: BaseException) -> bool:
-    # context.abort() records the status, then raises a bare Exception() to unwind the handler
-    return type(exc) is Exception and not exc.args
 
 
 class Admission:
@@ -165,7 +116,10 @@ class Service:
         self.server = grpc.server(
             ThreadPoolExecutor(max_workers=settings.max_sessions + 8, thread_name_prefix=f"tandem-{name}"),
             options=channel_options(settings.max_message_mib),
-            interceptors=[TrafficInterceptor(self.traffic, *SERVER_LINKS[name])] if name in SERVER_LINKS else [],
+            interceptors=[
+                *([TrafficInterceptor(self.traffic, *SERVER_LINKS[name])] if name in SERVER_LINKS else []),
+                StatusInterceptor(),  # typed errors -> status codes, for every method (tandem/errors.py)
+            ],
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -261,59 +215,47 @@ class Service:
         return 0
 
 
-def end_call(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-    """End an RPC with this status from outside its handler's thread (abort() only works inside it).
+class StartupError(RuntimeError):
+    """A service that cannot start (its peers are unreachable or do not fit): logged, exit status 1."""
 
-    grpc's Python API can only cancel a call from another thread (the client then sees CANCELLED);
-    its core call can cancel with a status, which the client receives as is. Fall back to the plain
-    cancel where that is not there.
-    """
+
+class Servicer(Protocol):
+    """What `run_service` needs of a servicer class: its gRPC service name and how to register it."""
+
+    SERVICE_NAME: str
+
+    def add_to_server(self, server: grpc.Server) -> None: ...
+
+
+def run_service(
+    name: str,
+    settings: ServiceSettings,
+    servicer_class: type[Servicer],
+    load: Callable[[Service, Servicer], Callable[[], None] | None],
+    *servicer_args,
+) -> int:
+    """The life of a service process, the same for all three: bind and report NOT_SERVING, `load`
+    (the model, or the connection to the services), report SERVING, serve until SIGTERM, drain.
+    `load` may return a clean-up to run at exit; a StartupError from it ends the process with 1."""
+    setup_logging(settings.log_level)
+    service = Service(name, settings, [servicer_class.SERVICE_NAME])
+    servicer = servicer_class(service, *servicer_args)
+    servicer.add_to_server(service.server)
+    service.start()
+    service.handle_signals()
     try:
-        context._rpc_event.call.cancel(code.value[0], message)
-    except (AttributeError, TypeError, ValueError):
-        context.cancel()
-
-
-class SessionReaper:
-    """Evicts sessions idle for longer than `ttl` seconds, and ends their streams with NOT_FOUND.
-
-    A session lives as long as its stream, and a client that closes, cancels or loses its connection
-    frees it at once; this catches the rest: a client that hangs with the stream open. The engine
-    frees the KV (`evict(ttl)` returns the ids it dropped), the reaper ends the streams.
-    """
-
-    def __init__(self, what: str, ttl: float, evict: Callable[[float], list[str]]):
-        self.what = what
-        self.ttl = ttl
-        self._evict = evict
-        self._streams: dict[str, grpc.ServicerContext] = {}
-        self._stop = threading.Event()
-
-    def register(self, session_id: str, context: grpc.ServicerContext) -> None:
-        self._streams[session_id] = context
-
-    def unregister(self, session_id: str) -> None:
-        self._streams.pop(session_id, None)
-
-    def start(self) -> None:
-        threading.Thread(target=self._run, name=f"tandem-{self.what}-reaper", daemon=True).start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.wait(min(max(self.ttl / 4, 0.05), 10.0)):
-            self.sweep()
-
-    def sweep(self) -> list[str]:
-        evicted = self._evict(self.ttl)
-        for session_id in evicted:
-            log.warning("%s session %s idle for over %gs: evicted (--session-ttl)", self.what, session_id, self.ttl)
-            context = self._streams.pop(session_id, None)
-            if context is not None:
-                end_call(context, grpc.StatusCode.NOT_FOUND,
-                         f"{self.what} session {session_id!r} was evicted after {self.ttl:g}s idle (--session-ttl)")
-        return evicted
+        close = load(service, servicer)
+    except StartupError as exc:
+        log.error("the %s cannot start: %s", name, exc)
+        service.server.stop(grace=None)
+        return 1
+    if not service.stopping:
+        service.ready()
+    try:
+        return service.run()
+    finally:
+        if close is not None:
+            close()
 
 
 def _write_atomically(path: Path, text: str) -> None:

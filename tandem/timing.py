@@ -36,7 +36,8 @@ _current = threading.local()  # the StepClock of the step this thread is computi
 class StepClock:
     __slots__ = ("_cuda", "_start_event", "batch", "codec_ns", "cohort", "compute_ns", "queue_ns", "received_ns")
 
-    def __init__(self, device=None):
+    def __init__(self, device=None, request=None):
+        """`request`: the step's first message; the cohort it came with, if any, goes to the batcher."""
         self.received_ns = time.monotonic_ns()
         self.queue_ns = 0
         self.compute_ns = 0
@@ -44,6 +45,8 @@ class StepClock:
         self._cuda = getattr(device, "type", str(device or "")).startswith("cuda")
         self._start_event = None
         self.cohort: tuple[int, int] | None = None
+        if request is not None and request.HasField("cohort"):
+            self.cohort = (request.cohort.id, request.cohort.size)
         self.batch: tuple[int, int] | None = None
 
     @contextmanager

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from tandem.dtypes import ITEMSIZE
 from tandem.v1 import common_pb2, coordinator_pb2, draft_pb2, target_pb2
-from tandem.wire import ITEMSIZE
 
 LINKS = (
     "client->coordinator",

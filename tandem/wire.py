@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from tandem.dtypes import DTYPES, ITEMSIZE, TensorDtype, name_of
 from tandem.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -26,8 +27,6 @@ if TYPE_CHECKING:
 # relay holds little at a time; per-message overhead is negligible at this size.
 DEFAULT_CHUNK_BYTES = 2 << 20
 
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-
 if sys.byteorder != "little":  # the raw bytes are little-endian; every supported host is
     raise ImportError("tandem.wire assumes a little-endian host")
 
@@ -36,21 +35,19 @@ class WireError(ValueError):
     """A tensor message that does not describe a tensor (bad dtype, size, or chunk order)."""
 
 
-def _torch_dtype(name: str):
-    import torch
+def _torch_dtype(name: str) -> torch.dtype:
+    return _known(name).torch
 
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _known(name_of(dtype)).name
+
+
+def _known(name: str) -> TensorDtype:
     try:
-        return dtypes[name]
+        return DTYPES[name]
     except KeyError:
-        raise WireError(f"unsupported tensor dtype {name!r}; expected one of {sorted(dtypes)}") from None
-
-
-def _dtype_name(dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in ITEMSIZE:
-        raise WireError(f"unsupported tensor dtype {name!r}; expected one of {sorted(ITEMSIZE)}")
-    return name
+        raise WireError(f"unsupported tensor dtype {name!r}; expected one of {sorted(DTYPES)}") from None
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:

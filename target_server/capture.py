@@ -1,8 +1,9 @@
 """Capture of the target's low/mid/high hidden states for the EAGLE-3 draft.
 
-Convention (reference EAGLE and vLLM): a layer id names the *input* of that decoder layer,
-i.e. HF `hidden_states[id]`, where `hidden_states[0]` is the embeddings. We hook only those
-three layers instead of asking the model for all L hidden states.
+The aux layer ids (EAGLE-3 configs: `eagle_aux_hidden_state_layer_ids`) are the three target layers
+whose hidden states the draft fuses. Convention (reference EAGLE and vLLM): an id names the *input*
+of that decoder layer, i.e. HF `hidden_states[id]`, where `hidden_states[0]` is the embeddings. We
+hook only those three layers instead of asking the model for all L hidden states.
 """
 
 from __future__ import annotations
@@ -12,26 +13,22 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from tandem.pairing import default_layer_ids
-
-__all__ = ["FeatureCapture", "default_layer_ids"]
-
 
 class FeatureCapture:
     """Forward pre-hooks that keep the input of three decoder layers of the last forward."""
 
-    def __init__(self, layers: nn.ModuleList, layer_ids: Sequence[int]):
+    def __init__(self, layers: nn.ModuleList, aux_layer_ids: Sequence[int]):
         num_layers = len(layers)
-        if len(layer_ids) != 3:
-            raise ValueError(f"EAGLE-3 needs exactly 3 capture layers, got {list(layer_ids)}")
-        bad = [i for i in layer_ids if not 0 <= i < num_layers]
+        if len(aux_layer_ids) != 3:
+            raise ValueError(f"EAGLE-3 needs exactly 3 capture layers, got {list(aux_layer_ids)}")
+        bad = [i for i in aux_layer_ids if not 0 <= i < num_layers]
         if bad:
             raise ValueError(f"capture layer ids {bad} are outside the target's {num_layers} decoder layers")
-        self.layer_ids = tuple(int(i) for i in layer_ids)
+        self.aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
         self._captured: list[torch.Tensor | None] = [None, None, None]
         self._handles = [
             layers[layer_id].register_forward_pre_hook(self._make_hook(slot), with_kwargs=True)
-            for slot, layer_id in enumerate(self.layer_ids)
+            for slot, layer_id in enumerate(self.aux_layer_ids)
         ]
 
     def _make_hook(self, slot: int):

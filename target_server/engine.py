@@ -1,7 +1,7 @@
 """The target engine: a Hugging Face causal LM with per-session KV caches, feature capture and verify.
 
 Usable in-process (the reference generator, tests) and behind the target gRPC service.
-The protocol per session (ARCHITECTURE.md, 0-indexed positions):
+The protocol per session (docs/architecture.md, 0-indexed positions):
   prefill(x_0..x_{n-1})        -> t = x_n, features F_0..F_{n-1}          [n, 3H]
   verify(t, d_1..d_K)          -> one forward at positions n..n+K, accept a drafts,
                                   bonus b, KV cropped to n+1+a, features of t, d_1..d_a [a+1, 3H]
@@ -28,20 +28,15 @@ from typing import Literal
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from transformers.cache_utils import Cache, DynamicLayer
-from transformers.utils import logging as hf_logging
 
 from tandem.batching import Batcher
+from tandem.dtypes import TORCH_DTYPES
 from tandem.params import MAX_DRAFT_TOKENS, SamplingParams
 from tandem.protocol import PrefillResult, VerifyResult
 from tandem.sessions import InvalidRequest, ResourceExhausted, SessionOwner, SessionTable
 from target_server.acceptance import accept, pick
-from target_server.capture import FeatureCapture, default_layer_ids
-
-hf_logging.disable_progress_bar()  # a service logs; it does not draw progress bars
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from target_server.loading import load_target
 
 
 class KVLayer(DynamicLayer):
@@ -176,35 +171,27 @@ class TargetEngine(SessionOwner):
         model_dir: str | Path,
         device: str = "cpu",
         dtype: str = "float32",
-        layer_ids: list[int] | None = None,
+        aux_layer_ids: list[int] | None = None,
         max_batch_size: int = 32,
         max_batch_tokens: int = 4096,
         kv_cache_tokens: int | None = None,
         queue_timeout: float = 30.0,
     ):
         self.model_dir = Path(model_dir)
-        if not (self.model_dir / "config.json").is_file():
-            raise FileNotFoundError(f"target checkpoint {self.model_dir} has no config.json")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if dtype not in TORCH_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype!r}")
         self.device = torch.device(device)
-        self.dtype = DTYPES[dtype]
-        self.config = AutoConfig.from_pretrained(self.model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
-        self.model.to(self.device).eval()
+        self.dtype = TORCH_DTYPES[dtype]
+        loaded = load_target(self.model_dir, self.device, self.dtype, aux_layer_ids)
+        self.model, self.capture, self.eos_token_ids = loaded.model, loaded.capture, loaded.eos_token_ids
+        self.config = config = loaded.config
+        self.aux_layer_ids, self.num_layers = loaded.aux_layer_ids, loaded.num_layers
+        self.hidden_size, self.vocab_size = loaded.hidden_size, loaded.vocab_size
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
-        config = self.config
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-        layers = self.decoder.layers
-        self.num_layers = len(layers)
-        self.layer_ids = tuple(layer_ids) if layer_ids else default_layer_ids(self.num_layers)
-        self.capture = FeatureCapture(layers, self.layer_ids)
-        self.hidden_size = int(self.config.hidden_size)
-        self.vocab_size = int(self.lm_head.weight.shape[0])
         self.max_context = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
-        self.eos_token_ids = _eos_ids(self.model_dir, self.config)
         self.sessions: SessionTable[_Session] = SessionTable("target")
         self.kv_budget = KVBudget(kv_cache_tokens, queue_timeout)
         self.kv_pool = KVPool(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device)
@@ -397,15 +384,3 @@ class TargetEngine(SessionOwner):
         commit(keep)
         return out
 
-
-def _eos_ids(model_dir: Path, config) -> list[int]:
-    eos = None
-    try:
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except OSError:
-        pass
-    if eos is None:
-        eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]

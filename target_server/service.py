@@ -15,12 +15,13 @@ import grpc
 import torch
 
 from tandem.config import TargetSettings
-from tandem.metrics import StepMetrics
-from tandem.params import SamplingParams
-from tandem.service import Abort, Service, SessionReaper, errors_to_status, setup_logging
-from tandem.sessions import InvalidRequest, ResourceExhausted, SessionNotFound
+from tandem.convert import sampling_from_pb
+from tandem.dtypes import name_of
+from tandem.errors import Abort
+from tandem.service import Service, run_service
+from tandem.servicer import EngineServicer
+from tandem.sessions import InvalidRequest
 from tandem.timing import StepClock
-from tandem.transports.base import TransportError
 from tandem.transports.endpoints import TargetTransport
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire import encode_features
@@ -28,21 +29,7 @@ from target_server.engine import TargetEngine, aux_layer_ids_from_draft
 
 log = logging.getLogger("tandem.target")
 
-ERRORS = (
-    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (SessionNotFound, grpc.StatusCode.NOT_FOUND),
-    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-)
 TOKENIZER_CHUNK_BYTES = 2 << 20
-
-
-def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=msg.temperature,
-        top_k=msg.top_k,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-        seed=msg.seed if msg.HasField("seed") else None,
-    )
 
 
 def load_tokenizer_json(model_dir) -> bytes:
@@ -60,79 +47,64 @@ def load_tokenizer_json(model_dir) -> bytes:
     return b""
 
 
-class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetServiceServicer):
+    WHAT = "target"
+    SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+
     def __init__(self, service: Service, chunk_bytes: int):
-        self.service = service
+        super().__init__(service)
         self.chunk_bytes = chunk_bytes
-        self.metrics = StepMetrics(service.registry)
-        self.engine: TargetEngine | None = None
         self.tokenizer_json = b""
-        self.reaper: SessionReaper | None = None
-        self.transport: TargetTransport | None = None  # the feature path to the draft; None: inline only
+        self.transport: TargetTransport | None = None
 
-    def attach(self, engine: TargetEngine, tokenizer_json: bytes, session_ttl: float | None = None,
-               transport: TargetTransport | None = None) -> None:
-        self.engine, self.tokenizer_json, self.transport = engine, tokenizer_json, transport
-        self.metrics.count_sessions(lambda: engine.num_sessions)
-        if session_ttl is not None:
-            self.reaper = SessionReaper("target", session_ttl, engine.evict_idle)
-            self.reaper.start()
-
-    def _engine(self) -> TargetEngine:
-        if self.engine is None:
-            raise Abort(grpc.StatusCode.UNAVAILABLE, "the target service is still loading")
-        return self.engine
+    def add_to_server(self, server: grpc.Server) -> None:
+        target_pb2_grpc.add_TargetServiceServicer_to_server(self, server)
 
     def ModelInfo(self, request, context):
-        with errors_to_status(context):
-            engine = self._engine()
-            return target_pb2.TargetInfo(
-                model=str(engine.model_dir),
-                vocab_size=engine.vocab_size,
-                hidden_size=engine.hidden_size,
-                num_layers=engine.num_layers,
-                layer_ids=list(engine.layer_ids),
-                eos_token_ids=engine.eos_token_ids,
-                max_context=engine.max_context,
-                dtype=str(engine.dtype).removeprefix("torch."),
-                device=str(engine.device),
-                tokenizer_size=len(self.tokenizer_json),
-                num_sessions=engine.num_sessions,
-                transport=self.transport.caps if self.transport is not None else None,
-            )
+        engine = self.loaded()
+        return target_pb2.TargetInfo(
+            model=str(engine.model_dir),
+            vocab_size=engine.vocab_size,
+            hidden_size=engine.hidden_size,
+            num_layers=engine.num_layers,
+            layer_ids=list(engine.aux_layer_ids),
+            eos_token_ids=engine.eos_token_ids,
+            max_context=engine.max_context,
+            dtype=name_of(engine.dtype),
+            device=str(engine.device),
+            tokenizer_size=len(self.tokenizer_json),
+            num_sessions=engine.num_sessions,
+            transport=self.transport.caps if self.transport is not None else None,
+        )
 
     def _transport(self) -> TargetTransport:
-        self._engine()
+        self.loaded()
         if self.transport is None:
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION, "this target sends features inline only")
         return self.transport
 
     def OpenTransport(self, request, context):
-        with errors_to_status(context, ((TransportError, grpc.StatusCode.FAILED_PRECONDITION),)):
-            return self._transport().open(request)
+        return self._transport().open(request)
 
     def StartTransport(self, request, context):
-        with errors_to_status(context, ((TransportError, grpc.StatusCode.FAILED_PRECONDITION),)):
-            self._transport().start(request)
-            return request
+        self._transport().start(request)
+        return request
 
     def GetTokenizer(self, request, context):
-        with errors_to_status(context):
-            self._engine()
-            data = self.tokenizer_json
-            for start in range(0, len(data), TOKENIZER_CHUNK_BYTES):
-                yield target_pb2.FileChunk(data=data[start : start + TOKENIZER_CHUNK_BYTES])
+        self.loaded()
+        data = self.tokenizer_json
+        for start in range(0, len(data), TOKENIZER_CHUNK_BYTES):
+            yield target_pb2.FileChunk(data=data[start : start + TOKENIZER_CHUNK_BYTES])
 
     def Session(self, request_iterator, context) -> Iterator[target_pb2.TargetResponse]:
+        """One generation: a prefill, then verifies, each answered with its features."""
         session_id = None
-        with errors_to_status(context, ERRORS), self.service.admission.admit():
-            engine = self._engine()
+        with self.service.admission.admit():
+            engine = self.loaded()
             timed = False  # the session asked for StepTiming in its answers
             try:
                 for request in request_iterator:
-                    clock = StepClock(getattr(engine, "device", None))
-                    if request.HasField("cohort"):
-                        clock.cohort = (request.cohort.id, request.cohort.size)
+                    clock = StepClock(getattr(engine, "device", None), request)
                     step = request.WhichOneof("step")
                     if step == "prefill":
                         if session_id is not None:
@@ -144,8 +116,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                                     p.max_new_tokens if p.HasField("max_new_tokens") else None)
                         timed = p.want_timing
                         session_id = sid  # only now is it ours to release
-                        if self.reaper is not None:
-                            self.reaper.register(session_id, context)
+                        self.session(session_id, context)
                         head = target_pb2.TargetResponse(prefilled=target_pb2.Prefilled(token=result.token))
                     elif step == "verify":
                         if session_id is None:
@@ -161,11 +132,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     yield from self._with_features(head, result.features, step, clock, timed, session_id)
             finally:
                 if session_id is not None:
-                    engine.release(session_id)
+                    self.session_ended(session_id)
                     if self.transport is not None:
                         self.transport.release(session_id)
-                    if self.reaper is not None:
-                        self.reaper.unregister(session_id)
 
     def _with_features(
         self, head: target_pb2.TargetResponse, features, step: str, clock: StepClock, timed: bool, session_id: str
@@ -207,18 +176,13 @@ def default_kv_bytes(device: torch.device) -> float | None:
         return None
 
 
-def serve(settings: TargetSettings) -> int:
-    setup_logging(settings.log_level)
-    service = Service("target", settings, [target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name])
-    servicer = TargetServicer(service, chunk_bytes=int(settings.feature_chunk_mib * (1 << 20)))
-    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, service.server)
-    service.start()
-    service.handle_signals()
+def load(settings: TargetSettings, service: Service, servicer: TargetServicer):
+    """The engine, its KV budget and its feature transport, attached to the servicer; the clean-up."""
     layer_ids = aux_layer_ids_from_draft(settings.draft) if settings.draft is not None else None
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     engine = TargetEngine(
-        settings.model, device=settings.device, dtype=settings.dtype, layer_ids=layer_ids,
+        settings.model, device=settings.device, dtype=settings.dtype, aux_layer_ids=layer_ids,
         max_batch_size=settings.max_batch_size, max_batch_tokens=settings.max_batch_tokens,
         queue_timeout=settings.queue_timeout,
     )
@@ -230,18 +194,20 @@ def serve(settings: TargetSettings) -> int:
         ring_bytes=int(settings.transport_ring_mib * (1 << 20)), max_inflight=settings.transport_max_inflight,
         timeout=settings.transport_timeout, traffic=service.traffic,
     )
-    servicer.attach(engine, load_tokenizer_json(settings.model), settings.session_ttl, transport)
+    servicer.tokenizer_json = load_tokenizer_json(settings.model)
+    servicer.attach(engine, settings.session_ttl, transport)
     log.info(
         "target %s on %s (%s): vocab %d, hidden %d, capture layers %s; batches of <= %d steps, KV budget %s tokens",
-        settings.model, settings.device, settings.dtype, engine.vocab_size, engine.hidden_size, engine.layer_ids,
+        settings.model, settings.device, settings.dtype, engine.vocab_size, engine.hidden_size, engine.aux_layer_ids,
         settings.max_batch_size, engine.kv_budget.tokens or "unbounded",
     )
-    if not service.stopping:
-        service.ready()
-    try:
-        return service.run()
-    finally:
-        transport.close()  # unlinks a shared memory ring
+    return transport.close  # unlinks a shared memory ring
+
+
+def serve(settings: TargetSettings) -> int:
+    chunk_bytes = int(settings.feature_chunk_mib * (1 << 20))
+    return run_service("target", settings, TargetServicer, lambda service, servicer: load(settings, service, servicer),
+                       chunk_bytes)
 
 
 if __name__ == "__main__":

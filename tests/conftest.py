@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.tiny import make_tiny
+from tandem_tools.tiny import make_tiny
 
 # The tiny pair's head is random (no draft is ever accepted), so the coordinator's acceptance gate would
 # soon stop drafting, and the tests of what drafting does would test target-only decoding. The tests
@@ -22,10 +22,12 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def generator(tiny_dir):
-    """Both engines of the tiny pair in this process (tandem.inprocess), one per test module."""
-    from tandem.inprocess import InProcessGenerator
+    """Both engines of the tiny pair in this process (tandem_tools.inprocess), one per test module."""
+    from tandem_tools.inprocess import InProcessGenerator
 
-    return InProcessGenerator(tiny_dir / "target", tiny_dir / "draft")
+    # the tiny head is random: the acceptance gate would shut at once (its cost set to 0, as for the
+    # coordinator above), and the tests of drafting need drafts
+    return InProcessGenerator(tiny_dir / "target", tiny_dir / "draft", draft_cost=0)
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ class Proc:
         self.starts += 1
         log = (self.run / f"{self.name}.{self.starts}.log").open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", self.name, *self.args, "--port", str(self.port),
+            [sys.executable, "-m", "tandem_tools.cli", self.name, *self.args, "--port", str(self.port),
              "--announce-file", str(self.announce)],
             stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1"},
         )

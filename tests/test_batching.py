@@ -15,10 +15,10 @@ from test_core import assert_same_or_tie, hf_greedy, make_prompts
 
 from coordinator.cohorts import CohortLink, Cohorts
 from tandem.batching import Batcher
-from tandem.inprocess import InProcessGenerator
 from tandem.params import GenerationRequest, SamplingParams
 from tandem.sessions import ResourceExhausted
 from tandem.timing import StepClock
+from tandem_tools.inprocess import InProcessGenerator
 from target_server.engine import KVPool, TargetEngine
 
 
@@ -271,7 +271,8 @@ def test_memory_does_not_grow_over_a_long_batched_run(generator):
 
 
 def test_adaptive_k_shrinks_with_load_and_sheds_the_draft(generator, hf_target):
-    from coordinator.rounds import adaptive_k, run_rounds
+    from tandem.policy import Speculation, adaptive_k
+    from tandem.rounds import run_rounds
 
     running = [1]
     k_for = adaptive_k(64, lambda: running[0])
@@ -289,7 +290,7 @@ def test_adaptive_k_shrinks_with_load_and_sheds_the_draft(generator, hf_target):
             running[0] = 64  # the server got busy: drafting stops for the rest of the generation
         return ks[-1]
 
-    for event in run_rounds(generator.target, generator.draft, request, k_for=k_for_round):
+    for event in run_rounds(generator.target, generator.draft, request, speculation=Speculation(k_for=k_for_round)):
         tokens.extend(event.new_tokens)
     assert ks[:3] == [5, 5, 5] and ks[3] == 0  # asked once before the prefill, then per round
     assert event.stats.num_rounds_load_shed == event.stats.num_rounds - 2 > 0
@@ -332,18 +333,19 @@ def test_a_service_with_a_full_kv_budget_answers_resource_exhausted(tiny_dir, tm
 def test_a_generation_that_starts_under_full_load_never_opens_a_draft_session(generator):
     from helpers import RecordingDraft
 
-    from coordinator.rounds import run_rounds
+    from tandem.policy import Speculation
+    from tandem.rounds import run_rounds
 
     draft = RecordingDraft(generator.draft)
     request = GenerationRequest(prompt_ids=[5, 6, 7, 8], max_new_tokens=10, num_draft_tokens=4, ignore_eos=True)
-    events = list(run_rounds(generator.target, draft, request, k_for=lambda k: 0))
+    events = list(run_rounds(generator.target, draft, request, speculation=Speculation(k_for=lambda k: 0)))
     assert draft.calls == [] and generator.draft.num_sessions == 0
     stats = events[-1].stats
     assert stats.num_rounds_load_shed == stats.num_rounds == 9 and stats.num_draft_tokens == 0
 
 
 def test_the_acceptance_gate_keeps_the_k_that_pays():
-    from coordinator.rounds import AcceptanceGate
+    from tandem.policy import AcceptanceGate
 
     gate = AcceptanceGate(0.3)
     assert gate.best_k(True, 5) == 5  # nothing seen yet: speculate
@@ -361,7 +363,8 @@ def test_a_head_that_is_never_accepted_is_shed_and_the_output_stays(generator, h
     """The tiny pair's random head: once each position has been tried MIN_ROUNDS times the gate stops
     drafting, mid-request, and later requests never open a draft session; every output is still the
     target's own."""
-    from coordinator.rounds import AcceptanceGate, run_rounds
+    from tandem.policy import AcceptanceGate, Speculation
+    from tandem.rounds import run_rounds
 
     gate = AcceptanceGate(0.3)
     prompts = make_prompts(4, generator.target.vocab_size, seed=9)
@@ -369,7 +372,7 @@ def test_a_head_that_is_never_accepted_is_shed_and_the_output_stays(generator, h
     for prompt in prompts:
         request = GenerationRequest(prompt_ids=prompt, max_new_tokens=24, num_draft_tokens=3, ignore_eos=True)
         tokens, event = [], None
-        for event in run_rounds(generator.target, generator.draft, request, gate=gate):
+        for event in run_rounds(generator.target, generator.draft, request, speculation=Speculation(gate=gate)):
             tokens.extend(event.new_tokens)
         assert_same_or_tie(hf_target, prompt, tokens, hf_greedy(hf_target, prompt, len(tokens)))
         stats.append(event.stats)

@@ -12,15 +12,15 @@ import torch
 from safetensors import safe_open
 
 from draft_server.engine import DraftEngine
-from tandem.bench import _accepted_per_position
-from tandem.cli import main
-from tandem.demo import DemoSpec, build_demo, load_prompts, split_files, stdlib_files
-from tandem.inprocess import InProcessGenerator
 from tandem.params import GenerationRequest
+from tandem_tools.bench.runners import _accepted_per_position
+from tandem_tools.cli import main
+from tandem_tools.demo import DemoSpec, build_demo, load_prompts, split_files, stdlib_files
+from tandem_tools.inprocess import InProcessGenerator
 
 RUN_KEYS = {"stack", "mode", "K", "temperature", "concurrency", "overlap", "tokens_per_s", "mean_acceptance_length",
             "accepted_per_position"}
-# ARCHITECTURE.md, "EAGLE-3 draft, reference layout"
+# docs/architecture.md, "EAGLE-3 draft, reference layout"
 REFERENCE_KEYS = {
     "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
     *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),

@@ -10,14 +10,14 @@ import pytest
 import torch
 from helpers import OracleDraft, RecordingDraft
 
-from coordinator.rounds import run_rounds
 from draft_server.checkpoint import REFERENCE, read_target_embedding, save_draft
 from draft_server.engine import DraftEngine
 from draft_server.model import Eagle3Draft
-from tandem.inprocess import InProcessGenerator
 from tandem.pairing import PairMismatch
 from tandem.params import GenerationRequest, SamplingParams
-from tandem.tiny import tiny_draft_config
+from tandem.rounds import run_rounds
+from tandem_tools.inprocess import InProcessGenerator
+from tandem_tools.tiny import tiny_draft_config
 from target_server.acceptance import target_probs
 from target_server.engine import TargetEngine
 
@@ -111,7 +111,7 @@ def test_stop_conditions(generator):
 
 def test_eos_stops_generation_like_transformers(tiny_dir, hf_target):
     """The target's EOS ids come from its generation_config; output stops at EOS and keeps it, as HF does."""
-    generator = InProcessGenerator(tiny_dir / "target", tiny_dir / "draft")
+    generator = InProcessGenerator(tiny_dir / "target", tiny_dir / "draft", draft_cost=0)
     assert generator.target.eos_token_ids == [1]
     prompt = [10, 20, 30]
     free = generator.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=20, ignore_eos=True))
@@ -285,7 +285,7 @@ def test_mismatched_draft_is_refused_at_load(tiny_dir, tmp_path, variant, messag
 def test_draft_layer_ids_override_the_target_default(tiny_dir, tmp_path):
     draft_dir = _save_variant(tiny_dir, tmp_path / "ids", aux=[1, 3, 6])
     generator = InProcessGenerator(tiny_dir / "target", draft_dir)
-    assert generator.target.layer_ids == (1, 3, 6)
+    assert generator.target.aux_layer_ids == (1, 3, 6)
     config = json.loads((draft_dir / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]
 
@@ -293,7 +293,7 @@ def test_draft_layer_ids_override_the_target_default(tiny_dir, tmp_path):
 def test_default_capture_layers_are_input_of_layer(tiny_dir, hf_target):
     """Features = HF hidden_states[2], [L//2], [L-3] concatenated (the input of those layers)."""
     target = TargetEngine(tiny_dir / "target")
-    assert target.layer_ids == (2, 4, 5)
+    assert target.aux_layer_ids == (2, 4, 5)
     prompt = [3, 14, 15, 92, 65]
     features = target.prefill("f", prompt, SamplingParams()).features
     with torch.inference_mode():
@@ -307,7 +307,7 @@ def test_default_capture_layers_are_input_of_layer(tiny_dir, hf_target):
 
 def test_cli_generate_in_process_json(tiny_dir, generator):
     out = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "generate", "--in-process", "--target", str(tiny_dir / "target"),
+        [sys.executable, "-m", "tandem_tools.cli", "generate", "--in-process", "--target", str(tiny_dir / "target"),
          "--draft", str(tiny_dir / "draft"), "--prompt-ids", "5,6,7", "--max-new-tokens", "12",
          "--num-draft-tokens", "3", "--json"],
         capture_output=True, text=True, check=True,
@@ -322,7 +322,7 @@ def test_cli_generate_in_process_json(tiny_dir, generator):
 
 
 def test_cli_make_tiny_writes_both_layouts(tmp_path):
-    subprocess.run([sys.executable, "-m", "tandem.cli", "make-tiny", str(tmp_path)], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "tandem_tools.cli", "make-tiny", str(tmp_path)], check=True, capture_output=True)
     assert (tmp_path / "target" / "tokenizer.json").is_file()
     assert json.loads((tmp_path / "draft-speculators" / "config.json").read_text())["speculators_model_type"] == "eagle3"
     from safetensors import safe_open

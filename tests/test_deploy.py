@@ -282,7 +282,7 @@ def test_every_command_is_a_real_subcommand_whose_help_works(path):
     for name, command in _commands(path):
         assert isinstance(command, list), f"{name}: use the exec form (a list), not a shell string"
         if command[0] == "tandem":
-            argv = [sys.executable, "-m", "tandem.cli", command[1], "--help"]
+            argv = [sys.executable, "-m", "tandem_tools.cli", command[1], "--help"]
         else:
             assert command[0] == "tandem-healthcheck", (name, command)
             argv = [sys.executable, str(DEPLOY / "healthcheck.py"), "--help"]
@@ -397,14 +397,14 @@ def test_coordinator_image_recipe_runs_the_coordinator_without_torch(coordinator
     enough for `tandem coordinator`, `tandem generate --server` and the health probe."""
     code = (
         "import sys, coordinator.server, coordinator.client, coordinator.backends\n"
-        "import tandem.cli, tandem.config\n"
+        "import tandem_tools.cli, tandem.config\n"
         "heavy = [m for m in ('torch', 'transformers', 'numpy', 'safetensors') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
         "import importlib.util\n"
         "assert importlib.util.find_spec('torch') is None, 'torch is installed: the image is not light'\n"
     )
-    runs = [["-c", code], ["-m", "tandem.cli", "coordinator", "--help"],
-            ["-m", "tandem.cli", "generate", "--help"],
+    runs = [["-c", code], ["-m", "tandem_tools.cli", "coordinator", "--help"],
+            ["-m", "tandem_tools.cli", "generate", "--help"],
             [str(DEPLOY / "healthcheck.py"), "--help"]]
     for args in runs:
         out = subprocess.run([str(coordinator_python), *args], capture_output=True, text=True, timeout=120,
@@ -495,7 +495,7 @@ class Stack:
         return str(self.pythons.get(self.services[own].get("image"), sys.executable))
 
     def argv(self, command: list[str], own: str) -> list[str]:
-        exe = {"tandem": [self.python(own), "-m", "tandem.cli"],
+        exe = {"tandem": [self.python(own), "-m", "tandem_tools.cli"],
                "tandem-healthcheck": [self.python(own), str(DEPLOY / "healthcheck.py")]}[command[0]]
         return [*exe, *(self.rewrite(arg, own) for arg in command[1:])]
 
@@ -577,8 +577,8 @@ def test_cpu_compose_stack_serves_a_generation_through_the_coordinator(tmp_path,
     """`docker compose -f deploy/docker-compose.cpu.yml up` without Docker: the init service writes the
     tiny pair, target and draft start once it has, the coordinator (in the light image's environment)
     once both are healthy; a client generates through the coordinator; then all drain on SIGTERM."""
-    from tandem.inprocess import InProcessGenerator
     from tandem.params import GenerationRequest
+    from tandem_tools.inprocess import InProcessGenerator
 
     # Where the light environment cannot be built (no package index), the coordinator runs in ours.
     coordinator_python = coordinator_image_env
@@ -591,7 +591,7 @@ def test_cpu_compose_stack_serves_a_generation_through_the_coordinator(tmp_path,
         address = f"127.0.0.1:{stack.ports[('coordinator', container_port('coordinator', coordinator))]}"
         # the client from the coordinator image, as `docker compose exec coordinator tandem generate` runs it
         out = subprocess.run(
-            [str(coordinator_python), "-m", "tandem.cli", "generate", "--server", address,
+            [str(coordinator_python), "-m", "tandem_tools.cli", "generate", "--server", address,
              "--prompt", "def main(", "--max-new-tokens", "24", "--json", "--timeout", "120"],
             capture_output=True, text=True, timeout=180, check=False, cwd=stack.logs,
         )
@@ -601,7 +601,7 @@ def test_cpu_compose_stack_serves_a_generation_through_the_coordinator(tmp_path,
         target = Path(stack.rewrite(environment(stack.services["target"])["TANDEM_TARGET_MODEL"], "target"))
         draft = Path(stack.rewrite(environment(stack.services["target"])["TANDEM_TARGET_DRAFT"], "target"))
         assert target.parent == stack.models / "tiny" and (target / "config.json").is_file()
-        reference = InProcessGenerator(target, draft)
+        reference = InProcessGenerator(target, draft, draft_cost=0)  # as the services: gate off
         ids = reference.tokenizer("def main(")["input_ids"]
         want = reference.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=24), detokenize=True)
         # the output is the reference's; the stats differ where the coordinator's acceptance gate (on, as

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.client import TandemClient
 from tandem.config import ConfigError, TargetSettings, load_settings
-from tandem.profile import free_port
+from tandem_tools.profile import free_port
 
 SERVICES = ("coordinator", "target", "draft")
 
@@ -35,7 +35,7 @@ class Stack:
 def stack(tiny_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("metrics") / "serve.log"
     metrics = {name: f"127.0.0.1:{free_port()}" for name in SERVICES}
-    args = [sys.executable, "-m", "tandem.cli", "serve", "--target", str(tiny_dir / "target"),
+    args = [sys.executable, "-m", "tandem_tools.cli", "serve", "--target", str(tiny_dir / "target"),
             "--draft", str(tiny_dir / "draft"), "--port", "0"]
     for name, address in metrics.items():
         args += [f"--{name}-metrics-port", address.rsplit(":", 1)[1]]
@@ -113,7 +113,7 @@ def test_counters_agree_with_generate_json_stats(stack):
     results = []
     for prompt, max_new, k in runs:
         out = subprocess.run(
-            [sys.executable, "-m", "tandem.cli", "generate", "--server", stack.address, "--prompt", prompt,
+            [sys.executable, "-m", "tandem_tools.cli", "generate", "--server", stack.address, "--prompt", prompt,
              "--max-new-tokens", str(max_new), "-k", str(k), "--ignore-eos", "--json"],
             capture_output=True, text=True, timeout=120, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
@@ -171,7 +171,7 @@ def test_bytes_per_link_agree_between_the_sender_and_the_receiver(stack):
 
 def test_profile_against_a_running_server(stack, tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "profile", "--server", stack.address, "-n", "3", "-c", "3",
+        [sys.executable, "-m", "tandem_tools.cli", "profile", "--server", stack.address, "-n", "3", "-c", "3",
          "--max-new-tokens", "12", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=180, check=False,
     )

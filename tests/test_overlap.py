@@ -12,15 +12,17 @@ import torch
 from helpers import OracleDraft
 from test_core import assert_same_or_tie, chi_square_p_value, hf_greedy, make_prompts
 
-from coordinator.rounds import run_rounds
 from draft_server.engine import DraftEngine
 from tandem.params import GenerationRequest, SamplingParams
+from tandem.policy import Speculation
+from tandem.rounds import run_rounds
 from target_server.acceptance import target_probs
 
 
 def generate(generator, draft, request, **kw):
     tokens, event = [], None
-    for event in run_rounds(generator.target, draft, request, max_context=generator.target.max_context, **kw):
+    for event in run_rounds(generator.target, draft, request, max_context=generator.target.max_context,
+                            speculation=Speculation(**kw)):
         tokens.extend(event.new_tokens)
     return tokens, event.stats
 
@@ -162,10 +164,10 @@ def test_ahead_keeps_exact_features_for_committed_positions(generator):
         if mode == "sequential":
             draft.propose(sid, result.features, pairs, 3)
         else:
-            branches = draft.speculate(sid, None, [], drafts, 3, branches=3)  # during the verify
+            branches = draft.prepare(sid, None, [], drafts, 3, branches=3)  # during the verify
             assert len(branches) == 3 and all(len(b.drafts) == 3 for b in branches)
             follow = branches[0].drafts  # as if the next verify went out with these
-            draft.speculate(sid, result.features, pairs, follow, 3, branches=2)
+            draft.prepare(sid, result.features, pairs, follow, 3, branches=2)
         session = draft.sessions.get(sid)
         committed = len(prompt) + len(pairs)  # pairs (F_i, x_{i+1}) of every committed position
         assert session.length == session.kv.length == committed
@@ -184,7 +186,7 @@ def test_ahead_continues_the_rollout_it_assumes(generator, tiny_dir):
     prompt = [11, 12, 13, 14]
     prefill = target.prefill("cont", prompt, SamplingParams())
     rollout = draft.propose("cont", prefill.features, [*prompt[1:], prefill.token], 5, create=True)
-    branches = draft.speculate("cont", None, [], rollout[:3], 2, branches=64)
+    branches = draft.prepare("cont", None, [], rollout[:3], 2, branches=64)
     main = [b for b in branches if b.accepted == 3 and b.bonus == rollout[3]]
     assert main and main[0].drafts[0] == rollout[4]
     assert len({(b.accepted, b.bonus) for b in branches}) == len(branches)  # distinct outcomes
@@ -201,7 +203,7 @@ def test_ahead_refuses_drafts_it_did_not_propose(generator):
     prefill = target.prefill("refuse", [3, 4, 5], SamplingParams())
     drafts = draft.propose("refuse", prefill.features, [4, 5, prefill.token], 2, create=True)
     with pytest.raises(InvalidRequest, match="proposed"):
-        draft.speculate("refuse", None, [], [d + 1 for d in drafts], 2)
+        draft.prepare("refuse", None, [], [d + 1 for d in drafts], 2)
     target.release("refuse")
     draft.release("refuse")
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.inprocess import InProcessGenerator
 from tandem.params import GenerationRequest
 from tandem.traffic import ids_size, varint_size
+from tandem_tools.inprocess import InProcessGenerator
 
 PROMPTS = [{"prompt": "def main("}, {"prompt_ids": [5, 17, 99, 3, 250, 8, 41]}, {"prompt": "class Foo:\n    def "},
            {"prompt_ids": list(range(2, 40))}]
@@ -30,7 +30,7 @@ def run(tiny_dir, tmp_path_factory):
     prompts = out / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     proc = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "profile", "--target", str(tiny_dir / "target"),
+        [sys.executable, "-m", "tandem_tools.cli", "profile", "--target", str(tiny_dir / "target"),
          "--draft", str(tiny_dir / "draft"), "--prompts", str(prompts), "--num-requests", "4", "--concurrency", "2",
          "--max-new-tokens", str(MAX_NEW), "--num-draft-tokens", str(K), "--ignore-eos", "--out", str(out / "run")],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False,
@@ -44,7 +44,7 @@ def run(tiny_dir, tmp_path_factory):
 def reference(tiny_dir):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    generator = InProcessGenerator(tiny_dir / "target", tiny_dir / "draft")
+    generator = InProcessGenerator(tiny_dir / "target", tiny_dir / "draft", draft_cost=0)
     expected = []
     for p in PROMPTS:
         ids = p.get("prompt_ids") or generator.tokenizer(p["prompt"])["input_ids"]

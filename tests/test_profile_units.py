@@ -9,8 +9,6 @@ from concurrent import futures
 import grpc
 import pytest
 
-from tandem.report import STAGES, round_stages
-from tandem.trace import _offset
 from tandem.traffic import (
     KINDS,
     LinkCount,
@@ -22,6 +20,8 @@ from tandem.traffic import (
     varint_size,
 )
 from tandem.v1 import common_pb2, coordinator_pb2, draft_pb2, profile_pb2, target_pb2
+from tandem_tools.report import STAGES, round_stages
+from tandem_tools.trace import _offset
 
 
 def feature_chunk(rows: int, width: int = 192, dtype: str = "float32") -> common_pb2.Features:

@@ -29,7 +29,7 @@ from processes import (
 )
 
 from coordinator.client import TandemClient, TandemError, build_request
-from coordinator.links import check_services_pair
+from coordinator.monitor import check_services_pair
 from tandem.pairing import PairMismatch
 from tandem.service import health_status
 from tandem.v1 import (
@@ -135,7 +135,7 @@ def test_unset_max_new_tokens_shrinks_to_the_context_instead_of_failing(client):
 
 def test_cli_prints_the_status_and_message_and_exits_non_zero(stack):
     out = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "generate", "--server", stack["coordinator"].address,
+        [sys.executable, "-m", "tandem_tools.cli", "generate", "--server", stack["coordinator"].address,
          "--prompt-ids", "5,6,7", "--max-new-tokens", "9000"],
         capture_output=True, text=True, check=False, timeout=60,
     )
@@ -287,7 +287,7 @@ def test_the_coordinator_refuses_to_start_on_a_mismatched_pair_with_one_message(
     server.start()
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "tandem.cli", "coordinator", "--target-addr", stack["target"].address,
+            [sys.executable, "-m", "tandem_tools.cli", "coordinator", "--target-addr", stack["target"].address,
              "--draft-addr", f"127.0.0.1:{port}", "--port", "0"],
             capture_output=True, text=True, check=False, timeout=60,
         )
@@ -305,7 +305,7 @@ def test_the_coordinator_refuses_to_start_on_a_mismatched_pair_with_one_message(
 
 def test_a_short_load_run_has_no_errors_and_only_correct_outputs(stack):
     out = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "load", "--server", stack["coordinator"].address, "--clients", "8",
+        [sys.executable, "-m", "tandem_tools.cli", "load", "--server", stack["coordinator"].address, "--clients", "8",
          "--duration", "8", "--json"],
         capture_output=True, text=True, check=False, timeout=180,
     )

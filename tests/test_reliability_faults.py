@@ -13,11 +13,11 @@ import pytest
 from processes import start_stack, stop_stack, wait_for_no_sessions
 
 from coordinator.client import TandemClient, TandemError
-from coordinator.rounds import run_rounds
-from tandem.inprocess import InProcessGenerator
 from tandem.params import GenerationRequest
 from tandem.protocol import DraftUnavailable
+from tandem.rounds import run_rounds
 from tandem.service import health_status
+from tandem_tools.inprocess import InProcessGenerator
 
 LONG = {"prompt_ids": [11, 12, 13, 14], "max_new_tokens": 400, "ignore_eos": True, "num_draft_tokens": 3}
 
@@ -152,7 +152,7 @@ class FailingDraft:
 
 @pytest.fixture(scope="module")
 def generator(tiny_dir):
-    return InProcessGenerator(tiny_dir / "target", tiny_dir / "draft")
+    return InProcessGenerator(tiny_dir / "target", tiny_dir / "draft", draft_cost=0)
 
 
 @pytest.mark.parametrize("fail_at", [1, 2, 7])

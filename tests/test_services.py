@@ -20,10 +20,10 @@ import torch
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from coordinator.client import TandemClient, TandemError
-from tandem.inprocess import InProcessGenerator
 from tandem.params import GenerationRequest, SamplingParams
 from tandem.service import health_status
 from tandem.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tandem_tools.inprocess import InProcessGenerator
 
 TEXT_PROMPTS = ["def main(", "import os\n", "class Foo:\n    def __init__(self", "for i in range(", "# héllo wörld ✓"]
 
@@ -44,7 +44,7 @@ class Stack:
 
 def start_serve(tiny_dir: Path, log: Path) -> Stack:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "serve", "--target", str(tiny_dir / "target"),
+        [sys.executable, "-m", "tandem_tools.cli", "serve", "--target", str(tiny_dir / "target"),
          "--draft", str(tiny_dir / "draft"), "--port", "0"],
         stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
     )
@@ -80,7 +80,7 @@ def reference(tiny_dir):
     # worker makes every round of the reference many times slower.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield InProcessGenerator(tiny_dir / "target", tiny_dir / "draft")
+    yield InProcessGenerator(tiny_dir / "target", tiny_dir / "draft", draft_cost=0)  # as the services: gate off
     torch.set_num_threads(threads)
 
 
@@ -148,7 +148,7 @@ def test_target_only_mode_matches_in_process(client, reference):
 
 def test_cli_generate_server_json_matches_in_process(stack, reference):
     args = ["--prompt", "def main(", "--max-new-tokens", "24", "--json"]
-    out = subprocess.run([sys.executable, "-m", "tandem.cli", "generate", "--server", stack.address, *args],
+    out = subprocess.run([sys.executable, "-m", "tandem_tools.cli", "generate", "--server", stack.address, *args],
                          capture_output=True, text=True, check=False, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == expected(reference, "def main(", max_new_tokens=24)
@@ -156,7 +156,7 @@ def test_cli_generate_server_json_matches_in_process(stack, reference):
 
 def test_cli_generate_server_stream_prints_the_text(stack, client):
     args = ["--prompt", "import os\n", "--max-new-tokens", "24", "--stream"]
-    out = subprocess.run([sys.executable, "-m", "tandem.cli", "generate", "--server", stack.address, *args],
+    out = subprocess.run([sys.executable, "-m", "tandem_tools.cli", "generate", "--server", stack.address, *args],
                          capture_output=True, text=True, check=False, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout == client.generate(prompt="import os\n", max_new_tokens=24).text + "\n"
@@ -225,7 +225,7 @@ def test_cli_in_process_honours_stop_strings_like_the_server(stack, client, tiny
     local = ["--in-process", "--target", str(tiny_dir / "target"), "--draft", str(tiny_dir / "draft")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the in-process run beside the services: see `reference`
     outs = [
-        subprocess.run([sys.executable, "-m", "tandem.cli", "generate", *where, *common],
+        subprocess.run([sys.executable, "-m", "tandem_tools.cli", "generate", *where, *common],
                        capture_output=True, text=True, check=False, timeout=120, env=env)
         for where in (["--server", stack.address], local)
     ]
@@ -257,7 +257,7 @@ def test_bad_requests_are_invalid_argument(client, params, message):
 
 def test_cli_prints_the_status_and_exits_non_zero(stack):
     out = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "generate", "--server", stack.address, "--prompt", "x",
+        [sys.executable, "-m", "tandem_tools.cli", "generate", "--server", stack.address, "--prompt", "x",
          "--max-new-tokens", "0"],
         capture_output=True, text=True, check=False, timeout=60,
     )
@@ -318,8 +318,8 @@ def test_every_service_reports_serving_and_offers_reflection(stack):
 
 def test_the_coordinator_imports_no_torch():
     code = (
-        "import sys, coordinator.server, coordinator.client, coordinator.backends, coordinator.text, "
-        "tandem.serve, tandem.wire, tandem.config, tandem.cli; "
+        "import sys, coordinator.server, coordinator.client, coordinator.backends, tandem.text, "
+        "tandem_tools.serve, tandem.wire, tandem.config, tandem_tools.cli; "
         "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]; "
         "assert not bad, bad"
     )

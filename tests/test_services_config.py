@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from tandem import cli
 from tandem.config import ConfigError, CoordinatorSettings, ServeSettings, TargetSettings, load_settings
 from tandem.service import Abort, Admission
+from tandem_tools import cli
 
 
 def test_environment_variables_configure_a_service(tiny_dir, monkeypatch):

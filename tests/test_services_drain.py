@@ -20,7 +20,7 @@ from tandem.v1 import target_pb2, target_pb2_grpc
 
 def spawn(name: str, args: list[str], run: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", name, *args, "--port", "0", "--announce-file", str(run / f"{name}.addr"),
+        [sys.executable, "-m", "tandem_tools.cli", name, *args, "--port", "0", "--announce-file", str(run / f"{name}.addr"),
          "--grace-period", "60"],
         stderr=(run / f"{name}.log").open("w"),
         env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -6,8 +6,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from coordinator.rounds import GenerationStats, RoundEvent
-from coordinator.text import IncrementalDetokenizer, text_deltas
+from tandem.rounds import RoundEvent
+from tandem.stats import GenerationStats
+from tandem.text import IncrementalDetokenizer, text_deltas
 
 
 @pytest.fixture(scope="module")

@@ -24,10 +24,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draft_server.checkpoint import load_draft
 from draft_server.engine import DraftEngine
 from draft_server.model import DraftKV
-from draft_server.train import Teacher, add_train_parser, text_prompts, train_tiny_draft, ttt_forward
-from tandem.inprocess import InProcessGenerator
+from draft_server.train import train_tiny_draft, ttt_forward
+from draft_server.train_cli import add_train_parser
+from draft_server.train_data import Teacher, text_prompts
 from tandem.params import GenerationRequest, SamplingParams
-from tandem.tiny import make_tiny
+from tandem_tools.inprocess import InProcessGenerator
+from tandem_tools.tiny import make_tiny
 from target_server.engine import TargetEngine
 
 K = 4
@@ -92,7 +94,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained_acceptance(pair) -> list[float]:
-    return acceptance(InProcessGenerator(pair.target, pair.trained), pair.prompts)
+    return acceptance(InProcessGenerator(pair.target, pair.trained, draft_cost=0), pair.prompts)
 
 
 def test_trained_draft_acceptance_exceeds_threshold(pair, trained_acceptance):
@@ -106,7 +108,7 @@ def test_training_loss_falls_and_beats_untrained(pair, trained_acceptance):
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < 0.6 * first, f"loss went from {first:.3f} to {last:.3f}"
     assert pair.history[-1].accuracy[0] > 0.3
-    untrained = acceptance(InProcessGenerator(pair.target, pair.untrained), pair.prompts[:4])
+    untrained = acceptance(InProcessGenerator(pair.target, pair.untrained, draft_cost=0), pair.prompts[:4])
     print(f"loss {first:.3f} -> {last:.3f}, accuracy per step {pair.history[-1].accuracy}; untrained {untrained}")
     assert sum(trained_acceptance) / len(trained_acceptance) > sum(untrained) / len(untrained) + 1.0
 

@@ -14,11 +14,12 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.client import TandemClient
-from tandem.profile import free_port
 from tandem.transports import TransportMismatch, negotiate
-from tandem.transports.base import Ring, TransportError
+from tandem.transports.contract import TransportError
 from tandem.transports.endpoints import DraftTransport, TargetTransport
+from tandem.transports.ring import Ring
 from tandem.v1 import common_pb2
+from tandem_tools.profile import free_port
 from tests.processes import start_stack, stop_stack
 
 HOST = "boot/ipc:[1]"

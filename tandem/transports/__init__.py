@@ -10,8 +10,17 @@ FeatureRef (a few dozen bytes), so the coordinator relays ids and descriptors, n
 The coordinator brokers a start-up handshake (coordinator/handshake.py): it compares both ends'
 TransportCaps, picks one (negotiate.py), and has the target open it and the draft attach.
 
-This package's __init__ and negotiate.py are torch-free (the coordinator imports them); the
-transport modules import torch and are loaded only by the target and the draft.
+The modules, each importing only those above it:
+
+    contract.py    the FeatureSender / FeatureReceiver protocols, TransportError, check_ref
+    negotiate.py   which transport two ends share (rules on TransportCaps)
+    caps.py        what this process can run (its TransportCaps)
+    ring.py        the first-fit ring allocator shm and cuda-ipc share
+    grpc.py, shm.py, cuda_ipc.py, nccl.py   one transport each
+    endpoints.py   each service's end: the factory that opens a plan's transport, the one in use
+
+This package's __init__, contract.py, negotiate.py and caps.py import no torch (the coordinator
+imports them); the transport modules import torch and are loaded only by the target and the draft.
 """
 
 from tandem.transports.negotiate import CHOICES, TRANSPORTS, Choice, TransportMismatch, negotiate

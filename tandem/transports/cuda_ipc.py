@@ -18,9 +18,10 @@ import uuid as uuidlib
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from tandem.transports.base import RingSender, TransportError, check_ref, count
+from tandem.dtypes import TORCH_DTYPES
+from tandem.transports.contract import TransportError, check_ref, count
+from tandem.transports.ring import RingSender
 from tandem.v1 import common_pb2
-from tandem.wire import _torch_dtype
 
 STORAGE_DEVICE_ARG = 6  # rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, storage_device, ...)
 
@@ -77,7 +78,7 @@ class CudaIpcReceiver:
 
     def recv(self, ref: common_pb2.FeatureRef) -> torch.Tensor:
         check_ref(ref, self.channel)
-        dtype = _torch_dtype(ref.dtype)
+        dtype = TORCH_DTYPES[ref.dtype]
         nbytes = ref.rows * ref.width * dtype.itemsize
         if ref.offset < 0 or ref.offset + nbytes > self.size or not 0 <= ref.event < len(self._events):
             raise TransportError(f"feature descriptor [{ref.offset}, +{nbytes}) event {ref.event} is outside the ring")

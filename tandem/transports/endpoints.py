@@ -1,4 +1,5 @@
-"""Each service's end of the feature path: what it offers at the handshake, and the transport in use.
+"""Each service's end of the feature path: what it offers at the handshake, the transport in use, and
+the factory that opens a plan's transport (the concrete transports are imported only here, on demand).
 
 The coordinator drives the handshake (coordinator/handshake.py):
 
@@ -17,14 +18,8 @@ import threading
 import uuid
 from typing import TYPE_CHECKING
 
-from tandem.transports.base import (
-    FeatureReceiver,
-    NoChannel,
-    TransportError,
-    local_caps,
-    open_receiver,
-    open_sender,
-)
+from tandem.transports.caps import local_caps
+from tandem.transports.contract import FeatureReceiver, FeatureSender, NoChannel, TransportError
 from tandem.transports.grpc import GrpcSender
 from tandem.transports.negotiate import TransportMismatch
 from tandem.v1 import common_pb2
@@ -40,6 +35,40 @@ log = logging.getLogger("tandem.transports")
 def _reachable(host: str) -> str:
     """An address the draft can reach us at: the bind address, unless that is every interface."""
     return socket.gethostbyname(socket.gethostname()) if host in ("", "0.0.0.0", "::", "[::]") else host
+
+
+def open_sender(plan: common_pb2.TransportPlan, device: str, host: str, traffic: Traffic | None) -> FeatureSender:
+    """The target's end of `plan`; fills in what the draft needs to attach (segment, address, handle)."""
+    if plan.transport == "shm":
+        from tandem.transports.shm import ShmSender
+
+        return ShmSender(plan, traffic)
+    if plan.transport == "cuda-ipc":
+        from tandem.transports.cuda_ipc import CudaIpcSender
+
+        return CudaIpcSender(plan, device, traffic)
+    if plan.transport == "nccl":
+        from tandem.transports.nccl import NcclSender
+
+        return NcclSender(plan, device, host, traffic)
+    return GrpcSender()
+
+
+def open_receiver(plan: common_pb2.TransportPlan, device: str, traffic: Traffic | None) -> FeatureReceiver | None:
+    """The draft's end of `plan`; None for grpc (features arrive inline)."""
+    if plan.transport == "shm":
+        from tandem.transports.shm import ShmReceiver
+
+        return ShmReceiver(plan, traffic)
+    if plan.transport == "cuda-ipc":
+        from tandem.transports.cuda_ipc import CudaIpcReceiver
+
+        return CudaIpcReceiver(plan, device, traffic)
+    if plan.transport == "nccl":
+        from tandem.transports.nccl import NcclReceiver
+
+        return NcclReceiver(plan, device, traffic)
+    return None
 
 
 class TargetTransport:

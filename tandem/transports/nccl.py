@@ -28,13 +28,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tandem.transports.base import DTYPE_CODES, TransportError, check_ref, count
+from tandem.dtypes import BY_CODE, DTYPES, name_of
+from tandem.transports.contract import TransportError, check_ref, count
 from tandem.v1 import common_pb2
-from tandem.wire import _torch_dtype
 
 log = logging.getLogger("tandem.transports")
 
-CODE_DTYPES = {code: name for name, code in DTYPE_CODES.items()}
 WARMUP = -1  # the sequence number of the first exchange: NCCL's first send/recv sets up for ~0.7 s
 IDLE = timedelta(days=1)  # the draft's receiver waits this long for the next step; the target's death ends it sooner
 
@@ -60,8 +59,8 @@ def _group(store: dist.Store, rank: int, device: torch.device, timeout: float, h
 
 def _header(sequence: int, features: torch.Tensor, device: torch.device) -> torch.Tensor:
     rows, width = features.shape
-    dtype = DTYPE_CODES[str(features.dtype).removeprefix("torch.")]
-    return torch.tensor([sequence, rows, width, dtype], dtype=torch.int64, device=device)  # [4]
+    code = DTYPES[name_of(features.dtype)].code
+    return torch.tensor([sequence, rows, width, code], dtype=torch.int64, device=device)  # [4]
 
 
 class NcclSender:
@@ -101,7 +100,7 @@ class NcclSender:
         count(self.traffic, "sent", self.name, features)
         rows, width = features.shape
         return common_pb2.FeatureRef(transport=self.name, channel=self.channel, sequence=sequence, rows=rows,
-                                     width=width, dtype=str(features.dtype).removeprefix("torch."))
+                                     width=width, dtype=name_of(features.dtype))
 
     def release(self, session_id: str) -> None:
         pass  # the sender thread owns each step until it is sent
@@ -185,7 +184,7 @@ class NcclReceiver:
             while not self._closed:
                 self.pg.recv([header], 0, 0).wait(IDLE)
                 sequence, rows, width, code = header.tolist()
-                features = torch.empty((rows, width), dtype=_torch_dtype(CODE_DTYPES[code]), device=self.device)
+                features = torch.empty((rows, width), dtype=BY_CODE[code].torch, device=self.device)
                 self.pg.recv([features], 0, 0).wait(timedelta(seconds=self.timeout))
                 if sequence != WARMUP:
                     self.mailbox.put(sequence, features)

@@ -17,9 +17,10 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from tandem.transports.base import RingSender, TransportError, check_ref, count
+from tandem.dtypes import TORCH_DTYPES
+from tandem.transports.contract import TransportError, check_ref, count
+from tandem.transports.ring import RingSender
 from tandem.v1 import common_pb2
-from tandem.wire import _torch_dtype
 
 log = logging.getLogger("tandem.transports")
 
@@ -93,7 +94,7 @@ class ShmReceiver:
 
     def recv(self, ref: common_pb2.FeatureRef) -> torch.Tensor:
         check_ref(ref, self.channel)
-        dtype = _torch_dtype(ref.dtype)
+        dtype = TORCH_DTYPES[ref.dtype]
         nbytes = ref.rows * ref.width * dtype.itemsize
         start = ref.offset + STAMP
         if ref.offset < 0 or ref.offset % 8 or start + nbytes > self.size:

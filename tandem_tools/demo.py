@@ -3,7 +3,7 @@ Python standard library, its EAGLE-3 head (draft_server.train), and a small plai
 of transformers' assisted generation would reach for today.
 
     tandem demo build [--out DIR]      ->  DIR (default $TANDEM_CACHE/demo, else ~/.cache/tandem/demo)
-      target/         LlamaForCausalLM + its byte-level BPE tokenizer (tandem.tiny.build_tokenizer)
+      target/         LlamaForCausalLM + its byte-level BPE tokenizer (tandem_tools.tiny.build_tokenizer)
       draft/          the EAGLE-3 head, reference layout (no embed_tokens: read from target/)
       assistant/      a 2-layer Llama LM, same tokenizer and data (`generate(..., assistant_model=...)`)
       prompts.jsonl   held-out prompts: cut from standard-library files no model saw in training
@@ -84,7 +84,7 @@ def is_built(directory: str | Path) -> bool:
 
 
 def stdlib_files() -> list[Path]:
-    """The standard library's top-level modules in a fixed order (the files tandem.tiny.stdlib_text reads)."""
+    """The standard library's top-level modules in a fixed order (the files draft_server.train_data.stdlib_text reads)."""
     return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
 
 
@@ -234,7 +234,7 @@ def build_demo(out_dir: str | Path | None = None, spec: DemoSpec | None = None, 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from draft_server.train import train_draft
-    from tandem.tiny import build_tokenizer, tiny_target_config
+    from tandem_tools.tiny import build_tokenizer, tiny_target_config
 
     spec = spec or DemoSpec()
     out = Path(out_dir) if out_dir is not None else default_demo_dir()

@@ -28,8 +28,10 @@ from tokenizers import Tokenizer
 from coordinator.backends import BackendError
 from coordinator.handshake import connect_transport
 from tandem.config import CoordinatorSettings
-from tandem.pairing import DraftShape, PairMismatch, TargetShape, check_pair
-from tandem.service import Abort, channel_options, wait_for_serving
+from tandem.convert import draft_shape_from_pb, target_shape_from_pb
+from tandem.errors import Abort
+from tandem.pairing import PairMismatch, check_pair
+from tandem.service import channel_options, wait_for_serving
 from tandem.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = logging.getLogger("tandem.coordinator")
@@ -57,8 +59,8 @@ WrapChannel = Callable[[grpc.Channel, str], grpc.Channel]
 
 
 @dataclass(frozen=True)
-class Backends:
-    """What one generation uses, taken at its start."""
+class Pair:
+    """The target and draft services as one generation uses them, taken at its start."""
 
     target: target_pb2_grpc.TargetServiceStub
     target_info: target_pb2.TargetInfo
@@ -69,20 +71,7 @@ class Backends:
 
 def check_services_pair(target: target_pb2.TargetInfo, draft: draft_pb2.DraftInfo) -> None:
     """PairMismatch, naming every problem in one message, unless the draft fits the target."""
-    check_pair(
-        TargetShape(
-            vocab_size=target.vocab_size, hidden_size=target.hidden_size, num_layers=target.num_layers,
-            layer_ids=list(target.layer_ids), dtype=target.dtype or None, max_context=target.max_context or None,
-        ),
-        DraftShape(
-            vocab_size=draft.vocab_size,
-            target_hidden_size=draft.target_hidden_size,
-            max_target_id=draft.max_target_id,
-            aux_layer_ids=list(draft.aux_layer_ids) or None,
-            dtype=draft.dtype or None,
-            target_max_context=draft.target_max_context or None,
-        ),
-    )
+    check_pair(target_shape_from_pb(target), draft_shape_from_pb(draft))
 
 
 class Link:
@@ -112,7 +101,7 @@ class Link:
 
 
 class Monitor:
-    """Keeps the target and draft links current; `backends()` is what a new generation gets."""
+    """Keeps the target and draft links current; `pair()` is what a new generation gets."""
 
     def __init__(
         self,
@@ -132,8 +121,8 @@ class Monitor:
         self._on_target = on_target
         self._tokenizer: Tokenizer | None = None
         self.transport = "grpc"  # the feature path target -> draft the last handshake set up
-        self._current: Backends | None = None
-        self._lock = threading.Lock()  # link state and the published Backends
+        self._current: Pair | None = None
+        self._lock = threading.Lock()  # link state and the published Pair
         self._wake = threading.Event()
         self._stop = threading.Event()
 
@@ -165,11 +154,11 @@ class Monitor:
     # -- what generations use -----------------------------------------------------------------------
 
     @property
-    def current(self) -> Backends | None:
+    def current(self) -> Pair | None:
         """The services as last seen (None before connect), whether or not the target is up."""
         return self._current
 
-    def backends(self) -> Backends:
+    def pair(self) -> Pair:
         """The services for a new generation; UNAVAILABLE while the target is down."""
         current = self._current
         if current is None or not self.target.up:
@@ -287,7 +276,7 @@ class Monitor:
 
     def _publish(self) -> None:
         draft_up = self.draft is not None and self.draft.up and self.draft.info is not None
-        self._current = Backends(
+        self._current = Pair(
             target=self.target.stub,
             target_info=self.target.info,
             draft=self.draft.stub if draft_up else None,

@@ -23,9 +23,10 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from tandem.dtypes import ITEMSIZE
+from tandem.stats import mean_acceptance_length, percentile
 from tandem.traffic import KINDS, LINKS
 from tandem.v1 import profile_pb2
-from tandem.wire import ITEMSIZE
 
 STAGES = ("target_compute", "draft_compute", "transport", "coordinator", "queueing")
 # the gRPC connections and the links they carry; a fast path adds target->draft
@@ -96,13 +97,8 @@ def connection_transport(r: profile_pb2.RoundProfile) -> dict[str, int]:
 def _dist(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0, "count": 0}
-    ordered = sorted(values)
-
-    def pct(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return {"mean": statistics.fmean(ordered), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99),
-            "max": ordered[-1], "count": len(ordered)}
+    return {"mean": statistics.fmean(values), "p50": percentile(values, 50), "p90": percentile(values, 90),
+            "p99": percentile(values, 99), "max": max(values), "count": len(values)}
 
 
 def build_report(records: list[RequestRecord], wall_s: float, config: dict, send_site: dict | None = None) -> dict:
@@ -222,7 +218,7 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
             "ttft_s": _dist(ttft), "itl_s": _dist(itl), "e2e_s": _dist(e2e),
         },
         "acceptance": {
-            "mean_acceptance_length": 1.0 + num_accepted / verify_rounds if verify_rounds else 0.0,
+            "mean_acceptance_length": mean_acceptance_length(num_accepted, verify_rounds),
             "accepted_per_position": accepted_per_position,
             "acceptance_rate_per_position": [n / num_drafts if num_drafts else 0.0 for n in accepted_per_position],
             "num_drafts": num_drafts, "num_draft_tokens": num_draft_tokens, "num_accepted_tokens": num_accepted,

@@ -7,7 +7,8 @@ First each distinct prompt is generated once with speculation off: under greedy 
 the target alone says, so every speculative output must equal it token for token. Then `--clients`
 threads stream generations back to back for `--duration` seconds (prompts and K in rotation) and
 compare each one with its expected output. Prints throughput and latency percentiles (end to end and
-time to first token); exits 1 on any error or wrong output. No torch in this process.
+time to first token; tandem.stats.percentile); exits 1 on any error or wrong output. No torch in this
+process.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import subprocess
 import sys
@@ -23,6 +23,8 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+
+from tandem.stats import mean_acceptance_length, percentile
 
 # Code-like prompts of varied length; each gets its own max_new_tokens so that lengths vary too.
 PROMPTS = [
@@ -46,14 +48,6 @@ class Results:
     error_samples: list[str] = field(default_factory=list)
     wrong: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (0 for no values)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 def expected_outputs(address: str, prompts: list[str], timeout: float, parallel: int) -> list[dict]:
@@ -147,7 +141,7 @@ def run_load(address: str, clients: int, duration: float, timeout: float = 300.0
         "latency_p99_s": round(percentile(results.latencies, 99), 4),
         "first_token_p50_s": round(percentile(results.first_token, 50), 4),
         "first_token_p99_s": round(percentile(results.first_token, 99), 4),
-        "mean_acceptance_length": round(1 + results.accepted / results.rounds, 3) if results.rounds else 0.0,
+        "mean_acceptance_length": round(mean_acceptance_length(results.accepted, results.rounds), 3),
         "rounds_without_draft": results.rounds_without_draft,
     }
 
@@ -169,7 +163,7 @@ def print_report(report: dict) -> None:
 
 def start_serve() -> tuple[subprocess.Popen, str]:
     """`tandem serve` on a free port (the built-in tiny pair); its process and address."""
-    from tandem.serve import launch
+    from tandem_tools.serve import launch
 
     return launch(["--port", "0"], env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -191,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         report = run_load(address, args.clients, args.duration, args.timeout)
     finally:
         if proc is not None:
-            from tandem.serve import stop
+            from tandem_tools.serve import stop
 
             stop(proc)
     if args.json:
@@ -202,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tandem.load", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tandem_tools.load", description=__doc__.splitlines()[0])
     add_args(parser)
     return run(parser.parse_args(argv))
 

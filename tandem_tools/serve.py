@@ -11,6 +11,7 @@ announce file); the coordinator binds --host:--port. SIGTERM/SIGINT drains the c
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
@@ -21,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from tandem.config import ServeSettings, format_cpus
+from tandem.config import ServeSettings, format_cpus, load_settings
 from tandem.service import PARENT_PID_ENV, setup_logging, wait_for_serving
 
 log = logging.getLogger("tandem.serve")
@@ -31,11 +32,11 @@ class Child:
     def __init__(self, name: str, args: list[str], announce: Path):
         self.name = name
         self.announce = announce
-        # -m tandem.cli: the same interpreter and code as this process, whatever is on PATH.
+        # -m tandem_tools.cli: the same interpreter and code as this process, whatever is on PATH.
         # A session of its own: a Ctrl-C in the terminal reaches only `serve`, which then stops the
         # children in order; TANDEM_PARENT_PID makes a child drain if `serve` dies without doing so.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", name, *args, "--announce-file", str(announce)],
+            [sys.executable, "-m", "tandem_tools.cli", name, *args, "--announce-file", str(announce)],
             env={**os.environ, PARENT_PID_ENV: str(os.getpid())},
             start_new_session=True,
         )
@@ -67,11 +68,23 @@ class Child:
             return self.proc.wait()
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """`tandem serve`: the flags over TANDEM_SERVE_* variables; --demo is the demo pair (built on first use)."""
+    if args.demo:
+        if args.target or args.draft:
+            raise ValueError("--demo is a target and a draft: give it or --target/--draft, not both")
+        from tandem_tools.demo import ensure_demo
+
+        demo = ensure_demo()
+        args.target, args.draft = str(demo / "target"), str(demo / "draft")
+    return serve(load_settings(ServeSettings, **vars(args)))
+
+
 def serve(settings: ServeSettings) -> int:
     setup_logging()
     target, draft = settings.target, settings.draft
     if target is None:
-        from tandem.tiny import ensure_tiny
+        from tandem_tools.tiny import ensure_tiny
 
         tiny = ensure_tiny()
         target, draft = tiny / "target", draft or tiny / "draft"
@@ -198,7 +211,7 @@ def launch(args: list[str], log: Path | None = None, env: dict[str, str] | None 
     address once it listens. Its stdout stays drained from then on (a full pipe would stall it); its
     stderr goes to `log`."""
     stderr = log.open("w") if log is not None else None
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "tandem_tools.cli", "serve", *args], stdout=subprocess.PIPE,
                             stderr=stderr, text=True, env=env)
     for line in proc.stdout:
         if "listening on" in line:

@@ -10,7 +10,7 @@ end before its answer arrived; of the offsets that satisfy every step, the one c
 
 from __future__ import annotations
 
-from tandem.report import RequestRecord
+from tandem_tools.report import RequestRecord
 
 PIDS = {"client": 0, "coordinator": 1, "target": 2, "draft": 3}
 

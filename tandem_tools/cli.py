@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+from collections.abc import Callable
 
+from tandem.dtypes import DTYPE_NAMES
+
+DTYPE_HELP = " | ".join(DTYPE_NAMES) + " (default float32)"
 TRANSPORT_HELP = "feature path target -> draft: auto | grpc | shm | cuda-ipc | nccl (default grpc)"
 OVERLAP_HELP = "on: the draft prepares the next round while the target verifies (default off)"
 
@@ -64,7 +69,7 @@ def print_result(result, as_json: bool) -> None:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from tandem.tiny import make_tiny
+    from tandem_tools.tiny import make_tiny
 
     out = make_tiny(args.dir, seed=args.seed)
     print(f"wrote {out}/target, {out}/draft (reference layout), {out}/draft-speculators")
@@ -75,7 +80,7 @@ def _resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
     """Explicit paths, or the built-in tiny pair when none are given."""
     target, draft = args.target, args.draft
     if target is None:
-        from tandem.tiny import ensure_tiny
+        from tandem_tools.tiny import ensure_tiny
 
         tiny = ensure_tiny()
         target = str(tiny / "target")
@@ -108,7 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.in_process:
         print("tandem generate: give --server HOST:PORT (a running coordinator) or --in-process", file=sys.stderr)
         return 2
-    from tandem.inprocess import InProcessGenerator
+    from tandem_tools.inprocess import InProcessGenerator
 
     target, draft = _resolve_models(args)
     generator = InProcessGenerator(
@@ -120,7 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     request = build_request(args, prompt_ids)
     if args.stop or args.stream:  # the coordinator's text path: incremental detokenizer and stop strings
         from coordinator.client import GenerateDelta, GenerateResult
-        from coordinator.text import text_deltas
+        from tandem.text import text_deltas
 
         deltas = (
             GenerateDelta(token_ids=d.token_ids, text=d.text, finish_reason=d.finish_reason,
@@ -187,64 +192,21 @@ def add_service_args(p: argparse.ArgumentParser, port_help: str) -> None:
     p.add_argument("--announce-file", help=argparse.SUPPRESS)  # `serve` learns the bound port from it
 
 
-def _settings(cls_name: str, args: argparse.Namespace):
-    from tandem import config
+def _service(settings_class: str, module: str) -> Callable[[argparse.Namespace], int]:
+    """A service's subcommand: its settings from the flags (errors before any heavy import), then
+    `module.serve(settings)`."""
+    def run(args: argparse.Namespace) -> int:
+        from tandem import config
 
-    return config.load_settings(getattr(config, cls_name), **vars(args))
+        settings = config.load_settings(getattr(config, settings_class), **vars(args))
+        return importlib.import_module(module).serve(settings)
 
-
-def cmd_target(args: argparse.Namespace) -> int:
-    settings = _settings("TargetSettings", args)
-    from target_server.service import serve
-
-    return serve(settings)
-
-
-def cmd_draft(args: argparse.Namespace) -> int:
-    settings = _settings("DraftSettings", args)
-    from draft_server.service import serve
-
-    return serve(settings)
+    return run
 
 
-def cmd_coordinator(args: argparse.Namespace) -> int:
-    settings = _settings("CoordinatorSettings", args)
-    from coordinator.server import serve
-
-    return serve(settings)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    if args.demo:
-        if args.target or args.draft:
-            raise ValueError("--demo is a target and a draft: give it or --target/--draft, not both")
-        from tandem.demo import ensure_demo
-
-        demo = ensure_demo()
-        args.target, args.draft = str(demo / "target"), str(demo / "draft")
-    settings = _settings("ServeSettings", args)
-    from tandem.serve import serve
-
-    return serve(settings)
-
-
-def cmd_profile(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from tandem.profile import ProfileConfig, profile
-
-    if args.num_requests < 1 or args.concurrency < 1:
-        raise ValueError("--num-requests and --concurrency must be at least 1")
-    config = ProfileConfig(
-        out=Path(args.out), server=args.server, target=args.target, draft=args.draft,
-        prompts=Path(args.prompts) if args.prompts else None, num_requests=args.num_requests,
-        concurrency=args.concurrency, max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
-        temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos, timeout=args.timeout,
-        target_device=args.target_device, draft_device=args.draft_device, dtype=args.dtype,
-        overlap=args.overlap == "on",
-    )
-    report = profile(config)
-    return 1 if report["totals"]["completed"] == 0 else 0
+def _later(module: str, name: str) -> Callable[[argparse.Namespace], int]:
+    """The subcommand `module.name`, imported when it runs: building the parser stays light."""
+    return lambda args: getattr(importlib.import_module(module), name)(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -264,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="target checkpoint directory (default: the built-in tiny pair)")
     p.add_argument("--draft", help="EAGLE-3 head directory")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     p.add_argument("--overlap", choices=["on", "off"], default="off",
                    help="--in-process: " + OVERLAP_HELP + " (--server: the coordinator's setting)")
     add_generation_args(p)
@@ -276,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--demo", action="store_true", help="the demo pair (built on first use: tandem demo build)")
     p.add_argument("--target-device", help="device of the target process (default cpu)")
     p.add_argument("--draft-device", help="device of the draft process (default cpu)")
-    p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--dtype", help=DTYPE_HELP)
     p.add_argument("--transport", help=TRANSPORT_HELP)
     p.add_argument("--host", help="interface the coordinator binds (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="the coordinator's port (default 50050; 0 = any free port)")
@@ -296,13 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "coordinator on the rest, as on two devices (default on)")
     for name in ("coordinator", "target", "draft"):
         p.add_argument(f"--{name}-metrics-port", type=int, help=f"the {name}'s Prometheus /metrics port (default: off)")
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=_later("tandem_tools.serve", "cmd_serve"))
 
     p = sub.add_parser("target", help="run the target service (one process, one device)")
     p.add_argument("--model", help="target checkpoint directory (TANDEM_TARGET_MODEL)")
     p.add_argument("--draft", help="draft directory: only its config.json is read, for the capture layer ids")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
-    p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--dtype", help=DTYPE_HELP)
     p.add_argument("--feature-chunk-mib", type=float, help="size of feature chunks on the wire (default 2)")
     p.add_argument("--transport", help=TRANSPORT_HELP)
     p.add_argument("--transport-ring-mib", type=float, help="shm / cuda-ipc feature ring size (default 256)")
@@ -316,20 +278,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
     p.add_argument("--session-ttl", type=float, help="seconds a session may sit idle before eviction (default 600)")
     add_service_args(p, "port (default 50051; 0 = any free port)")
-    p.set_defaults(func=cmd_target)
+    p.set_defaults(func=_service("TargetSettings", "target_server.service"))
 
     p = sub.add_parser("draft", help="run the draft service (one process, one device)")
     p.add_argument("--model", help="EAGLE-3 head directory (TANDEM_DRAFT_MODEL)")
     p.add_argument("--target", help="target checkpoint directory: its embed_tokens is read")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
-    p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--dtype", help=DTYPE_HELP)
     p.add_argument("--transport", help=TRANSPORT_HELP)
     p.add_argument("--max-batch-size", type=int, help="sessions' steps per batched forward (default 32)")
     p.add_argument("--max-batch-tokens", type=int, help="new pairs + drafts per batched forward (default 4096)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
     p.add_argument("--session-ttl", type=float, help="seconds a session may sit idle before eviction (default 600)")
     add_service_args(p, "port (default 50052; 0 = any free port)")
-    p.set_defaults(func=cmd_draft)
+    p.set_defaults(func=_service("DraftSettings", "draft_server.service"))
 
     p = sub.add_parser("coordinator", help="run the coordinator service (no model, no torch)")
     p.add_argument("--target-addr", metavar="HOST:PORT", help="the target service")
@@ -350,10 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-max-running", type=int,
                    help="overlap only while at most this many generations run (default 1)")
     add_service_args(p, "port (default 50050; 0 = any free port)")
-    p.set_defaults(func=cmd_coordinator)
+    p.set_defaults(func=_service("CoordinatorSettings", "coordinator.server"))
 
     p = sub.add_parser("load", help="load test: concurrent streaming clients, every output checked")
-    from tandem import load
+    from tandem_tools import load
 
     load.add_args(p)
     p.set_defaults(func=load.run)
@@ -365,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help="with --target: the EAGLE-3 head directory")
     p.add_argument("--target-device", default="cpu", help="with --target: the target's device")
     p.add_argument("--draft-device", default="cpu", help="with --target: the draft's device")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     p.add_argument("--overlap", choices=["on", "off"], default="off", help="with --target: " + OVERLAP_HELP)
     p.add_argument("--prompts", metavar="FILE", help="one prompt per line, or .jsonl with prompt / prompt_ids")
     p.add_argument("--num-requests", "-n", type=int, default=16)
@@ -378,12 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of each request in seconds")
     p.add_argument("--out", default="tandem-profile", metavar="DIR",
                    help="where report.json, trace.json and traffic.png go (default ./tandem-profile)")
-    p.set_defaults(func=cmd_profile)
+    p.set_defaults(func=_later("tandem_tools.profile", "cmd_profile"))
 
     # torch-free registrations: the commands import their heavy modules when they run
     from draft_server.train_cli import add_train_parser
-    from tandem.bench import add_bench_parser
-    from tandem.demo import add_demo_parser
+    from tandem_tools.bench import add_bench_parser
+    from tandem_tools.demo import add_demo_parser
 
     add_train_parser(sub)
     add_demo_parser(sub)

@@ -4,13 +4,13 @@
   dir/target                HF Llama checkpoint: config.json, model.safetensors, tokenizer (byte-level BPE)
   dir/draft                 EAGLE-3 head, reference layout (`midlayer.*`), no embed_tokens
   dir/draft-speculators     the same weights in the speculators layout (`layers.0.*`), embed_tokens included
-The draft has a reduced vocabulary (d2t offsets), as published heads do.
+The draft has a reduced vocabulary (d2t offsets), as published heads do. The tests, `tandem serve`
+without a checkpoint, and the demo build on these.
 """
 
 from __future__ import annotations
 
 import os
-import sysconfig
 from pathlib import Path
 
 import torch
@@ -18,22 +18,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from draft_server.checkpoint import REFERENCE, SPECULATORS, save_draft
 from draft_server.model import Eagle3Config, Eagle3Draft
+from draft_server.train_data import draft_vocab_from_counts, stdlib_text
 
 BOS, EOS = "<s>", "</s>"
 LOGIT_SCALE = 4.0
-
-
-def stdlib_text(max_bytes: int = 400_000, skip: int = 0) -> str:
-    """Text every machine with Python has: the standard library's sources, in a fixed order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    parts, size = [], 0
-    for path in sorted(root.glob("*.py"))[skip:]:
-        text = path.read_text(encoding="utf-8", errors="ignore")
-        parts.append(text)
-        size += len(text)
-        if size >= max_bytes:
-            break
-    return "\n".join(parts)[:max_bytes]
 
 
 def build_tokenizer(vocab_size: int, text: str) -> PreTrainedTokenizerFast:
@@ -86,15 +74,6 @@ def tiny_draft_config(target: LlamaConfig, draft_vocab_size: int) -> Eagle3Confi
         eos_token_id=target.eos_token_id,
     )
     return Eagle3Config(layer=layer, target_hidden_size=target.hidden_size, draft_vocab_size=draft_vocab_size)
-
-
-def draft_vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The most frequent target ids -> (d2t offsets [draft_vocab], t2d mask [vocab])."""
-    keep = torch.sort(torch.topk(counts.float(), draft_vocab_size).indices).values  # target ids, ascending
-    d2t = keep - torch.arange(draft_vocab_size)
-    t2d = torch.zeros(counts.numel(), dtype=torch.bool)
-    t2d[keep] = True
-    return d2t, t2d
 
 
 def make_tiny(out_dir: str | Path, seed: int = 0, vocab_size: int = 512, draft_vocab_size: int = 384) -> Path:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from coordinator.rounds import GenerationStats, RoundEvent
+from tandem.rounds import RoundEvent
+from tandem.stats import GenerationStats
 
 REPLACEMENT = "\ufffd"
 

@@ -4,14 +4,17 @@ that service tests compare to, and `tandem generate --in-process`."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from coordinator.rounds import RoundEvent, run_rounds
 from draft_server.engine import DraftEngine
+from tandem.config import SPEC_DRAFT_COST
 from tandem.pairing import TargetShape, check_pair
 from tandem.params import GenerationRequest
+from tandem.policy import AcceptanceGate, Speculation
+from tandem.rounds import RoundEvent, run_rounds
 from target_server.engine import TargetEngine
 
 
@@ -34,14 +37,19 @@ class InProcessGenerator:
         device: str = "cpu",
         draft_device: str | None = None,
         dtype: str = "float32",
+        draft_cost: float = SPEC_DRAFT_COST,
     ):
+        """`draft_cost`: the acceptance gate's cost of a draft token, as the coordinator's
+        --spec-draft-cost; 0 turns the gate off (every round drafts the request's K)."""
         self.draft = None
         if draft_dir is not None:
             self.draft = DraftEngine(draft_dir, target_dir, device=draft_device or device, dtype=dtype)
         layer_ids = self.draft.config.aux_layer_ids if self.draft else None
-        self.target = TargetEngine(target_dir, device=device, dtype=dtype, layer_ids=layer_ids)
+        self.target = TargetEngine(target_dir, device=device, dtype=dtype, aux_layer_ids=layer_ids)
         if self.draft is not None:
             check_pair(target_shape(self.target), self.draft.shape())
+        # one gate for the generator, as one for a coordinator: it learns from every generation
+        self.speculation = Speculation(gate=AcceptanceGate(draft_cost) if draft_cost else None)
         self._tokenizer = None
         self.target_dir = Path(target_dir)
 
@@ -55,7 +63,8 @@ class InProcessGenerator:
 
     def stream(self, request: GenerationRequest, overlap: bool = False) -> Iterator[RoundEvent]:
         """`overlap`: the draft's ahead steps run on a worker thread while the target verifies."""
-        return run_rounds(self.target, self.draft, request, max_context=self.target.max_context, overlap=overlap)
+        speculation = replace(self.speculation, overlap=overlap)
+        return run_rounds(self.target, self.draft, request, self.target.max_context, speculation)
 
     def generate(self, request: GenerationRequest, detokenize: bool = False, overlap: bool = False) -> GenerationResult:
         tokens: list[int] = []

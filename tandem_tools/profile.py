@@ -7,9 +7,9 @@ processes and where the time went.
 
 Writes, under --out:
     report.json    links (bytes, messages, by kind), totals, latency by stage, acceptance, transport,
-                   and every request round by round (tandem/report.py)
-    trace.json     Chrome trace / Perfetto: each round across the processes on one timeline (tandem/trace.py)
-    traffic.png    bytes per generated token per link and kind, time per round by stage (tandem/plot.py)
+                   and every request round by round (tandem_tools/report.py)
+    trace.json     Chrome trace / Perfetto: each round across the processes on one timeline (tandem_tools/trace.py)
+    traffic.png    bytes per generated token per link and kind, time per round by stage (tandem_tools/plot.py)
 and prints a summary table. Every request asks the coordinator for its profile (GenerateRequest.profile);
 when this command started the services itself it also reads their /metrics before and after, and puts
 what each process counted at its own send site beside the coordinator's join (report transport.send_site).
@@ -17,6 +17,7 @@ what each process counted at its own send site beside the coordinator's join (re
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import time
@@ -28,10 +29,10 @@ from pathlib import Path
 import grpc
 
 from coordinator.client import DEFAULT_MAX_MESSAGE_MIB, build_request, stats_from_pb
-from tandem.report import RequestRecord, build_report, summary
-from tandem.serve import launch
-from tandem.serve import stop as stop_serve
 from tandem.v1 import coordinator_pb2_grpc
+from tandem_tools.report import RequestRecord, build_report, summary
+from tandem_tools.serve import launch
+from tandem_tools.serve import stop as stop_serve
 
 # Prompts of the kind the built-in tiny models were trained on (Python source).
 DEFAULT_PROMPTS = [
@@ -193,8 +194,8 @@ def run_workload(address: str, config: ProfileConfig) -> tuple[list[RequestRecor
 
 def profile(config: ProfileConfig, echo=print) -> dict:
     """Run the workload, write report.json, trace.json and traffic.png under config.out; returns the report."""
-    from tandem.plot import plot_report
-    from tandem.trace import build_trace
+    from tandem_tools.plot import plot_report
+    from tandem_tools.trace import build_trace
 
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -230,3 +231,19 @@ def profile(config: ProfileConfig, echo=print) -> dict:
     echo(f"wrote {out / 'report.json'}, {out / 'trace.json'} (open in https://ui.perfetto.dev), "
          f"{out / 'traffic.png'}")
     return report
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """`tandem profile`: the flags as a ProfileConfig; exits 1 when no request completed."""
+    if args.num_requests < 1 or args.concurrency < 1:
+        raise ValueError("--num-requests and --concurrency must be at least 1")
+    config = ProfileConfig(
+        out=Path(args.out), server=args.server, target=args.target, draft=args.draft,
+        prompts=Path(args.prompts) if args.prompts else None, num_requests=args.num_requests,
+        concurrency=args.concurrency, max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+        temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos, timeout=args.timeout,
+        target_device=args.target_device, draft_device=args.draft_device, dtype=args.dtype,
+        overlap=args.overlap == "on",
+    )
+    report = profile(config)
+    return 1 if report["totals"]["completed"] == 0 else 0

@@ -1,31 +1,16 @@
-"""The transport contract, the ring allocator the ring transports share, and what this process can run.
-
-Target side, one FeatureSender per process, called from every session's thread:
-
-    send(session_id, features [n, 3H]) -> FeatureRef | None   None: send this step inline (gRPC)
-    release(session_id)                                       the session ended: free what it holds
-    close()
-
-Draft side, one FeatureReceiver:
-
-    recv(ref) -> features [n, 3H]   TransportError when the rows are gone, late or never came
-
-A step's buffer is freed when its session sends its next step (the draft answered the previous
-one before the coordinator could ask for the next) or ends. A full ring or queue sends the step
-inline rather than wait: no session ever blocks on the draft.
-"""
+"""The ring the ring transports (shm, cuda-ipc) share: a first-fit allocator over a preallocated
+arena, what each session holds in it, and the target end that writes a step into its own range."""
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
-import socket
 import threading
 from contextlib import contextmanager
-from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
+from tandem.dtypes import name_of
+from tandem.transports.contract import count
 from tandem.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -34,50 +19,6 @@ if TYPE_CHECKING:
     from tandem.traffic import Traffic
 
 log = logging.getLogger("tandem.transports")
-
-LINK = "target->draft"
-DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}  # the nccl header carries the dtype as a number
-
-
-class TransportError(RuntimeError):
-    """A fast path could not deliver a step (gone, stale, timed out, broken)."""
-
-
-class NoChannel(TransportError):
-    """A descriptor names a channel this process has not opened (it restarted): the handshake must run again."""
-
-
-class FeatureSender(Protocol):
-    name: str
-
-    def send(self, session_id: str, features: torch.Tensor) -> common_pb2.FeatureRef | None: ...
-    def release(self, session_id: str) -> None: ...
-    def close(self) -> None: ...
-
-
-class FeatureReceiver(Protocol):
-    name: str
-    channel: str
-
-    def recv(self, ref: common_pb2.FeatureRef) -> torch.Tensor: ...
-    def close(self) -> None: ...
-
-
-def count(traffic: Traffic | None, direction: str, transport: str, features: torch.Tensor) -> None:
-    """Feature bytes that went over a fast path, on the target->draft link under the transport's label."""
-    if traffic is not None:
-        nbytes = features.numel() * features.element_size()
-        traffic.add(direction, LINK, transport, features=nbytes, feature_rows=features.shape[0])
-
-
-def check_ref(ref: common_pb2.FeatureRef, channel: str, max_rows: int | None = None) -> None:
-    if ref.channel != channel:
-        raise NoChannel(f"feature descriptor for channel {ref.channel!r}; this draft has {channel!r} open")
-    if ref.rows < 0 or ref.width <= 0 or ref.dtype not in DTYPE_CODES or (max_rows is not None and ref.rows > max_rows):
-        raise TransportError(f"bad feature descriptor: {ref.rows} rows x {ref.width} of {ref.dtype!r}")
-
-
-# -- the ring: a first-fit allocator over a preallocated arena ------------------------------------
 
 
 class Ring:
@@ -207,7 +148,7 @@ class RingSender:
             count(self.traffic, "sent", self.name, features)
             return common_pb2.FeatureRef(
                 transport=self.name, channel=self.channel, sequence=sequence, offset=offset, rows=rows,
-                width=width, dtype=str(features.dtype).removeprefix("torch."), event=slot,
+                width=width, dtype=name_of(features.dtype), event=slot,
             )
 
     def release(self, session_id: str) -> None:
@@ -234,87 +175,3 @@ class RingSender:
 
     def _release_ring(self) -> None:
         pass
-
-
-# -- what this process can run --------------------------------------------------------------------
-
-
-def host_id() -> str:
-    """Equal for two processes that can share memory: same boot and same IPC namespace (containers
-    need `ipc: host` or a shared IPC namespace for shm and CUDA IPC)."""
-    boot = Path("/proc/sys/kernel/random/boot_id")
-    try:
-        ipc = os.readlink("/proc/self/ns/ipc")
-    except OSError:
-        ipc = ""
-    return f"{boot.read_text().strip() if boot.is_file() else socket.gethostname()}/{ipc}"
-
-
-def device_uuid(device: str) -> str:
-    import torch
-
-    if not device.startswith("cuda") or not torch.cuda.is_available():
-        return ""
-    return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
-
-
-def available(device: str) -> list[str]:
-    import torch
-
-    found = ["grpc"]
-    if Path("/dev/shm").is_dir():
-        found.append("shm")
-    on_cuda = device.startswith("cuda") and torch.cuda.is_available()
-    if on_cuda:
-        found.append("cuda-ipc")
-    import torch.distributed as dist
-
-    if dist.is_available() and (dist.is_nccl_available() if on_cuda else dist.is_gloo_available()):
-        found.append("nccl")
-    return found
-
-
-def local_caps(requested: str, device: str, dtype: str, feature_width: int) -> common_pb2.TransportCaps:
-    return common_pb2.TransportCaps(
-        requested=requested, available=available(device), host_id=host_id(), device=device,
-        device_uuid=device_uuid(device), dtype=dtype, feature_width=feature_width,
-    )
-
-
-# -- opening a plan -------------------------------------------------------------------------------
-
-
-def open_sender(plan: common_pb2.TransportPlan, device: str, host: str, traffic: Traffic | None) -> FeatureSender:
-    """The target's end of `plan`; fills in what the draft needs to attach (segment, address, handle)."""
-    if plan.transport == "shm":
-        from tandem.transports.shm import ShmSender
-
-        return ShmSender(plan, traffic)
-    if plan.transport == "cuda-ipc":
-        from tandem.transports.cuda_ipc import CudaIpcSender
-
-        return CudaIpcSender(plan, device, traffic)
-    if plan.transport == "nccl":
-        from tandem.transports.nccl import NcclSender
-
-        return NcclSender(plan, device, host, traffic)
-    from tandem.transports.grpc import GrpcSender
-
-    return GrpcSender()
-
-
-def open_receiver(plan: common_pb2.TransportPlan, device: str, traffic: Traffic | None) -> FeatureReceiver | None:
-    """The draft's end of `plan`; None for grpc (features arrive inline)."""
-    if plan.transport == "shm":
-        from tandem.transports.shm import ShmReceiver
-
-        return ShmReceiver(plan, traffic)
-    if plan.transport == "cuda-ipc":
-        from tandem.transports.cuda_ipc import CudaIpcReceiver
-
-        return CudaIpcReceiver(plan, device, traffic)
-    if plan.transport == "nccl":
-        from tandem.transports.nccl import NcclReceiver
-
-        return NcclReceiver(plan, device, traffic)
-    return None

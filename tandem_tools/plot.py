@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem.report import STAGES
+from tandem_tools.report import STAGES
 
 KIND_COLORS = {"features": "#d62728", "token_ids": "#1f77b4", "draft_probs": "#9467bd", "text": "#2ca02c",
                "control": "#7f7f7f"}

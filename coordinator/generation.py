@@ -1,0 +1,168 @@
+"""What the coordinator does for one client request, whatever API it came through (gRPC here, the
+OpenAI HTTP front too): admit it, fit it to the pair of services, run the round loop (tandem/rounds.py)
+over one session stream to each service, detokenize and apply stop strings (tandem/text.py).
+
+No protobuf of the client API and no torch here: requests arrive as a GenerationRequest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from coordinator.backends import BackendError, GrpcDraft, GrpcTarget
+from coordinator.cohorts import CohortLink, Cohorts
+from coordinator.monitor import Monitor, Pair
+from coordinator.probe import RequestObserver, RequestProbe
+from tandem.config import CoordinatorSettings
+from tandem.errors import Abort, InvalidRequest, OutOfRange
+from tandem.metrics import CoordinatorMetrics
+from tandem.params import MAX_STOP_LENGTH, MAX_STOP_STRINGS, GenerationRequest
+from tandem.policy import AcceptanceGate, Speculation, adaptive_k
+from tandem.rounds import run_rounds
+from tandem.service import Service
+from tandem.text import TextDelta, text_deltas
+
+log = logging.getLogger("tandem.coordinator")
+
+# A target step that failed with one of these did not fail for this request's sake: the service is
+# gone or going, and the client hears UNAVAILABLE (retry later) rather than the transport's detail.
+TARGET_LOST = (
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED,
+)
+
+
+@dataclass
+class ClientRequest:
+    """A request as a client API hands it over: the generation, its stop strings, and whether the
+    client set max_new_tokens (an unset one shrinks to what fits the context instead of failing)."""
+
+    generation: GenerationRequest
+    stop: Sequence[str] = ()
+    max_new_tokens_given: bool = True
+
+
+@dataclass
+class Call:
+    """The client's side of a running request: its deadline, whether it is still there, and how to
+    learn that it went away (a cancel frees both services' sessions at once)."""
+
+    timeout: float | None = None
+    is_active: Callable[[], bool] = lambda: True
+    on_cancel: Callable[[Callable[[], None]], object] = lambda cancel: None
+
+
+def fit_to_pair(client: ClientRequest, pair: Pair) -> GenerationRequest:
+    """InvalidRequest / OutOfRange naming what is wrong: nothing a model could choke on gets past here."""
+    request, vocab_size, max_context = client.generation, pair.target_info.vocab_size, pair.target_info.max_context
+    for what, ids in (("prompt_ids", request.prompt_ids), ("stop_token_ids", request.stop_token_ids)):
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise InvalidRequest(f"{what} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    n = len(request.prompt_ids)
+    if n >= max_context:
+        raise OutOfRange(f"the prompt has {n} tokens; the model's context is {max_context} tokens")
+    if n + request.max_new_tokens > max_context:
+        if client.max_new_tokens_given:
+            raise OutOfRange(
+                f"the prompt has {n} tokens and max_new_tokens is {request.max_new_tokens}: "
+                f"{n + request.max_new_tokens} is past the model's context of {max_context} tokens"
+            )
+        request = request.model_copy(update={"max_new_tokens": max_context - n})  # what fits (as vLLM does)
+    check_stop_strings(client.stop, pair.tokenizer is not None)
+    return request
+
+
+def check_stop_strings(stop: Sequence[str], has_tokenizer: bool) -> None:
+    if not stop:
+        return
+    if not has_tokenizer:
+        raise InvalidRequest("stop strings need a tokenizer and the target has none: use stop_token_ids")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for i, text in enumerate(stop):
+        if not text:
+            raise InvalidRequest(f"stop[{i}] is empty")
+        if len(text) > MAX_STOP_LENGTH:
+            raise InvalidRequest(f"stop[{i}] has {len(text)} characters; at most {MAX_STOP_LENGTH}")
+
+
+class Generations:
+    """The coordinator's generations: one server-wide K policy (adaptive K, the acceptance gate,
+    overlap) and cohort table, and the services as the monitor last saw them."""
+
+    def __init__(self, service: Service):
+        self.service = service
+        self.settings: CoordinatorSettings = service.settings
+        self.monitor: Monitor | None = None
+        self.metrics = CoordinatorMetrics(service.registry)
+        self.cohorts = Cohorts()
+        settings, running = self.settings, service.admission
+        budget, cost = settings.spec_token_budget, settings.spec_draft_cost
+        self.speculation = Speculation(
+            k_for=adaptive_k(budget, lambda: running.active) if budget else None,
+            gate=AcceptanceGate(cost) if cost else None,  # one for the server: it learns from every request
+            overlap=settings.overlap,
+            branches=settings.overlap_branches,
+            overlap_while=lambda: running.active <= settings.overlap_max_running,
+        )
+
+    def attach(self, monitor: Monitor) -> None:
+        self.monitor = monitor
+
+    def pair(self) -> Pair:
+        if self.monitor is None:
+            raise Abort(grpc.StatusCode.UNAVAILABLE, "the coordinator is still connecting to its services")
+        return self.monitor.pair()
+
+    def stream(
+        self, build: Callable[[Pair], ClientRequest], call: Call, probe: RequestProbe | None = None
+    ) -> Iterator[TextDelta]:
+        """Admit the request, build it against the services (tokenizer, context), and stream its deltas."""
+        with self.service.admission.admit():
+            pair = self.pair()
+            client = build(pair)
+            request = fit_to_pair(client, pair)
+            link = CohortLink(self.cohorts)  # the batch of each step goes along to the next service
+            target = GrpcTarget(pair.target, list(pair.target_info.eos_token_ids), call.timeout, probe=probe,
+                                cohorts=link)
+            draft = None
+            if pair.draft is not None and request.speculate:  # no draft (or it is down): target-only
+                draft = GrpcDraft(pair.draft, call.timeout, step_timeout=self.settings.draft_timeout,
+                                  on_fault=lambda error: self.monitor.fault("draft", error), probe=probe, cohorts=link)
+
+            def cancel() -> None:  # the client went away or its deadline passed: free both sessions now
+                target.cancel()
+                if draft is not None:
+                    draft.cancel()
+
+            call.on_cancel(cancel)
+            observer = RequestObserver(self.metrics, probe, len(request.prompt_ids), call.is_active)
+            events = observer.rounds(run_rounds(target, draft, request, pair.target_info.max_context, self.speculation))
+            produced = 0
+            try:
+                for delta in observer.deltas(text_deltas(events, pair.tokenizer, list(client.stop))):
+                    if not call.is_active():
+                        break
+                    produced += len(delta.token_ids)
+                    yield delta
+            except BackendError as exc:
+                raise self._failed(exc, produced, call) from None
+            finally:
+                events.close()
+                target.release("")
+                if draft is not None:
+                    draft.release("")
+
+    def _failed(self, exc: BackendError, produced: int, call: Call) -> Abort:
+        if exc.service == "target" and exc.code in TARGET_LOST and call.is_active():
+            self.monitor.fault("target", exc)
+            return Abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the target service at {self.settings.target_addr} failed after {produced} generated tokens "
+                f"({exc.code.name}: {exc.details}); retry once the coordinator reports SERVING again",
+            )
+        return Abort(exc.code, str(exc))

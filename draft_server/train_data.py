@@ -1,0 +1,251 @@
+"""What the EAGLE-3 trainer (draft_server/train.py) learns from: the frozen target, the training
+sequences, the draft vocabulary, and the batches of the target's features and logits.
+
+The target is frozen and only read: one forward over a training sequence x_0..x_{T-1} gives the captured
+features F_i [3Ht] and the logits L_i, which predict x_{i+1}. It is loaded and hooked as the target engine
+loads it (target_server/loading.py): same aux layers, same EOS ids.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sysconfig
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, DynamicCache
+
+from target_server.loading import load_target
+
+# -- the frozen target -------------------------------------------------------------------------------------
+
+
+class Teacher:
+    """The frozen target: features and logits of whole sequences, captured as TargetEngine captures them."""
+
+    def __init__(
+        self,
+        target_dir: str | Path,
+        device: str = "cpu",
+        aux_layer_ids: Sequence[int] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.target_dir = Path(target_dir)
+        self.device = torch.device(device)
+        loaded = load_target(self.target_dir, self.device, dtype, aux_layer_ids)
+        self.model, self.capture, self.eos_token_ids = loaded.model, loaded.capture, loaded.eos_token_ids
+        self.config = loaded.config
+        self.aux_layer_ids, self.num_layers = loaded.aux_layer_ids, loaded.num_layers
+        self.hidden_size, self.vocab_size = loaded.hidden_size, loaded.vocab_size
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [B, T], right-padded -> features [B, T, 3Ht], logits [B, T, V]."""
+        logits = self.model(input_ids=ids.to(self.device), use_cache=False).logits
+        return self.capture.take(), logits
+
+    @torch.inference_mode()
+    def continue_sequences(
+        self, prompts: torch.Tensor, new_tokens: int, temperature: float = 0.0, generator=None
+    ) -> torch.Tensor:
+        """The target's own continuations of prompts [B, P] -> [B, P + new_tokens]. EOS does not end a row,
+        as it does not with ignore_eos."""
+        ids = prompts.to(self.device)
+        cache = DynamicCache(config=self.config)
+        step = ids
+        for _ in range(new_tokens):
+            logits = self.model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1]  # [B, V]
+            self.capture.take()  # the hooks fire on every forward; drop what they kept
+            if temperature > 0:
+                step = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator)
+            else:
+                step = logits.argmax(-1, keepdim=True)  # [B, 1]
+            ids = torch.cat([ids, step], dim=1)
+        return ids.cpu()
+
+    def remove(self) -> None:
+        self.capture.remove()
+
+
+# -- the training sequences --------------------------------------------------------------------------------
+
+
+def stdlib_text(max_bytes: int = 400_000, skip: int = 0) -> str:
+    """Text every machine with Python has: the standard library's sources, in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, size = [], 0
+    for path in sorted(root.glob("*.py"))[skip:]:
+        text = path.read_text(encoding="utf-8", errors="ignore")
+        parts.append(text)
+        size += len(text)
+        if size >= max_bytes:
+            break
+    return "\n".join(parts)[:max_bytes]
+
+
+def tokenize_texts(target_dir: str | Path, texts: Sequence[str], seq_len: int) -> list[list[int]]:
+    """Texts -> token sequences of at most seq_len tokens (a long text is cut into consecutive chunks)."""
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    out: list[list[int]] = []
+    for text in texts:
+        ids = tokenizer(text)["input_ids"]
+        out.extend(ids[start : start + seq_len] for start in range(0, len(ids), seq_len))
+    return [s for s in out if len(s) >= 3]
+
+
+def text_prompts(
+    target_dir: str | Path,
+    count: int,
+    length: int,
+    seed: int,
+    texts: Sequence[str] | None = None,
+    skip_files: int = 0,
+) -> torch.Tensor:
+    """`count` prompts of `length` tokens cut at random places from `texts`, or by default from text every
+    machine with Python has (the standard library's sources, from the `skip_files`-th file on) -> [count, length]."""
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    if texts is None:
+        texts = [stdlib_text(max_bytes=200_000, skip=skip_files)]
+    ids = [i for text in texts for i in tokenizer(text)["input_ids"]]
+    if len(ids) <= length:
+        raise ValueError(f"the prompt text has {len(ids)} tokens; prompts of {length} need more")
+    rng = random.Random(seed)
+    starts = [rng.randrange(0, len(ids) - length) for _ in range(count)]
+    return torch.tensor([ids[s : s + length] for s in starts])
+
+
+def self_distilled(
+    teacher: Teacher,
+    num_sequences: int,
+    seq_len: int,
+    *,
+    prompt_len: int = 16,
+    texts: Sequence[str] | None = None,
+    sampled_fraction: float = 0.25,
+    temperature: float = 0.8,
+    seed: int = 0,
+    batch_size: int = 256,
+) -> list[list[int]]:
+    """Sequences the target writes itself from text prompts (EAGLE-3 trains on the target's own answers):
+    greedy continuations, and a `sampled_fraction` of them sampled at `temperature` for variety."""
+    prompts = text_prompts(teacher.target_dir, num_sequences, prompt_len, seed, texts=texts)
+    generator = torch.Generator(device=teacher.device).manual_seed(seed)
+    num_greedy = num_sequences - round(num_sequences * sampled_fraction)
+    sequences: list[list[int]] = []
+    for start in range(0, num_sequences, batch_size):
+        stop = min(start + batch_size, num_sequences)
+        for lo, hi, temp in ((start, min(stop, num_greedy), 0.0), (max(start, num_greedy), stop, temperature)):
+            if lo < hi:
+                out = teacher.continue_sequences(prompts[lo:hi], seq_len - prompt_len, temp, generator)
+                sequences.extend(out.tolist())
+    return sequences
+
+
+def training_sequences(
+    teacher: Teacher,
+    data: Sequence[str] | Sequence[Sequence[int]] | None,
+    *,
+    self_distill: bool | None,
+    num_sequences: int,
+    seq_len: int,
+    seed: int,
+) -> list[list[int]]:
+    """The sequences train_draft learns from (its docstring says which data gives which)."""
+    texts = list(data) if data is not None and len(data) and isinstance(data[0], str) else None
+    if self_distill is None:
+        self_distill = data is None
+    if self_distill and data is not None and texts is None:
+        raise ValueError("self_distill cuts prompts from texts: give texts, or no data")
+    if self_distill:
+        sequences = self_distilled(teacher, num_sequences, seq_len, texts=texts, seed=seed)
+    elif texts is not None:
+        sequences = tokenize_texts(teacher.target_dir, texts, seq_len)
+    else:
+        sequences = [[int(t) for t in seq][:seq_len] for seq in data or []]
+        sequences = [s for s in sequences if len(s) >= 3]
+    if not sequences:
+        raise ValueError("no training sequence has 3 tokens or more")
+    bad = [t for s in sequences for t in s if not 0 <= t < teacher.vocab_size]
+    if bad:
+        raise ValueError(f"training data has token ids outside the target's vocabulary: {bad[:5]}")
+    return sequences
+
+
+# -- the draft vocabulary ----------------------------------------------------------------------------------
+
+
+def draft_vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The most frequent target ids -> (d2t offsets [draft_vocab], t2d mask [vocab])."""
+    keep = torch.sort(torch.topk(counts.float(), draft_vocab_size).indices).values  # target ids, ascending
+    d2t = keep - torch.arange(draft_vocab_size)
+    t2d = torch.zeros(counts.numel(), dtype=torch.bool)
+    t2d[keep] = True
+    return d2t, t2d
+
+
+def draft_vocabulary(
+    sequences: Sequence[Sequence[int]], vocab_size: int, draft_vocab_size: int, always: Sequence[int] = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """d2t [draft_vocab], t2d [vocab] from the token counts of the training data; the `always` ids (EOS)
+    are kept whatever their count, so the head can always propose the end."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for seq in sequences:
+        counts += torch.bincount(torch.as_tensor(seq, dtype=torch.long), minlength=vocab_size)
+    for token in always:
+        counts[token] = counts.max() + 1
+    return draft_vocab_from_counts(counts, draft_vocab_size)
+
+
+# -- batches -----------------------------------------------------------------------------------------------
+
+
+def pad_batch(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> ids [B, T] right-padded with 0, lengths [B]. Right padding is harmless: causal attention keeps the
+    real positions from seeing it, and the loss masks it."""
+    lengths = torch.tensor([len(s) for s in sequences])
+    ids = torch.zeros(len(sequences), int(lengths.max()), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.as_tensor(seq)
+    return ids, lengths
+
+
+@dataclass
+class Batches:
+    """Fixed groups of sequences with the frozen target's outputs, cached while they fit in `cache_bytes`.
+
+    Each batch: ids [B, T], lengths [B], features [B, T, 3Ht], the target's softmax over the draft
+    vocabulary [B, T, Vd], and its argmax over the whole vocabulary [B, T] (target ids)."""
+
+    teacher: Teacher
+    sequences: list[list[int]]
+    batch_size: int
+    t2d: torch.Tensor
+    cache_bytes: int
+    _cache: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    _cached_bytes: int = 0
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.sequences) / self.batch_size)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        if index in self._cache:
+            return self._cache[index]
+        ids, lengths = pad_batch(self.sequences[index * self.batch_size : (index + 1) * self.batch_size])
+        features, logits = self.teacher(ids)
+        device = features.device
+        # new tensors made outside inference mode, so that autograd may save them; the head trains in float32
+        batch = (
+            ids.to(device),
+            lengths.to(device),
+            features.float(),
+            torch.softmax(logits[..., self.t2d.to(device)].float(), dim=-1),  # the draft proposes only these
+            logits.argmax(-1).clone(),
+        )
+        size = sum(t.numel() * t.element_size() for t in batch)
+        if self._cached_bytes + size <= self.cache_bytes:
+            self._cache[index] = batch
+            self._cached_bytes += size
+        return batch

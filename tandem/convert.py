@@ -1,0 +1,95 @@
+"""Protobuf <-> the typed objects of the core (tandem/params.py, tandem/protocol.py, tandem/stats.py).
+
+The edge: servicers and gRPC backends convert here and nowhere else; engines and the round loop
+never see a message. No torch here (the coordinator and the client use it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tandem.errors import InvalidRequest
+from tandem.pairing import DraftShape, TargetShape
+from tandem.params import GenerationRequest, SamplingParams
+from tandem.protocol import Branch
+from tandem.stats import GenerationStats
+from tandem.v1 import common_pb2, coordinator_pb2, draft_pb2, target_pb2
+
+
+def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """ValidationError (INVALID_ARGUMENT) naming the field when a value is out of range."""
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+    )
+
+
+def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def generation_request_from_pb(
+    msg: coordinator_pb2.GenerateRequest, tokenize: Callable[[str], list[int]] | None
+) -> GenerationRequest:
+    """The client's request as the round loop takes it; `tokenize` is None when the target has no
+    tokenizer. InvalidRequest or ValidationError naming what is wrong."""
+    if msg.prompt and msg.prompt_ids:
+        raise InvalidRequest("give either prompt (text) or prompt_ids, not both")
+    if not msg.prompt and not msg.prompt_ids:
+        raise InvalidRequest("the prompt is empty: give prompt (text) or prompt_ids")
+    if msg.prompt and tokenize is None:
+        raise InvalidRequest("the target has no tokenizer: send prompt_ids instead of prompt")
+    optional = {
+        name: getattr(msg, name) for name in ("max_new_tokens", "num_draft_tokens", "speculate") if msg.HasField(name)
+    }
+    return GenerationRequest(
+        prompt_ids=tokenize(msg.prompt) if msg.prompt else list(msg.prompt_ids),
+        sampling=sampling_from_pb(msg.sampling),
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        **optional,
+    )
+
+
+# the key order of GenerationStats.as_dict(), so that --json output is the same in-process and remote
+STATS_FIELDS = [*GenerationStats.model_fields, "mean_acceptance_length", "overlap_hit_rate"]
+
+
+def stats_to_pb(stats: GenerationStats) -> coordinator_pb2.GenerationStats:
+    return coordinator_pb2.GenerationStats(**stats.as_dict())
+
+
+def stats_from_pb(msg: coordinator_pb2.GenerationStats) -> dict:
+    return {name: _plain(getattr(msg, name)) for name in STATS_FIELDS}
+
+
+def _plain(value):
+    return value if isinstance(value, (int, float)) else list(value)
+
+
+def branches_to_pb(branches: list[Branch]) -> list[draft_pb2.Branch]:
+    return [draft_pb2.Branch(accepted=b.accepted, bonus=b.bonus, drafts=b.drafts) for b in branches]
+
+
+def branches_from_pb(msgs) -> list[Branch]:
+    return [Branch(accepted=b.accepted, bonus=b.bonus, drafts=list(b.drafts)) for b in msgs]
+
+
+def target_shape_from_pb(info: target_pb2.TargetInfo) -> TargetShape:
+    return TargetShape(
+        vocab_size=info.vocab_size, hidden_size=info.hidden_size, num_layers=info.num_layers,
+        aux_layer_ids=list(info.layer_ids), dtype=info.dtype or None, max_context=info.max_context or None,
+    )
+
+
+def draft_shape_from_pb(info: draft_pb2.DraftInfo) -> DraftShape:
+    return DraftShape(
+        vocab_size=info.vocab_size, target_hidden_size=info.target_hidden_size, max_target_id=info.max_target_id,
+        aux_layer_ids=list(info.aux_layer_ids) or None, dtype=info.dtype or None,
+        target_max_context=info.target_max_context or None,
+    )

@@ -1,0 +1,70 @@
+"""The transport contract: what a target's sender and a draft's receiver do, and how they fail.
+
+Target side, one FeatureSender per process, called from every session's thread:
+
+    send(session_id, features [n, 3H]) -> FeatureRef | None   None: send this step inline (gRPC)
+    release(session_id)                                       the session ended: free what it holds
+    close()
+
+Draft side, one FeatureReceiver:
+
+    recv(ref) -> features [n, 3H]   TransportError when the rows are gone, late or never came
+
+A step's buffer is freed when its session sends its next step (the draft answered the previous
+one before the coordinator could ask for the next) or ends. A full ring or queue sends the step
+inline rather than wait: no session ever blocks on the draft.
+
+No torch at import: the coordinator maps these errors to status codes (tandem/errors.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from tandem.dtypes import DTYPES
+from tandem.v1 import common_pb2
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.traffic import Traffic
+
+LINK = "target->draft"
+
+
+class TransportError(RuntimeError):
+    """A fast path could not deliver a step (gone, stale, timed out, broken)."""
+
+
+class NoChannel(TransportError):
+    """A descriptor names a channel this process has not opened (it restarted): the handshake must run again."""
+
+
+class FeatureSender(Protocol):
+    name: str
+
+    def send(self, session_id: str, features: torch.Tensor) -> common_pb2.FeatureRef | None: ...
+    def release(self, session_id: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class FeatureReceiver(Protocol):
+    name: str
+    channel: str
+
+    def recv(self, ref: common_pb2.FeatureRef) -> torch.Tensor: ...
+    def close(self) -> None: ...
+
+
+def count(traffic: Traffic | None, direction: str, transport: str, features: torch.Tensor) -> None:
+    """Feature bytes that went over a fast path, on the target->draft link under the transport's label."""
+    if traffic is not None:
+        nbytes = features.numel() * features.element_size()
+        traffic.add(direction, LINK, transport, features=nbytes, feature_rows=features.shape[0])
+
+
+def check_ref(ref: common_pb2.FeatureRef, channel: str, max_rows: int | None = None) -> None:
+    if ref.channel != channel:
+        raise NoChannel(f"feature descriptor for channel {ref.channel!r}; this draft has {channel!r} open")
+    if ref.rows < 0 or ref.width <= 0 or ref.dtype not in DTYPES or (max_rows is not None and ref.rows > max_rows):
+        raise TransportError(f"bad feature descriptor: {ref.rows} rows x {ref.width} of {ref.dtype!r}")

@@ -1,0 +1,133 @@
+"""`tandem bench` on the command line: its flags, its prompts, and the command that runs the schedule
+and writes the table, the JSON and the plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from tandem_tools.bench.plot import plot_runs
+from tandem_tools.bench.runners import STACKS
+from tandem_tools.bench.schedule import BenchConfig, run_bench
+from tandem_tools.bench.table import markdown_table
+
+
+def _list(cast):
+    def parse(text: str):
+        try:
+            return [cast(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+
+    return parse
+
+
+def _on_off(text: str) -> bool:
+    if text.strip() not in ("on", "off"):
+        raise ValueError(text)
+    return text.strip() == "on"
+
+
+def _prompts(args: argparse.Namespace, target: Path, demo: Path | None) -> list[list[int]]:
+    if args.prompts:
+        from transformers import AutoTokenizer
+
+        from tandem_tools.profile import load_prompts as read_prompt_file
+
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        items = read_prompt_file(Path(args.prompts))
+        prompts = [p if isinstance(p, list) else tokenizer(p)["input_ids"] for p in items]
+    elif demo is not None:
+        from tandem_tools.demo import load_prompts
+
+        prompts = [p["prompt_ids"] for p in load_prompts(demo)]
+    else:
+        from transformers import AutoTokenizer
+
+        from tandem_tools.demo import heldout_prompts, split_files, stdlib_files
+
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        _, heldout = split_files(stdlib_files(), 10)
+        prompts = [p["prompt_ids"] for p in heldout_prompts(tokenizer, heldout, args.num_prompts, 48, args.seed)]
+    if len(prompts) < args.num_prompts:
+        print(f"bench: {len(prompts)} prompts available, fewer than --num-prompts {args.num_prompts}", file=sys.stderr)
+    return prompts[: args.num_prompts]
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    demo = None
+    if args.demo:
+        from tandem_tools.demo import ensure_demo
+
+        demo = ensure_demo()
+        target, draft, assistant = demo / "target", demo / "draft", demo / "assistant"
+    elif args.target and args.draft:
+        target, draft, assistant = Path(args.target), Path(args.draft), args.assistant and Path(args.assistant)
+    else:
+        print("tandem bench: give --demo, or --target DIR --draft DIR [--assistant DIR]", file=sys.stderr)
+        return 2
+    if args.no_peer:
+        assistant = None
+    bad = [s for s in args.stack if s not in STACKS]
+    if bad:
+        raise ValueError(f"--stack takes {', '.join(STACKS)}; got {bad}")
+    if args.num_prompts < 1 or args.max_new_tokens < 1 or min(args.concurrency) < 1:
+        raise ValueError("--num-prompts, --max-new-tokens and --concurrency must be at least 1")
+    config = BenchConfig(
+        target=target, draft=draft, assistant=assistant, prompts=_prompts(args, target, demo), stacks=args.stack,
+        num_draft_tokens=args.num_draft_tokens, temperatures=args.temperature, concurrency=args.concurrency,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, threads=args.threads, overlap=args.overlap,
+        split_cpus=args.split_cpus,
+    )
+    out = Path(args.out)
+    runs = run_bench(config, out, echo=lambda m: print(m, file=sys.stderr, flush=True))
+    print(markdown_table(runs))
+    plot = Path(args.json).with_suffix(".png") if args.json else out / "bench.png"
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    plot_runs(runs, plot, title=f"tandem bench: {'the demo pair' if demo else target}, {len(config.prompts)} prompts x "
+                                 f"{config.max_new_tokens} tokens; labels: speedup over target-only, "
+                                 f"τ = mean acceptance length")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "runs": runs,
+            "config": {**{k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()
+                          if k != "prompts"}, "num_prompts": len(config.prompts)},
+        }, indent=2))
+        print(f"bench: wrote {args.json} and {plot}", file=sys.stderr)
+    else:
+        print(f"bench: wrote {plot}", file=sys.stderr)
+    return 0
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `tandem bench` on an argparse subparsers object."""
+    p = subparsers.add_parser("bench", help="tokens/s: target-only vs EAGLE-3 at each K vs assisted generation")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--demo", action="store_true", help="the demo pair (built on first use: tandem demo build)")
+    which.add_argument("--target", help="target checkpoint directory")
+    p.add_argument("--draft", help="with --target: the EAGLE-3 head")
+    p.add_argument("--assistant", help="with --target: a small LM for the assisted-generation peer")
+    p.add_argument("--no-peer", action="store_true", help="leave out the assisted-generation peer")
+    p.add_argument("--stack", type=_list(str), default=list(STACKS), help="services,in-process (default both)")
+    p.add_argument("--num-draft-tokens", "-k", type=_list(int), default=[1, 3, 5], help="K values (default 1,3,5)")
+    p.add_argument("--temperature", type=_list(float), default=[0.0, 1.0], help="default 0,1")
+    p.add_argument("--concurrency", type=_list(int), default=[1], help="concurrent requests (default 1)")
+    p.add_argument("--overlap", type=_list(_on_off), default=[False],
+                   help="on,off: EAGLE-3 cases with overlapped drafting, without, or both (default off)")
+    p.add_argument("--split-cpus", type=_on_off, default=True,
+                   help="services: tandem serve --split-cpus, the target on half the CPUs and the draft and the "
+                        "coordinator on the rest (default on)")
+    p.add_argument("--num-prompts", "-n", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompts", metavar="FILE", help="one prompt per line, or .jsonl with prompt / prompt_ids")
+    p.add_argument("--seed", type=int, default=0, help="sampling: prompt i gets seed + i")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of this process (in-process and peer; the services split the cores)")
+    p.add_argument("--json", metavar="PATH", help="write the runs as JSON here (and the plot next to it)")
+    p.add_argument("--out", default="tandem-bench", metavar="DIR",
+                   help="the plot (without --json) and serve.log go here (default ./tandem-bench)")
+    p.set_defaults(func=cmd_bench)
+    return p

@@ -1,0 +1,155 @@
+"""The bench's runners: each runs one generation on one stack and says what came out (an Outcome).
+
+    ServicesRunner   the three processes (`tandem serve`), called through coordinator.client
+    InProcessRunner  both engines in this process (tandem_tools.inprocess)
+    AssistedRunner   the peer: transformers' generate() with a small draft LM as assistant_model
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+STACKS = ("services", "in-process")
+TARGET_ONLY, EAGLE3, PEER = "target-only", "eagle3", "assisted-peer"
+
+
+@dataclass
+class Outcome:
+    """One generation: tokens out, and its verify rounds."""
+
+    tokens: int
+    rounds: int
+    accepted: int
+    per_position: list[int]  # [K] rounds in which draft k was accepted
+    seconds: float = 0.0  # the request's latency, as its client saw it
+    overlap_rounds: int = 0
+    overlap_hits: int = 0
+
+
+class ServicesRunner:
+    """The three-process stack, started with `tandem serve`, called through coordinator.client."""
+
+    stack = "services"
+
+    def __init__(self, target: Path, draft: Path, log: Path, startup_timeout: float, overlap: bool = False,
+                 split_cpus: bool = True):
+        from coordinator.client import TandemClient
+        from tandem_tools.serve import launch
+
+        self.log = log
+        self.proc, self.address = launch(["--target", str(target), "--draft", str(draft), "--port", "0",
+                                          "--startup-timeout", str(startup_timeout),
+                                          "--overlap", "on" if overlap else "off",
+                                          "--split-cpus", "on" if split_cpus else "off"], log)
+        self.client = TandemClient(self.address, timeout=startup_timeout)
+
+    def run(self, prompt_ids: list[int], mode: str, k: int, temperature: float, seed: int, max_new: int) -> Outcome:
+        result = self.client.generate(
+            prompt_ids=prompt_ids, max_new_tokens=max_new, num_draft_tokens=k, temperature=temperature,
+            seed=seed, ignore_eos=True, speculate=mode == EAGLE3,
+        )
+        return _outcome(result.token_ids, result.stats)
+
+    def close(self) -> None:
+        from tandem_tools.serve import stop
+
+        self.client.close()
+        stop(self.proc)
+
+
+class InProcessRunner:
+    """Both engines in this process, driven by the shared round loop (tandem_tools.inprocess)."""
+
+    stack = "in-process"
+
+    def __init__(self, target: Path, draft: Path, overlap: bool = False, generator=None):
+        from tandem_tools.inprocess import InProcessGenerator
+
+        self.generator = generator or InProcessGenerator(target, draft)
+        self.overlap = overlap
+
+    def run(self, prompt_ids: list[int], mode: str, k: int, temperature: float, seed: int, max_new: int) -> Outcome:
+        from tandem.params import GenerationRequest, SamplingParams
+
+        request = GenerationRequest(
+            prompt_ids=prompt_ids, max_new_tokens=max_new, num_draft_tokens=k, ignore_eos=True,
+            sampling=SamplingParams(temperature=temperature, seed=seed), speculate=mode == EAGLE3,
+        )
+        result = self.generator.generate(request, overlap=self.overlap)
+        return _outcome(result.token_ids, result.stats)
+
+    def close(self) -> None:
+        pass
+
+
+def _outcome(token_ids: list[int], s: dict) -> Outcome:
+    return Outcome(len(token_ids), s["num_rounds"], s["num_accepted_tokens"], s["accepted_per_position"],
+                   overlap_rounds=s.get("num_overlap_rounds", 0), overlap_hits=s.get("num_overlap_hits", 0))
+
+
+class AssistedRunner:
+    """transformers' assisted generation: the target's generate() with a small draft LM as assistant_model.
+
+    Its verify rounds are the target's forwards; a forward hook reads, from the KV length each one starts
+    at, how many drafts the previous round accepted."""
+
+    stack = "in-process"
+
+    def __init__(self, target: Path, assistant: Path):
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # generate() warns about its own assistant's arguments
+        self.torch = torch
+        self.target = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+        self.assistant = AutoModelForCausalLM.from_pretrained(assistant, dtype=torch.float32).eval()
+        self._forwards: list[tuple[int, int]] = []  # (input length, KV length) per target forward
+        self.target.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self._lock = threading.Lock()  # generate() is not reentrant over one assistant
+
+    def _hook(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers >= 5.24 calls it `cache`
+        self._forwards.append((int(ids.shape[1]), int(cache.get_seq_length()) if cache is not None else 0))
+
+    def run(self, prompt_ids: list[int], mode: str, k: int, temperature: float, seed: int, max_new: int) -> Outcome:
+        torch = self.torch
+        config = copy.deepcopy(self.target.generation_config)
+        config.eos_token_id = None  # exactly max_new tokens, as ignore_eos does on our stacks
+        config.pad_token_id = self.target.config.eos_token_id
+        config.max_new_tokens = max_new
+        config.do_sample = temperature > 0
+        if config.do_sample:  # the same distribution as our sampler: no top-k, no top-p
+            config.temperature, config.top_k, config.top_p = temperature, 0, 1.0
+        self.assistant.generation_config.num_assistant_tokens = k
+        self.assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        ids = torch.tensor([prompt_ids])
+        with self._lock, torch.inference_mode():
+            torch.manual_seed(seed)
+            self._forwards.clear()
+            out = self.target.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                       assistant_model=self.assistant)
+            forwards = list(self._forwards)
+        new = int(out.shape[1]) - len(prompt_ids)
+        return Outcome(new, len(forwards), new - len(forwards), _accepted_per_position(forwards, len(prompt_ids),
+                                                                                       new, k))
+
+    def close(self) -> None:
+        pass
+
+
+def _accepted_per_position(forwards: list[tuple[int, int]], prompt_len: int, new: int, k: int) -> list[int]:
+    """Rounds in which draft j was accepted, from the KV length each target forward started at: after a
+    round the KV holds every committed token but its bonus, so round r accepted kv[r+1] - kv[r] - 1 drafts
+    (the first round, which also reads the prompt: kv[1] - prompt_len)."""
+    ends = [kv for _, kv in forwards[1:]] + [prompt_len + new - 1]
+    starts = [prompt_len - 1] + [kv for _, kv in forwards[1:]]
+    counts = [0] * k
+    for start, end in zip(starts, ends):
+        for j in range(min(k, max(0, end - start - 1))):
+            counts[j] += 1
+    return counts

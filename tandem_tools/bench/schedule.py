@@ -1,0 +1,187 @@
+"""The bench's schedule: which cases run, in which order, in which blocks, and the run that times them.
+
+At concurrency c, c clients keep c requests in flight (vLLM's benchmark_serving --max-concurrency). The
+cases take turns block by block, each block in a rotated order, so that a change in the machine's load
+touches all of them alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tandem.stats import mean_acceptance_length, percentile
+from tandem_tools.bench.runners import (
+    EAGLE3,
+    PEER,
+    STACKS,
+    TARGET_ONLY,
+    AssistedRunner,
+    InProcessRunner,
+    Outcome,
+    ServicesRunner,
+)
+
+# a case runs its requests in blocks of this many per client: the last requests of a block run with
+# fewer than `concurrency` in flight, so blocks are long enough for that tail to be small; and at
+# least two blocks, so that the cases take turns going first
+BLOCK_PER_CLIENT = 4
+MIN_BLOCKS = 2
+
+
+@dataclass
+class BenchConfig:
+    target: Path
+    draft: Path
+    prompts: list[list[int]]
+    assistant: Path | None = None
+    stacks: Sequence[str] = STACKS
+    num_draft_tokens: Sequence[int] = (1, 3, 5)
+    temperatures: Sequence[float] = (0.0, 1.0)
+    concurrency: Sequence[int] = (1,)
+    overlap: Sequence[bool] = (False,)
+    split_cpus: bool = True  # services: tandem serve --split-cpus
+    max_new_tokens: int = 64
+    seed: int = 0
+    threads: int = 1
+    startup_timeout: float = 600.0
+
+
+@dataclass
+class Case:
+    stack: str
+    mode: str
+    K: int
+    temperature: float
+    concurrency: int
+    overlap: bool = False
+    seconds: float = 0.0
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    overlap_rounds: int = 0  # verify rounds the draft prepared the next one during, and hits among them
+    overlap_hits: int = 0
+
+    @property
+    def label(self) -> str:
+        return self.mode if self.mode == TARGET_ONLY else f"{self.mode} K={self.K}"
+
+    def result(self) -> dict:
+        """The case's entry of the bench's JSON "runs"."""
+        tokens = sum(o.tokens for o in self.outcomes)
+        rounds = sum(o.rounds for o in self.outcomes)
+        accepted = sum(o.accepted for o in self.outcomes)
+        per_position = [sum(o.per_position[k] for o in self.outcomes if k < len(o.per_position))
+                        for k in range(self.K)]
+        latencies = [o.seconds for o in self.outcomes]
+        return {
+            "stack": self.stack,
+            "mode": self.mode,
+            "K": self.K,
+            "temperature": self.temperature,
+            "concurrency": self.concurrency,
+            "overlap": self.overlap,
+            "overlap_hit_rate": round(self.overlap_hits / self.overlap_rounds, 4) if self.overlap_rounds else None,
+            "tokens_per_s": tokens / self.seconds if self.seconds else 0.0,
+            "mean_acceptance_length": mean_acceptance_length(accepted, rounds),
+            "accepted_per_position": [round(c / rounds, 4) for c in per_position] if rounds else [],
+            "latency_p50_s": round(percentile(latencies, 50), 4),
+            "latency_p99_s": round(percentile(latencies, 99), 4),
+            "num_prompts": len(self.outcomes),
+            "generated_tokens": tokens,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def make_cases(config: BenchConfig, peer: bool) -> list[Case]:
+    cases = []
+    for temperature in config.temperatures:
+        for concurrency in config.concurrency:
+            for stack in config.stacks:
+                cases.append(Case(stack, TARGET_ONLY, 0, temperature, concurrency))
+                cases += [Case(stack, EAGLE3, k, temperature, concurrency, overlap)
+                          for k in config.num_draft_tokens for overlap in config.overlap]
+            if peer and concurrency == 1:  # generate() with an assistant takes one sequence at a time
+                cases += [Case("in-process", PEER, k, temperature, 1) for k in config.num_draft_tokens]
+    return cases
+
+
+def concurrency_requests(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """The prompts, repeated in turn until there are MIN_BLOCKS blocks of BLOCK_PER_CLIENT per client."""
+    n = max(len(prompts), MIN_BLOCKS * BLOCK_PER_CLIENT * concurrency)
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = print) -> list[dict]:
+    """Every case of `config`, block by block; one Case.result() per case."""
+    import torch
+
+    torch.set_num_threads(config.threads)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runners: dict[tuple[str, str, bool], object] = {}  # (stack, mode, overlap)
+    try:
+        _start_runners(config, out_dir, runners, echo)
+        cases = make_cases(config, peer=config.assistant is not None)
+        echo(f"bench: {len(cases)} cases x {len(config.prompts)} prompts x {config.max_new_tokens} tokens")
+        warm = config.prompts[0]
+        for case in cases:  # one short generation each: first-call allocations are not measured
+            runners[case.stack, case.mode, case.overlap].run(warm, case.mode, case.K, case.temperature, config.seed, 8)
+        for c in sorted(set(config.concurrency)):
+            group = [case for case in cases if case.concurrency == c]
+            requests = concurrency_requests(config.prompts, c)
+            size = BLOCK_PER_CLIENT * c
+            for first in range(0, len(requests), size):
+                offset = (first // size) % len(group)
+                for case in group[offset:] + group[:offset]:  # rotated: no case always runs first
+                    _run_block(case, runners[case.stack, case.mode, case.overlap], requests[first : first + size],
+                               first, c, config)
+                echo(f"bench: concurrency {c}: {min(first + size, len(requests))}/{len(requests)} requests")
+    finally:
+        for runner in {id(r): r for r in runners.values()}.values():
+            runner.close()
+    return [case.result() for case in cases]
+
+
+def _start_runners(config: BenchConfig, out_dir: Path, runners: dict, echo: Callable[[str], None]) -> None:
+    """Into `runners`, as each starts (so that a failure stops those already started): one per
+    (stack, mode, overlap) the cases use; target-only shares the services without overlap."""
+    if "services" in config.stacks:
+        for overlap in sorted(set(config.overlap)):
+            echo(f"bench: starting the target, draft and coordinator services (tandem serve --overlap "
+                 f"{'on' if overlap else 'off'}) ...")
+            log = out_dir / ("serve-overlap.log" if overlap else "serve.log")
+            services = ServicesRunner(config.target, config.draft, log, config.startup_timeout, overlap,
+                                      config.split_cpus)
+            runners["services", EAGLE3, overlap] = services
+            runners.setdefault(("services", TARGET_ONLY, False), services)
+    if "in-process" in config.stacks:
+        inprocess = InProcessRunner(config.target, config.draft)
+        runners["in-process", TARGET_ONLY, False] = runners["in-process", EAGLE3, False] = inprocess
+        runners["in-process", EAGLE3, True] = InProcessRunner(config.target, config.draft, True, inprocess.generator)
+    if config.assistant is not None:
+        runners["in-process", PEER, False] = AssistedRunner(config.target, config.assistant)
+
+
+def _run_block(case: Case, runner, batch: list[list[int]], first: int, concurrency: int, config: BenchConfig) -> None:
+    """`concurrency` clients take the block's requests one after another: a client that finishes
+    starts the next request at once, so `concurrency` are in flight until the block runs out
+    (vLLM's benchmark_serving --max-concurrency)."""
+    def one(i: int) -> Outcome:
+        started = time.perf_counter()
+        outcome = runner.run(batch[i], case.mode, case.K, case.temperature, config.seed + first + i,
+                             config.max_new_tokens)
+        outcome.seconds = time.perf_counter() - started
+        return outcome
+
+    started = time.perf_counter()
+    if concurrency == 1:
+        outcomes = [one(i) for i in range(len(batch))]
+    else:
+        with ThreadPoolExecutor(concurrency) as pool:
+            outcomes = list(pool.map(one, range(len(batch))))
+    case.seconds += time.perf_counter() - started
+    case.outcomes += outcomes
+    case.overlap_rounds += sum(o.overlap_rounds for o in outcomes)
+    case.overlap_hits += sum(o.overlap_hits for o in outcomes)

@@ -1,0 +1,42 @@
+"""The bench's runs as a markdown table, with each case's speedup over target-only."""
+
+from __future__ import annotations
+
+from tandem_tools.bench.runners import TARGET_ONLY
+
+
+def speedups(runs: list[dict]) -> list[float | None]:
+    """tokens/s over target-only on the same stack, temperature and concurrency (the peer: over in-process,
+    else over the services when only they ran)."""
+    base = {(r["stack"], r["temperature"], r["concurrency"]): r["tokens_per_s"] for r in runs
+            if r["mode"] == TARGET_ONLY}
+    out = []
+    for r in runs:
+        b = base.get((r["stack"], r["temperature"], r["concurrency"])) or base.get(
+            ("services", r["temperature"], r["concurrency"]))
+        out.append(r["tokens_per_s"] / b if b else None)
+    return out
+
+
+def markdown_table(runs: list[dict]) -> str:
+    lines = [
+        ("| stack | mode | K | temperature | concurrency | overlap (hit rate) | tokens/s | speedup "
+         "| latency p50 / p99 (s) | mean acceptance length | accepted per position |"),
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for r, s in zip(runs, speedups(runs)):
+        positions = " ".join(f"{p:.2f}" for p in r["accepted_per_position"]) or "-"
+        lines.append(
+            f"| {r['stack']} | {r['mode']} | {r['K']} | {r['temperature']:g} | {r['concurrency']} "
+            f"| {_overlap_cell(r)} | {r['tokens_per_s']:.1f} | {'-' if s is None else f'{s:.2f}x'} "
+            f"| {r['latency_p50_s']:.2f} / {r['latency_p99_s']:.2f} | {r['mean_acceptance_length']:.2f} "
+            f"| {positions} |"
+        )
+    return "\n".join(lines)
+
+
+def _overlap_cell(r: dict) -> str:
+    if not r.get("overlap"):
+        return "off"
+    rate = r.get("overlap_hit_rate")
+    return "on" if rate is None else f"on ({rate:.0%})"
