@@ -209,6 +209,18 @@ def _later(module: str, name: str) -> Callable[[argparse.Namespace], int]:
     return lambda args: getattr(importlib.import_module(module), name)(args)
 
 
+def add_speculation_args(p: argparse.ArgumentParser) -> None:
+    """The K policy's flags (tandem/policy.py), the same on `serve` and `coordinator`."""
+    p.add_argument("--spec-token-budget", type=int,
+                   help="adaptive K: draft tokens per round over all running generations (default 256; 0 = off)")
+    p.add_argument("--spec-draft-cost", type=float,
+                   help="acceptance gate: a draft token's cost as a share of a verify round; K only as far as "
+                        "accepted drafts pay for it (default 0.3; 0 = off)")
+    p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP)
+    p.add_argument("--overlap-branches", type=int,
+                   help="overlap: verify outcomes the draft prepares for (default 16)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -245,14 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace-period", type=float, help="seconds in-flight requests get on SIGTERM (default 30)")
     p.add_argument("--startup-timeout", type=float, help="seconds to wait for the services (default 600)")
     p.add_argument("--session-ttl", type=float, help="target and draft: evict sessions idle this long (default 600)")
-    p.add_argument("--spec-token-budget", type=int,
-                   help="adaptive K: draft tokens per round over all running generations (default 256; 0 = off)")
-    p.add_argument("--spec-draft-cost", type=float,
-                   help="acceptance gate: a draft token's cost as a share of a verify round; K only as far as "
-                        "accepted drafts pay for it (default 0.3; 0 = off)")
-    p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP)
-    p.add_argument("--overlap-branches", type=int,
-                   help="overlap: verify outcomes the draft prepares for (default 16)")
+    add_speculation_args(p)
     p.add_argument("--split-cpus", choices=["on", "off"],
                    help="on: with the models on the CPU, the target runs on half the CPUs and the draft and the "
                         "coordinator on the rest, as on two devices (default on)")
@@ -301,14 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a draft step may take before the generation goes on target-only (default 10)")
     p.add_argument("--health-interval", type=float,
                    help="seconds between health checks of the target and draft (default 1)")
-    p.add_argument("--spec-token-budget", type=int,
-                   help="adaptive K: draft tokens per round over all running generations (default 256; 0 = off)")
-    p.add_argument("--spec-draft-cost", type=float,
-                   help="acceptance gate: a draft token's cost as a share of a verify round; K only as far as "
-                        "accepted drafts pay for it (default 0.3; 0 = off)")
-    p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP)
-    p.add_argument("--overlap-branches", type=int,
-                   help="overlap: verify outcomes the draft prepares for (default 16)")
+    add_speculation_args(p)
     p.add_argument("--overlap-max-running", type=int,
                    help="overlap only while at most this many generations run (default 1)")
     add_service_args(p, "port (default 50050; 0 = any free port)")
