@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from tandem.convert import branches_from_pb, sampling_to_pb
+from tandem.convert import branches_from_pb, logprobs_from_pb, sampling_to_pb
 from tandem.params import SamplingParams
 from tandem.protocol import Branch, DraftUnavailable, PrefillResult, VerifyResult
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -245,7 +245,8 @@ class GrpcTarget:
         )
         self._stream.send(target_pb2.TargetRequest(prefill=prefill))
         response, features = self._answer("prefilled")
-        return PrefillResult(token=response.prefilled.token, features=features)
+        return PrefillResult(token=response.prefilled.token, features=features,
+                             logprobs=logprobs_from_pb(response.prefilled.logprobs))
 
     def verify(self, session_id: str, token: int, drafts: list[int], want_features: bool = True) -> VerifyResult:
         self._drain()
@@ -258,7 +259,9 @@ class GrpcTarget:
                 request.cohort.id, request.cohort.size = cohort
         self._stream.send(request)
         response, features = self._answer("verified")
-        return VerifyResult(accepted=list(response.verified.accepted), bonus=response.verified.bonus, features=features)
+        verified = response.verified
+        return VerifyResult(accepted=list(verified.accepted), bonus=verified.bonus, features=features,
+                            logprobs=logprobs_from_pb(verified.logprobs))
 
     def release(self, session_id: str) -> bool:
         if self._cohorts is not None:

@@ -119,9 +119,24 @@ def connect(settings: CoordinatorSettings, service: Service, servicer: Coordinat
     )
 
 
+def load(settings: CoordinatorSettings, service: Service, servicer: CoordinatorServicer):
+    """The HTTP front first (its /health says 503 while connecting), then the services; the
+    clean-up stops the front once the drain has let its requests finish."""
+    front = None
+    if settings.http_port is not None:
+        from coordinator.http.server import HttpFront
+
+        try:
+            front = HttpFront(settings, servicer.generations)
+        except OSError as exc:
+            raise StartupError(exc) from exc
+    connect(settings, service, servicer)
+    return front.stop if front is not None else None
+
+
 def serve(settings: CoordinatorSettings) -> int:
     return run_service("coordinator", settings, CoordinatorServicer,
-                       lambda service, servicer: connect(settings, service, servicer))
+                       lambda service, servicer: load(settings, service, servicer))
 
 
 if __name__ == "__main__":

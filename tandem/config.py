@@ -46,6 +46,9 @@ SESSION_TTL_HELP = "seconds a session may sit idle before it is evicted (default
 
 
 METRICS_PORT_HELP = "serve Prometheus /metrics on this port (default: off; 0 = any free port)"
+HTTP_PORT_HELP = ("serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                  "/metrics) on this port of --host (default: off; 0 = any free port)")
+SERVED_MODEL_NAME_HELP = "the model name of the HTTP API (default: the target's directory name)"
 
 
 class ConfigError(ValueError):
@@ -239,6 +242,9 @@ class CoordinatorSettings(ServiceSettings):
     # sessions, and under load the draft has no spare time to give (demo pair, K=3, 2 cores, tokens/s
     # with overlap over without: 1.12x and 1.09x at 1 request, 0.78x at 2, 0.86x at 4, 0.58x at 16).
     overlap_max_running: int = Field(1, ge=1)
+    # The OpenAI-compatible HTTP front (coordinator/http/) on this port of the same --host; off unless given.
+    http_port: int | None = Field(None, ge=0, le=65535, description=HTTP_PORT_HELP)
+    served_model_name: str | None = Field(None, min_length=1, description=SERVED_MODEL_NAME_HELP)
 
     @field_validator("target_addr", "draft_addr")
     @classmethod
@@ -270,6 +276,8 @@ class ServeSettings(BaseSettings):
     coordinator_metrics_port: int | None = Field(None, ge=0, le=65535)
     target_metrics_port: int | None = Field(None, ge=0, le=65535)
     draft_metrics_port: int | None = Field(None, ge=0, le=65535)
+    http_port: int | None = Field(None, ge=0, le=65535, description=HTTP_PORT_HELP)  # the coordinator's
+    served_model_name: str | None = Field(None, min_length=1, description=SERVED_MODEL_NAME_HELP)
     # On a CPU host, the target on half the CPUs and the draft and the coordinator on the other half,
     # as they would be on two devices: sharing every core, the services' threads took turns on them
     # and a round at 16 requests took 1.3x longer (SPLIT_CPUS_HELP).

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from tandem.errors import InvalidRequest
 from tandem.pairing import DraftShape, TargetShape
 from tandem.params import GenerationRequest, SamplingParams
-from tandem.protocol import Branch
+from tandem.protocol import Branch, TokenLogprob
 from tandem.stats import GenerationStats
 from tandem.v1 import common_pb2, coordinator_pb2, draft_pb2, target_pb2
 
@@ -23,6 +23,7 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         top_k=msg.top_k,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         seed=msg.seed if msg.HasField("seed") else None,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
 
 
@@ -30,7 +31,19 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     return msg
+
+
+def logprobs_to_pb(logprobs: list[TokenLogprob]) -> list[target_pb2.TokenLogprob]:
+    return [target_pb2.TokenLogprob(logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+            for lp in logprobs]
+
+
+def logprobs_from_pb(msgs) -> list[TokenLogprob] | None:
+    """None for none sent (the session did not ask for them)."""
+    return [TokenLogprob(m.logprob, list(m.top_ids), list(m.top_logprobs)) for m in msgs] or None
 
 
 def generation_request_from_pb(

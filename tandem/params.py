@@ -18,6 +18,9 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 
+# Alternatives per token a request may ask logprobs for (OpenAI's top_logprobs allows 20, as vLLM does).
+MAX_LOGPROBS = 20
+
 
 class SamplingParams(BaseModel):
     """How the target picks tokens. temperature 0 means greedy (argmax); then top-k/top-p are ignored."""
@@ -26,6 +29,9 @@ class SamplingParams(BaseModel):
     top_k: int = Field(default=0, description="0 disables top-k")
     top_p: float = Field(default=1.0, description="1.0 disables top-p")
     seed: int | None = None
+    # logprob of each generated token under the target's distribution, with this many likeliest
+    # alternatives (0: the token's own only); None: no logprobs, nothing computed for them
+    logprobs: int | None = None
 
     @field_validator("temperature")
     @classmethod
@@ -46,6 +52,13 @@ class SamplingParams(BaseModel):
     def _top_p(cls, v: float) -> float:
         if not (0.0 < v <= 1.0) or not math.isfinite(v):
             raise ValueError(f"top_p must be in (0, 1], got {v}")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {v}")
         return v
 
     @property

@@ -20,9 +20,20 @@ class DraftUnavailable(Exception):
 
 
 @dataclass
+class TokenLogprob:
+    """A committed token's log-probability under the target (log_softmax of its raw logits), and the
+    likeliest alternatives at its position (as many as SamplingParams.logprobs asked for)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
 class PrefillResult:
     token: int  # t = x_n, sampled from the logits at the last prompt position
     features: Features  # F_0..F_{n-1} [n, 3H], None when not asked for
+    logprobs: list[TokenLogprob] | None = None  # [t], when the sampling asked for logprobs
 
 
 @dataclass
@@ -30,6 +41,7 @@ class VerifyResult:
     accepted: list[int]  # d_1..d_a
     bonus: int  # b, from the logits after d_a
     features: Features  # features of t, d_1..d_a [a+1, 3H]
+    logprobs: list[TokenLogprob] | None = None  # [d_1..d_a, b], when the sampling asked for logprobs
 
 
 @dataclass

@@ -28,6 +28,7 @@ from tandem.protocol import (
     OverlapDraftBackend,
     Pending,
     TargetBackend,
+    TokenLogprob,
 )
 from tandem.stats import GenerationStats
 
@@ -43,6 +44,7 @@ class RoundEvent:
     new_tokens: list[int]
     stats: GenerationStats
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the sampling asked for them
 
 
 @dataclass
@@ -176,7 +178,7 @@ def run_rounds(
         prefill = target.prefill(session, request.prompt_ids, request.sampling, alive(), max_new_tokens=limit)
         token = prefill.token
         new_tokens, finish = stopper.take([token])
-        yield RoundEvent(new_tokens, stats, finish)
+        yield RoundEvent(new_tokens, stats, finish, _cut(prefill.logprobs, new_tokens))
         if alive():
             drafter.feed(prefill.features, [*request.prompt_ids[1:], token])
         while finish is None:
@@ -206,11 +208,16 @@ def run_rounds(
                 drafter.feed(verdict.features, committed)
             token = verdict.bonus
             new_tokens, finish = stopper.take(committed)
-            yield RoundEvent(new_tokens, stats, finish)
+            yield RoundEvent(new_tokens, stats, finish, _cut(verdict.logprobs, new_tokens))
     finally:
         target.release(session)
         if drafter is not None:
             drafter.release()
+
+
+def _cut(logprobs: list[TokenLogprob] | None, kept: list[int]) -> list[TokenLogprob] | None:
+    """The logprobs of the committed tokens the stopper kept."""
+    return logprobs[: len(kept)] if logprobs is not None else None
 
 
 def _ahead_branches(speculation: Speculation, drafter: DraftSession, k: int, remaining: int) -> int:

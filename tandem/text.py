@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
+from tandem.protocol import TokenLogprob
 from tandem.rounds import RoundEvent
 from tandem.stats import GenerationStats
 
@@ -63,6 +64,7 @@ class TextDelta:
     text: str
     finish_reason: str | None = None
     stats: GenerationStats | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 def _find_stop(text: str, stop: Sequence[str]) -> int:
@@ -102,12 +104,13 @@ def text_deltas(
                     pending += detokenizer.flush()
                     if stop and (cut := _find_stop(pending, stop)) >= 0:
                         pending, finish = pending[:cut], "stop"
+            logprobs = event.logprobs[: len(token_ids)] if event.logprobs is not None else None
             if finish is not None:
-                yield TextDelta(token_ids, pending, finish, event.stats)
+                yield TextDelta(token_ids, pending, finish, event.stats, logprobs)
                 return
             emit = max(0, len(pending) - hold)
             text, pending = pending[:emit], pending[emit:]
-            yield TextDelta(token_ids, text, None, None)
+            yield TextDelta(token_ids, text, None, None, logprobs)
     finally:
         close = getattr(events, "close", None)
         if close is not None:

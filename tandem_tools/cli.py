@@ -221,6 +221,13 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="overlap: verify outcomes the draft prepares for (default 16)")
 
 
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    """The OpenAI-compatible HTTP front's flags (coordinator/http/), the same on `serve` and `coordinator`."""
+    p.add_argument("--http-port", type=int,
+                   help="serve the OpenAI-compatible HTTP API on this port of --host (default: off; 0 = any free port)")
+    p.add_argument("--served-model-name", help="the model name of the HTTP API (default: the target's directory name)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -258,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float, help="seconds to wait for the services (default 600)")
     p.add_argument("--session-ttl", type=float, help="target and draft: evict sessions idle this long (default 600)")
     add_speculation_args(p)
+    add_http_args(p)
     p.add_argument("--split-cpus", choices=["on", "off"],
                    help="on: with the models on the CPU, the target runs on half the CPUs and the draft and the "
                         "coordinator on the rest, as on two devices (default on)")
@@ -309,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculation_args(p)
     p.add_argument("--overlap-max-running", type=int,
                    help="overlap only while at most this many generations run (default 1)")
+    add_http_args(p)
     add_service_args(p, "port (default 50050; 0 = any free port)")
     p.set_defaults(func=_service("CoordinatorSettings", "coordinator.server"))
 

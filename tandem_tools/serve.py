@@ -137,6 +137,10 @@ def serve(settings: ServeSettings) -> int:
             coordinator_args += ["--overlap", "on" if settings.overlap else "off"]
             if settings.overlap_branches is not None:
                 coordinator_args += ["--overlap-branches", str(settings.overlap_branches)]
+            if settings.http_port is not None:
+                coordinator_args += ["--http-port", str(settings.http_port)]
+            if settings.served_model_name is not None:
+                coordinator_args += ["--served-model-name", settings.served_model_name]
             coordinator = Child("coordinator", coordinator_args, run / "coordinator.addr")
             children.insert(0, coordinator)  # stopped first: it drains while the services still answer
             address = coordinator.address(deadline)
@@ -148,6 +152,9 @@ def serve(settings: ServeSettings) -> int:
             _shutdown(children, settings.grace_period)
             return 1
         print(f"tandem serve: {', '.join(f'{k} {v}' for k, v in addresses.items())}", flush=True)
+        http = coordinator.announce.with_name(coordinator.announce.name + ".http")  # coordinator/http/server.py
+        if settings.http_port is not None and http.is_file():
+            print(f"tandem serve: OpenAI-compatible HTTP on {http.read_text().strip()}/v1", flush=True)
         print(f"tandem serve: listening on {address}", flush=True)
         while not stop.wait(0.5):
             dead = [c for c in children if not c.alive]

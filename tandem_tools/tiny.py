@@ -21,6 +21,15 @@ from draft_server.model import Eagle3Config, Eagle3Draft
 from draft_server.train_data import draft_vocab_from_counts, stdlib_text
 
 BOS, EOS = "<s>", "</s>"
+# A chat template in the usual shape (Zephyr's): roles as markers, each turn closed by EOS, the BOS
+# token first; it refuses roles it does not know, as real templates do with raise_exception.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles are system, user and assistant, got ' + message['role']) }}{% endif %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 LOGIT_SCALE = 4.0
 
 
@@ -37,7 +46,7 @@ def build_tokenizer(vocab_size: int, text: str) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator([text], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, chat_template=CHAT_TEMPLATE)
 
 
 def tiny_target_config(vocab_size: int, **overrides) -> LlamaConfig:

@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from tandem.batching import Batcher
 from tandem.dtypes import TORCH_DTYPES
 from tandem.params import MAX_DRAFT_TOKENS, SamplingParams
-from tandem.protocol import PrefillResult, VerifyResult
+from tandem.protocol import PrefillResult, TokenLogprob, VerifyResult
 from tandem.sessions import InvalidRequest, ResourceExhausted, SessionOwner, SessionTable
 from target_server.acceptance import accept, pick
 from target_server.loading import load_target
@@ -373,6 +373,8 @@ class TargetEngine(SessionOwner):
             keep = len(step.ids)
             out = PrefillResult(token=pick(logits[-1], session.params, session.generator),
                                 features=features if step.want_features else None)
+            if session.params.logprobs is not None:
+                out.logprobs = token_logprobs(logits[-1:], [out.token], session.params.logprobs)
         else:
             drafts = step.ids[1:]
             drafted = torch.tensor(drafts, dtype=torch.long, device=self.device)
@@ -381,6 +383,19 @@ class TargetEngine(SessionOwner):
             out = VerifyResult(
                 accepted=drafts[:accepted], bonus=bonus, features=features[:keep] if step.want_features else None
             )
+            if session.params.logprobs is not None:  # rows 0..a: the positions of d_1..d_a and b
+                out.logprobs = token_logprobs(logits[:keep], [*out.accepted, bonus], session.params.logprobs)
         commit(keep)
         return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """logits [n, V] at the positions of the n committed `tokens` -> each token's logprob under the
+    target's raw distribution (before temperature, top-k, top-p: vLLM's default `raw_logprobs`) and
+    the `top` likeliest alternatives. Only for requests that ask: one log_softmax over rows the
+    engine already has."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()  # [n]
+    values, ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())  # [n, top]
+    return [TokenLogprob(lp, i, v) for lp, i, v in zip(chosen, ids.tolist(), values.tolist(), strict=True)]
 

@@ -15,7 +15,7 @@ import grpc
 import torch
 
 from tandem.config import TargetSettings
-from tandem.convert import sampling_from_pb
+from tandem.convert import logprobs_to_pb, sampling_from_pb
 from tandem.dtypes import name_of
 from tandem.errors import Abort
 from tandem.service import Service, run_service
@@ -32,19 +32,25 @@ log = logging.getLogger("tandem.target")
 TOKENIZER_CHUNK_BYTES = 2 << 20
 
 
-def load_tokenizer_json(model_dir) -> bytes:
+def load_tokenizer_json(model_dir) -> tuple[bytes, str, dict[str, str]]:
     """The target's tokenizer as tokenizer.json, as transformers loads it (so that the coordinator
-    tokenizes exactly as `generate --in-process` does); empty when the checkpoint has none."""
+    tokenizes exactly as `generate --in-process` does), its chat template and the special tokens a
+    template may name; empty when the checkpoint has none."""
     try:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None:
-            return backend.to_str().encode()
+            template = tokenizer.chat_template or ""
+            if isinstance(template, dict):  # named templates: the default one
+                template = template.get("default", "")
+            special = {name: str(value) for name, value in tokenizer.special_tokens_map.items()
+                       if isinstance(value, str)}
+            return backend.to_str().encode(), template, special
     except (OSError, ValueError) as exc:
         log.warning("no tokenizer for %s (%s): clients must send token ids", model_dir, exc)
-    return b""
+    return b"", "", {}
 
 
 class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetServiceServicer):
@@ -55,6 +61,7 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
         super().__init__(service)
         self.chunk_bytes = chunk_bytes
         self.tokenizer_json = b""
+        self.chat_template, self.special_tokens = "", {}
         self.transport: TargetTransport | None = None
 
     def add_to_server(self, server: grpc.Server) -> None:
@@ -75,6 +82,8 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
             tokenizer_size=len(self.tokenizer_json),
             num_sessions=engine.num_sessions,
             transport=self.transport.caps if self.transport is not None else None,
+            chat_template=self.chat_template,
+            special_tokens=self.special_tokens,
         )
 
     def _transport(self) -> TargetTransport:
@@ -118,6 +127,8 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
                         session_id = sid  # only now is it ours to release
                         self.session(session_id, context)
                         head = target_pb2.TargetResponse(prefilled=target_pb2.Prefilled(token=result.token))
+                        if result.logprobs is not None:
+                            head.prefilled.logprobs.extend(logprobs_to_pb(result.logprobs))
                     elif step == "verify":
                         if session_id is None:
                             raise InvalidRequest("verify before prefill: a session stream starts with a prefill")
@@ -127,6 +138,8 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
                         head = target_pb2.TargetResponse(
                             verified=target_pb2.Verified(accepted=result.accepted, bonus=result.bonus)
                         )
+                        if result.logprobs is not None:
+                            head.verified.logprobs.extend(logprobs_to_pb(result.logprobs))
                     else:
                         raise InvalidRequest("a TargetRequest needs a prefill or a verify")
                     yield from self._with_features(head, result.features, step, clock, timed, session_id)
@@ -194,7 +207,7 @@ def load(settings: TargetSettings, service: Service, servicer: TargetServicer):
         ring_bytes=int(settings.transport_ring_mib * (1 << 20)), max_inflight=settings.transport_max_inflight,
         timeout=settings.transport_timeout, traffic=service.traffic,
     )
-    servicer.tokenizer_json = load_tokenizer_json(settings.model)
+    servicer.tokenizer_json, servicer.chat_template, servicer.special_tokens = load_tokenizer_json(settings.model)
     servicer.attach(engine, settings.session_ttl, transport)
     log.info(
         "target %s on %s (%s): vocab %d, hidden %d, capture layers %s; batches of <= %d steps, KV budget %s tokens",

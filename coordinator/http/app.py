@@ -1,0 +1,412 @@
+"""The routes of the OpenAI-compatible front: a Starlette app over the coordinator's Generations.
+
+    GET  /v1/models             the served model (--served-model-name, default the target's directory name)
+    POST /v1/completions        prompt text or token ids (or a batch of them)
+    POST /v1/chat/completions   messages rendered with the target's chat template (coordinator/http/chat.py)
+    GET  /health                200 while the coordinator serves, 503 while connecting, without its target, draining
+    GET  /metrics               the coordinator's Prometheus registry
+
+Each choice (n per prompt) is one generation through Generations.stream, the same path as a gRPC
+GenerateStream, run on a thread of its own (the round loop blocks on its gRPC streams) whose deltas
+are handed to the event loop. A client that goes away (a closed connection, a stream it stops
+reading) makes the Call inactive and cancels both services' session streams at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from coordinator.generation import Call, ClientRequest, Generations
+from coordinator.http.chat import render_chat
+from coordinator.http.protocol import (
+    HTTP_STATUS,
+    INTERNAL,
+    ChatRequest,
+    CompletionLogprobs,
+    CompletionRequest,
+    TokenText,
+    chat_logprobs,
+    describe,
+    error_body,
+    merge_completion_logprobs,
+    spec_metrics,
+    usage,
+)
+from coordinator.monitor import Pair
+from tandem.errors import Abort, status_of
+from tandem.params import GenerationRequest, SamplingParams
+from tandem.text import TextDelta
+
+_END = object()
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.body = error_body(status, kind, message, param)
+        self.status = status
+
+
+def http_error(exc: BaseException) -> HTTPError:
+    """A typed error (tandem/errors.py) as the OpenAI error object with the HTTP status of its gRPC code."""
+    if isinstance(exc, HTTPError):
+        return exc
+    if isinstance(exc, ValidationError):
+        message, param = describe(exc)
+        return HTTPError(400, "BadRequestError", message, param)
+    status = status_of(exc)
+    if status is None:
+        return HTTPError(*INTERNAL, f"{type(exc).__name__}: {exc}")
+    code, message = status
+    return HTTPError(*HTTP_STATUS.get(code, INTERNAL), message)
+
+
+class Choice:
+    """One generation on a thread of its own; its deltas (and then _END, or the error) on a queue
+    of the event loop."""
+
+    def __init__(self, generations: Generations, build: Callable[[Pair], ClientRequest],
+                 loop: asyncio.AbstractEventLoop):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.prompt_tokens = 0
+        self._active = True
+        self._cancel: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+        self._loop = loop
+        self._build = build
+        call = Call(None, lambda: self._active, self._on_cancel)
+        threading.Thread(target=self._run, args=(generations, call), name="tandem-http-choice", daemon=True).start()
+
+    def _built(self, pair: Pair) -> ClientRequest:
+        request = self._build(pair)
+        self.prompt_tokens = len(request.generation.prompt_ids)
+        return request
+
+    def _run(self, generations: Generations, call: Call) -> None:
+        put = self._loop.call_soon_threadsafe
+        try:
+            for delta in generations.stream(self._built, call):
+                put(self.queue.put_nowait, delta)
+            put(self.queue.put_nowait, _END)
+        except BaseException as exc:  # noqa: BLE001 - handed to the request's handler
+            try:
+                put(self.queue.put_nowait, exc)
+            except RuntimeError:  # the loop is closed: the server stopped
+                pass
+
+    def _on_cancel(self, cancel: Callable[[], None]) -> None:
+        with self._lock:
+            self._cancel = cancel
+            gone = not self._active
+        if gone:
+            cancel()
+
+    def close(self) -> None:
+        """The client went away (or another choice failed): free both services' sessions now."""
+        with self._lock:
+            self._active = False
+            cancel = self._cancel
+        if cancel is not None:
+            cancel()
+
+    async def next(self) -> TextDelta | None:
+        """The next delta; None at the end; the generation's error raised."""
+        item = await self.queue.get()
+        if item is _END:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class Front:
+    """The routes, over the coordinator's generations."""
+
+    def __init__(self, generations: Generations, served_model_name: str | None = None):
+        self.generations = generations
+        self.served_model_name = served_model_name
+        self.created = int(time.time())
+
+    # -- what the front serves -------------------------------------------------------------------
+
+    def model_name(self, pair: Pair | None = None) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        pair = pair or self.generations.pair()
+        return Path(pair.target_info.model).name or pair.target_info.model
+
+    def serving(self) -> tuple[bool, str]:
+        service, monitor = self.generations.service, self.generations.monitor
+        if service.admission.draining:
+            return False, "draining"
+        if not service.admission.ready or monitor is None:
+            return False, "connecting to its services"
+        if not monitor.target.up:
+            return False, f"the target service is down ({monitor.target.reason})"
+        return True, "serving"
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ])
+
+    async def health(self, request: Request) -> Response:
+        up, why = self.serving()
+        return Response(status_code=200 if up else 503, content="" if up else why)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.generations.service.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            pair = self.generations.pair()
+        except Abort as exc:
+            return _error(http_error(exc))
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name(pair), "object": "model", "created": self.created, "owned_by": "tandem",
+            "root": pair.target_info.model, "max_model_len": pair.target_info.max_context,
+        }]})
+
+    # -- the two generation endpoints -----------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, CompletionRequest, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, ChatRequest, chat=True)
+
+    async def _serve(self, request: Request, model, chat: bool) -> Response:
+        try:
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise HTTPError(400, "BadRequestError", f"the body is not JSON: {exc}") from None
+            if not isinstance(body, dict):
+                raise HTTPError(400, "BadRequestError", "the body must be a JSON object")
+            params = model.model_validate(body)
+            if params.model is not None and params.model != self.model_name():
+                raise HTTPError(404, "NotFoundError", f"the model `{params.model}` does not exist; this server "
+                                f"serves `{self.model_name()}`", "model")
+            choices = self._start(params, chat)
+        except Exception as exc:  # noqa: BLE001 - every error is the client's answer
+            return _error(http_error(exc))
+        try:
+            first = [await _first(choice) for choice in choices]  # errors before any output: an HTTP status
+        except Exception as exc:  # noqa: BLE001
+            for choice in choices:
+                choice.close()
+            return _error(http_error(exc))
+        answer = _Answer(self, params, chat, choices, first)
+        if params.stream:
+            return StreamingResponse(answer.events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await answer.whole(request)
+
+    def _start(self, params, chat: bool) -> list[Choice]:
+        """One Choice per prompt and sample: seeds seed, seed+1, ... when seeded."""
+        loop = asyncio.get_running_loop()
+        prompts = [None] if chat else params.prompts
+        choices = []
+        for prompt in prompts:
+            for i in range(params.n):
+                seed = params.seed + i if params.seed is not None else None
+                choices.append(Choice(self.generations, self._builder(params, chat, prompt, seed), loop))
+        return choices
+
+    def _builder(self, params, chat: bool, prompt, seed: int | None) -> Callable[[Pair], ClientRequest]:
+        def build(pair: Pair) -> ClientRequest:
+            if chat:
+                ids = _tokenize(pair, render_chat(
+                    pair.target_info.chat_template, [m.model_dump(exclude_none=True) for m in params.messages],
+                    dict(pair.target_info.special_tokens), params.add_generation_prompt,
+                    **(params.chat_template_kwargs or {}),
+                ), special=False)  # the template writes the special tokens (BOS) itself
+                max_new, logprobs = params.max_new_tokens, params.wanted_logprobs
+            else:
+                ids = _tokenize(pair, prompt) if isinstance(prompt, str) else list(prompt)
+                max_new, logprobs = params.max_tokens, params.logprobs
+            optional = {"num_draft_tokens": params.num_draft_tokens} if params.num_draft_tokens is not None else {}
+            generation = GenerationRequest(
+                prompt_ids=ids,
+                max_new_tokens=max_new or pair.target_info.max_context,  # unset: what fits (fit_to_pair)
+                sampling=SamplingParams(temperature=params.temperature, top_p=params.top_p,
+                                        top_k=max(0, params.top_k), seed=seed, logprobs=logprobs),
+                stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos, speculate=params.speculate,
+                **optional,
+            )
+            return ClientRequest(generation, params.stops, max_new_tokens_given=max_new is not None)
+
+        return build
+
+
+def _tokenize(pair: Pair, text: str, special: bool = True) -> list[int]:
+    if pair.tokenizer is None:
+        raise HTTPError(400, "BadRequestError", "the target has no tokenizer: send the prompt as token ids", "prompt")
+    return pair.tokenizer.encode(text, add_special_tokens=special).ids
+
+
+async def _first(choice: Choice) -> TextDelta | None:
+    return await choice.next()
+
+
+def _error(error: HTTPError) -> JSONResponse:
+    return JSONResponse(error.body, status_code=error.status)
+
+
+class _Answer:
+    """The response to one request, whole or as server-sent events."""
+
+    def __init__(self, front: Front, params, chat: bool, choices: list[Choice], first: list[TextDelta | None]):
+        self.params, self.chat, self.choices, self.first = params, chat, choices, first
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = front.model_name()
+        pair = front.generations.monitor.current
+        self.token_text = TokenText(pair.tokenizer if pair is not None else None)
+        self.object = "chat.completion" if chat else "text_completion"
+        self.stats = [None] * len(choices)
+        self.completion_tokens = 0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return (self.params.logprobs is not None) if not self.chat else self.params.logprobs
+
+    def _usage_and_metrics(self) -> dict:
+        prompts = self.choices[:: self.params.n]  # the prompt is counted once for its n samples (as vLLM does)
+        return {"usage": usage(sum(c.prompt_tokens for c in prompts), self.completion_tokens),
+                "metrics": spec_metrics([s for s in self.stats if s is not None])}
+
+    async def whole(self, request: Request) -> Response:
+        """Every choice to its end, unless the client goes away first (then all are cancelled)."""
+        gone = asyncio.create_task(_disconnected(request))
+        collect = asyncio.gather(*(self._collect(i) for i in range(len(self.choices))))
+        try:
+            await asyncio.wait({gone, collect}, return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():  # the client left
+                collect.cancel()
+                return Response(status_code=499)
+            results = collect.result()
+        except Exception as exc:  # noqa: BLE001 - a choice failed mid-way
+            return _error(http_error(exc))
+        finally:
+            gone.cancel()
+            for choice in self.choices:
+                choice.close()
+        return JSONResponse({"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                             "choices": results, **self._usage_and_metrics()})
+
+    async def _collect(self, index: int) -> dict:
+        choice, delta = self.choices[index], self.first[index]
+        text, token_ids, logprobs, finish = [], [], [], None
+        while delta is not None:
+            text.append(delta.text)
+            token_ids += delta.token_ids
+            logprobs += delta.logprobs or []
+            if delta.finish_reason is not None:
+                finish, self.stats[index] = delta.finish_reason, delta.stats
+            delta = await choice.next()
+        self.completion_tokens += len(token_ids)
+        out = {"index": index, "finish_reason": finish, "logprobs": None}
+        if self.chat:
+            out["message"] = {"role": "assistant", "content": "".join(text)}
+            if self.wants_logprobs:
+                out["logprobs"] = {"content": chat_logprobs(token_ids, logprobs, self.token_text)}
+        else:
+            out["text"] = "".join(text)
+            if self.wants_logprobs:
+                out["logprobs"] = merge_completion_logprobs([CompletionLogprobs(self.token_text).add(token_ids, logprobs)])
+        return out
+
+    async def events(self) -> AsyncIterator[str]:
+        """SSE: chunks as the choices' deltas come, then (stream_options.include_usage) the usage, then [DONE].
+        A client that stops reading closes this generator: every choice is cancelled."""
+        queue: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.create_task(self._pump(i, queue)) for i in range(len(self.choices))]
+        logprobs = [CompletionLogprobs(self.token_text) for _ in self.choices]
+        object_ = "chat.completion.chunk" if self.chat else "text_completion"
+        try:
+            if self.chat:  # the role first, as OpenAI sends it
+                for i in range(len(self.choices)):
+                    yield self._sse(object_, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                               "logprobs": None, "finish_reason": None}])
+            running, last = len(self.choices), None
+            while running:
+                index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    error = http_error(item)
+                    yield f"data: {json.dumps(error.body)}\n\n"
+                    break
+                delta: TextDelta = item
+                self.completion_tokens += len(delta.token_ids)
+                if delta.finish_reason is not None:
+                    self.stats[index] = delta.stats
+                if not delta.text and delta.finish_reason is None and not (self.wants_logprobs and delta.token_ids):
+                    continue  # nothing to show yet (text held back: half a character, a possible stop string)
+                piece = {"index": index, "logprobs": None, "finish_reason": delta.finish_reason}
+                if self.chat:
+                    piece["delta"] = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+                    if self.wants_logprobs:
+                        piece["logprobs"] = {"content": chat_logprobs(delta.token_ids, delta.logprobs or [],
+                                                                      self.token_text)}
+                else:
+                    piece["text"] = delta.text
+                    if self.wants_logprobs:
+                        piece["logprobs"] = logprobs[index].add(delta.token_ids, delta.logprobs or [])
+                if delta.finish_reason is not None and running == 1 and not self.params.include_usage:
+                    last = piece  # the request's last chunk carries its metrics
+                    continue
+                yield self._sse(object_, [piece])
+            else:
+                extra = self._usage_and_metrics()
+                if last is not None:
+                    yield self._sse(object_, [last], metrics=extra["metrics"])
+                if self.params.include_usage:
+                    yield self._sse(object_, [], usage=extra["usage"], metrics=extra["metrics"])
+            yield "data: [DONE]\n\n"
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            for choice in self.choices:
+                choice.close()
+
+    async def _pump(self, index: int, queue: asyncio.Queue) -> None:
+        """One choice's deltas onto the request's queue; None at its end."""
+        delta = self.first[index]
+        try:
+            while delta is not None:
+                queue.put_nowait((index, delta))
+                delta = await self.choices[index].next()
+            queue.put_nowait((index, None))
+        except Exception as exc:  # noqa: BLE001
+            queue.put_nowait((index, exc))
+
+    def _sse(self, object_: str, choices: list[dict], **extra) -> str:
+        chunk = {"id": self.id, "object": object_, "created": self.created, "model": self.model,
+                 "choices": choices, **extra}
+        return f"data: {json.dumps(chunk)}\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (the body has been read: the next message is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,72 @@
+"""Chat messages -> prompt text, rendered with the target checkpoint's chat template the way
+transformers' `apply_chat_template` renders it: a sandboxed jinja2 environment with trim_blocks and
+lstrip_blocks, `raise_exception`, `strftime_now`, a `tojson` that does not escape HTML, the special
+tokens (bos_token, eos_token, ...) and `add_generation_prompt`. The coordinator has no transformers:
+the template and the special tokens come from the target (TargetInfo)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+
+import jinja2
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tandem.errors import InvalidRequest
+
+
+class _Generation(Extension):
+    """`{% generation %}...{% endgeneration %}` (templates that mark assistant turns for training):
+    rendered as its body, as transformers does when it is not tracking them."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=8)
+def compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def message_text(content) -> str:
+    """A message's content as text: a string, or the text parts of a list of parts (vLLM's "string"
+    content format); None (an assistant turn with tool calls only) is empty."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "\n".join(part["text"] for part in content if part.get("type") == "text")
+
+
+def render_chat(template: str, messages: list[dict], special_tokens: dict[str, str],
+                add_generation_prompt: bool = True, **kwargs) -> str:
+    """The prompt text; InvalidRequest when the model has no template or the template refuses the
+    conversation (its raise_exception: e.g. roles out of order)."""
+    if not template:
+        raise InvalidRequest("the model has no chat template: use /v1/completions with the prompt as text")
+    messages = [{**m, "content": message_text(m.get("content"))} for m in messages]
+    try:
+        return compile_template(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens, **kwargs
+        )
+    except jinja2.exceptions.TemplateError as exc:
+        raise InvalidRequest(f"the chat template refused the messages: {exc}") from None

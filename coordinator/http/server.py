@@ -1,0 +1,57 @@
+"""uvicorn in the coordinator process: the front's own event loop on a thread, on --host and
+--http-port (0: any free port; the bound address goes to the announce file's `.http` sibling, where
+`tandem serve` reads it). Stopped after the coordinator's drain, so in-flight requests finish."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from pathlib import Path
+
+import uvicorn
+
+from coordinator.generation import Generations
+from coordinator.http.app import Front
+from tandem.config import CoordinatorSettings
+
+log = logging.getLogger("tandem.coordinator")
+
+# After the drain, connections still open (idle keep-alive ones) get this long to close.
+SHUTDOWN_GRACE_S = 5.0
+
+
+def http_announce_file(announce: Path) -> Path:
+    return announce.with_name(announce.name + ".http")
+
+
+class HttpFront:
+    def __init__(self, settings: CoordinatorSettings, generations: Generations):
+        host = settings.host.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self.socket = socket.create_server((host, settings.http_port), family=family, backlog=2048)
+        except OSError as exc:
+            raise OSError(f"the coordinator's HTTP front cannot bind {host}:{settings.http_port}: {exc}") from None
+        port = self.socket.getsockname()[1]
+        self.url = f"http://{f'[{host}]' if family == socket.AF_INET6 else host}:{port}"
+        app = Front(generations, settings.served_model_name).app()
+        config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self._run, name="tandem-http", daemon=True)
+        self.thread.start()
+        log.info("tandem coordinator: OpenAI-compatible HTTP on %s/v1", self.url)
+        if settings.announce_file is not None:
+            path = http_announce_file(settings.announce_file)
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(self.url)
+            tmp.replace(path)
+
+    def _run(self) -> None:
+        asyncio.run(self.server.serve(sockets=[self.socket]))
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(SHUTDOWN_GRACE_S + 5)
