@@ -1,13 +1,14 @@
-"""Reading and writing EAGLE-3 heads in the two published layouts.
+"""Reading the published EAGLE-3 heads as they are, and writing Tandem's own in two of their layouts.
 
-reference (SafeAILab/EAGLE, e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): config.json is a LlamaConfig with
-  num_hidden_layers 1, draft_vocab_size, maybe target_hidden_size; keys `midlayer.*`.
-speculators (vLLM's speculators): config has speculators_model_type "eagle3", transformer_layer_config,
-  draft_vocab_size, target_hidden_size, eagle_aux_hidden_state_layer_ids, norm_before_residual;
-  keys `layers.0.*`.
-Both: fc.weight [H, 3Ht], norm.weight, lm_head.weight [draft_vocab, H], d2t int64 [draft_vocab]
-(target = draft + d2t[draft]), t2d bool [vocab], usually no embed_tokens (then the target's
-`model.embed_tokens.weight` is read, that one tensor only).
+The layouts and what each one's fields mean: draft_server/layouts.py. Which target hidden states a head's
+layer ids name: tandem/aux_layers.py (read here into hidden-states ids, the ones the target captures).
+What a head may leave out, and where Tandem then takes it from:
+  embed_tokens  the target's token embedding (that one tensor: draft_server/weights.py finds it)
+  lm_head       with tie_word_embeddings, the head's embedding; else the target's lm_head (vLLM shares it,
+                ModelOpt's export copies it in); the rows of the draft vocabulary either way
+  d2t           none: a draft over the whole vocabulary (draft id = target id)
+  t2d           the target ids d2t reaches
+  input_norm    all ones (speculators loads a norm_before_fc head without it so)
 """
 
 from __future__ import annotations
@@ -16,158 +17,167 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig
+from safetensors.torch import save_file
 
-from draft_server.model import Eagle3Config, Eagle3Draft
-
-REFERENCE = "reference"
-SPECULATORS = "speculators"
-TARGET_EMBED_KEY = "model.embed_tokens.weight"
-
-
-# The LlamaConfig fields a published head's config carries (everything else is a transformers default).
-_LAYER_KEYS = (
-    "hidden_act", "hidden_size", "intermediate_size", "max_position_embeddings", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size", "bos_token_id", "eos_token_id",
-    "pad_token_id", "tie_word_embeddings", "attention_bias", "mlp_bias",
+from draft_server.layouts import (
+    LAYER_FIELDS,
+    REFERENCE,
+    SPECULATORS,
+    HeadFormatError,
+    canonical_weights,
+    parse,
 )
+from draft_server.model import Eagle3Config, Eagle3Draft
+from draft_server.weights import (
+    WeightsError,
+    read_all,
+    read_target_embedding,
+    read_target_output_embedding,
+    tensor_names,
+)
+from tandem import aux_layers
 
-
-# Newer speculators heads can normalise around fc or the output; this head does neither.
-_UNSUPPORTED_SPECULATORS_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+__all__ = ["REFERENCE", "SPECULATORS", "DraftLoadError", "load_draft", "read_config", "read_target_embedding",
+           "save_draft"]
 
 
 class DraftLoadError(ValueError):
     """The draft checkpoint is malformed or does not fit the target; the message says how."""
 
 
-def read_config(draft_dir: str | Path) -> tuple[Eagle3Config, str]:
-    path = Path(draft_dir) / "config.json"
-    if not path.is_file():
-        raise DraftLoadError(f"draft checkpoint {draft_dir} has no config.json")
-    raw = json.loads(path.read_text())
-    if raw.get("speculators_model_type") is not None:
-        if raw["speculators_model_type"] != "eagle3":
-            raise DraftLoadError(f"speculators_model_type is {raw['speculators_model_type']!r}, not 'eagle3'")
-        layout = SPECULATORS
-        unsupported = [flag for flag in _UNSUPPORTED_SPECULATORS_FLAGS if raw.get(flag)]
-        if unsupported:  # each changes the head's math; loading the weights anyway would be silently wrong
-            raise DraftLoadError(f"draft {draft_dir}: speculators options {unsupported} are not supported")
-        layer_raw = dict(raw["transformer_layer_config"])
-    else:
-        layout = REFERENCE
-        layer_raw = {k: v for k, v in raw.items() if k not in ("architectures", "draft_vocab_size")}
-    # The reference config often has no rope_theta: the head was trained with 10000.
-    if "rope_parameters" not in layer_raw and "rope_scaling" not in layer_raw:
-        layer_raw.setdefault("rope_theta", 10000.0)
-    layer_raw["num_hidden_layers"] = 1
-    layer_raw.pop("model_type", None)
-    layer = LlamaConfig(**layer_raw)
-    aux = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids"
-    )
-    config = Eagle3Config(
-        layer=layer,
-        target_hidden_size=int(raw.get("target_hidden_size") or layer.hidden_size),
-        draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
-        norm_before_residual=bool(raw.get("norm_before_residual", False)),
-        aux_layer_ids=[int(i) for i in aux] if aux else None,
-    )
+def read_config(
+    draft_dir: str | Path, target_dir: str | Path | None = None, aux_layer_convention: str | None = None
+) -> tuple[Eagle3Config, str]:
+    """(the head's Eagle3Config, its layout). aux_layer_ids come out as hidden-states ids, converted from the
+    head's convention (`aux_layer_convention` overrides it); `target_dir` gives the target's depth, which
+    settles an id equal to it (tandem/aux_layers.py)."""
+    directory = Path(draft_dir)
+    try:
+        raw = aux_layers.read_head_config(directory)
+        config, layout = parse(raw, tensor_names(directory), str(directory))
+        num_layers = aux_layers.target_num_layers(target_dir) if target_dir is not None else None
+        ids = aux_layers.resolve(raw, num_layers, aux_layer_convention).hidden_state_ids
+    except (HeadFormatError, WeightsError) as exc:
+        raise DraftLoadError(str(exc)) from None
+    except ValueError as exc:
+        raise DraftLoadError(f"draft {directory}: {exc}") from None
+    config.aux_layer_ids = list(ids) if ids is not None else None
     return config, layout
 
 
-def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    single = directory / "model.safetensors"
-    index = directory / "model.safetensors.index.json"
-    if single.is_file():
-        return load_file(single)
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        tensors: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(weight_map.values())):
-            tensors.update(load_file(directory / shard))
-        return tensors
-    binary = directory / "pytorch_model.bin"
-    if binary.is_file():
-        return torch.load(binary, map_location="cpu", weights_only=True)
-    raise DraftLoadError(f"{directory} has no model.safetensors, safetensors index or pytorch_model.bin")
+def _explain_keys(config: Eagle3Config, missing: list[str], unexpected: list[str]) -> str:
+    """Why the keys do not fit: the flag a key belongs to, rather than the bare lists."""
+    hints = []
+    flags = (("fc_norm", "fc_norm."), ("norm_before_fc", "input_norm."), ("qk_norm", "midlayer.self_attn.q_norm"))
+    for flag, prefix in flags:
+        on = getattr(config, flag)
+        if on and any(k.startswith(prefix) for k in missing):
+            hints.append(f"its config sets {flag} but it has no {prefix}* weights")
+        if not on and any(k.startswith(prefix) for k in unexpected):
+            name = flag if flag != "qk_norm" else "a Qwen3 layer (transformer_layer_config model_type qwen3)"
+            hints.append(f"it has {prefix}* weights but its config does not set {name}")
+    if any(k.endswith(".bias") for k in missing):
+        hints.append("its config sets attention_bias or mlp_bias but it has no biases")
+    if any(k.endswith(".bias") for k in unexpected):
+        hints.append("it has biases but its config sets neither attention_bias nor mlp_bias")
+    lists = "; ".join(f"{what} {keys[:8]}{' ...' if len(keys) > 8 else ''}"
+                      for what, keys in (("missing", missing), ("unexpected", unexpected)) if keys)
+    return "; ".join(hints + [lists])
 
 
-def read_target_embedding(target_dir: str | Path) -> torch.Tensor:
-    """The one tensor the draft needs from the target checkpoint, without loading the rest."""
-    directory = Path(target_dir)
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        shard = json.loads(index.read_text())["weight_map"].get(TARGET_EMBED_KEY)
-        if shard is None:
-            raise DraftLoadError(f"{index} has no {TARGET_EMBED_KEY}")
-        path = directory / shard
-    else:
-        path = directory / "model.safetensors"
-        if not path.is_file():
-            raise DraftLoadError(f"target checkpoint {directory} has no model.safetensors to read embeddings from")
-    with safe_open(path, framework="pt") as f:
-        if TARGET_EMBED_KEY not in set(f.keys()):
-            raise DraftLoadError(f"{path} has no {TARGET_EMBED_KEY}")
-        return f.get_tensor(TARGET_EMBED_KEY)
+def _complete(weights: dict[str, torch.Tensor], config: Eagle3Config, target_dir, where: str) -> None:
+    """Fill in what a head may leave out (the module docstring), in Eagle3Draft's key names."""
+    if "d2t" not in weights:
+        if config.draft_vocab_size != config.vocab_size:
+            raise DraftLoadError(f"{where}: a draft vocabulary of {config.draft_vocab_size} of {config.vocab_size} "
+                                 f"tokens and no d2t to map it")
+        weights["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
+    target_ids = weights["d2t"].long() + torch.arange(config.draft_vocab_size)
+    if len(target_ids) and (int(target_ids.min()) < 0 or int(target_ids.max()) >= config.vocab_size):
+        raise DraftLoadError(f"{where}: d2t maps draft ids outside the vocabulary of {config.vocab_size}")
+    if "t2d" not in weights:
+        weights["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)
+        weights["t2d"][target_ids] = True
+    if "embed_tokens.weight" not in weights:
+        if target_dir is None:
+            raise DraftLoadError(f"{where} has no embed_tokens.weight; give the target checkpoint to read its "
+                                 f"token embedding from")
+        weights["embed_tokens.weight"] = read_target_embedding(target_dir)
+    if "lm_head.weight" not in weights:
+        if config.layer.tie_word_embeddings:
+            rows = weights["embed_tokens.weight"]
+        elif target_dir is not None:
+            rows = read_target_output_embedding(target_dir)
+        else:
+            raise DraftLoadError(f"{where} has no lm_head.weight and does not tie it to embed_tokens; give the "
+                                 f"target checkpoint to read its lm_head from")
+        if rows.shape[0] != config.vocab_size:
+            raise DraftLoadError(f"{where} has no lm_head.weight; the one it shares has {rows.shape[0]} rows, "
+                                 f"the vocabulary {config.vocab_size}")
+        weights["lm_head.weight"] = rows[target_ids]
+    if config.norm_before_fc and "input_norm.weight" not in weights:
+        weights["input_norm.weight"] = torch.ones(3 * config.target_hidden_size)
 
 
 def load_draft(
-    draft_dir: str | Path, target_dir: str | Path | None = None, device: str = "cpu", dtype=torch.float32
+    draft_dir: str | Path,
+    target_dir: str | Path | None = None,
+    device: str = "cpu",
+    dtype=torch.float32,
+    aux_layer_convention: str | None = None,
 ) -> Eagle3Draft:
     directory = Path(draft_dir)
-    config, layout = read_config(directory)
-    weights = _read_weights(directory)
-    if layout == SPECULATORS:
-        weights = {k.replace("layers.0.", "midlayer.", 1): v for k, v in weights.items()}
-    if "embed_tokens.weight" not in weights:
-        if target_dir is None:
-            raise DraftLoadError(
-                f"draft {directory} has no embed_tokens.weight; give the target checkpoint to read "
-                f"{TARGET_EMBED_KEY} from"
-            )
-        weights["embed_tokens.weight"] = read_target_embedding(target_dir)
-    if "d2t" not in weights:  # a draft over the full vocabulary
-        weights["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
-    if "t2d" not in weights:
-        weights["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)
+    config, layout = read_config(directory, target_dir, aux_layer_convention)
+    where = f"draft {directory} ({layout} layout)"
+    try:
+        weights = canonical_weights(read_all(directory))
+        _complete(weights, config, target_dir, where)
+    except WeightsError as exc:
+        raise DraftLoadError(f"{where}: {exc}") from None
     model = Eagle3Draft(config)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
     if missing or unexpected:
-        raise DraftLoadError(f"draft {directory} ({layout} layout): missing keys {missing}, unexpected {unexpected}")
+        why = _explain_keys(config, missing, unexpected)
+        raise DraftLoadError(f"{where}: the weights do not fit its config: {why}")
     for key, tensor in weights.items():
         if tuple(tensor.shape) != tuple(expected[key].shape):
-            raise DraftLoadError(
-                f"draft {directory}: {key} has shape {list(tensor.shape)}, config implies {list(expected[key].shape)}"
-            )
-    model.load_state_dict({k: v.to(expected[k].dtype) if v.is_floating_point() else v for k, v in weights.items()})
-    d2t_targets = model.d2t + torch.arange(config.draft_vocab_size)
-    if int(d2t_targets.min()) < 0 or int(d2t_targets.max()) >= config.vocab_size:
-        raise DraftLoadError(f"draft {directory}: d2t maps draft ids outside the vocabulary of {config.vocab_size}")
+            raise DraftLoadError(f"{where}: {key} has shape {list(tensor.shape)}, its config implies "
+                                 f"{list(expected[key].shape)}")
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in weights.items()})
     return model.to(device=device, dtype=dtype).eval()
+
+
+def _layer_fields(config: Eagle3Config) -> dict:
+    layer = {k: v for k, v in config.layer.to_dict().items() if k in LAYER_FIELDS and v is not None}
+    layer["model_type"] = "qwen3" if config.qk_norm else "llama"
+    rope = config.layer.to_dict().get("rope_parameters") or {}
+    layer["rope_theta"] = float(rope.get("rope_theta", 10000.0))  # top-level, as published checkpoints write it
+    if rope.get("rope_type", "default") != "default":
+        layer["rope_scaling"] = rope
+    return layer
 
 
 def save_draft(
     model: Eagle3Draft, out_dir: str | Path, layout: str = REFERENCE, include_embeddings: bool = False
 ) -> Path:
-    """Write `model` as a published EAGLE-3 head would be: config.json + model.safetensors."""
+    """Write `model` as a published EAGLE-3 head would be: config.json + model.safetensors. Its layer ids are
+    written as hidden-states ids, with that convention recorded (aux_layers.RECORD_FIELD)."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     config = model.config
-    layer = {k: v for k, v in config.layer.to_dict().items() if k in _LAYER_KEYS and v is not None}
-    layer["model_type"] = "llama"
-    rope = config.layer.to_dict().get("rope_parameters") or {}
-    layer["rope_theta"] = float(rope.get("rope_theta", 10000.0))  # top-level, as published checkpoints write it
-    if rope.get("rope_type", "default") != "default":
-        layer["rope_scaling"] = rope
+    layer = _layer_fields(config)
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     if not include_embeddings:
         state.pop("embed_tokens.weight")
+    ids = {}
+    if config.aux_layer_ids:
+        ids = {"eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+               aux_layers.RECORD_FIELD: aux_layers.HIDDEN_STATES}
+    options = {name: True for name in ("norm_before_fc", "fc_norm", "norm_output") if getattr(config, name)}
     if layout == REFERENCE:
+        if config.qk_norm:
+            raise ValueError("a head with a Qwen3 layer (q_norm, k_norm) is written in the speculators layout")
         raw = {
             "architectures": ["LlamaForCausalLMEagle3"],
             **layer,
@@ -175,25 +185,30 @@ def save_draft(
             "draft_vocab_size": config.draft_vocab_size,
             "target_hidden_size": config.target_hidden_size,
             "torch_dtype": "float32",
+            **options,  # top-level, as SpecForge writes them
         }
         if config.norm_before_residual:
             raw["norm_before_residual"] = True
-        if config.aux_layer_ids:
-            raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": config.aux_layer_ids}
+        if ids:
+            raw["eagle_config"] = ids
     elif layout == SPECULATORS:
-        state = {k.replace("midlayer.", "layers.0.", 1): v for k, v in state.items()}
+        state = {("layers.0." + k.removeprefix("midlayer.")) if k.startswith("midlayer.") else k: v
+                 for k, v in state.items()}
         raw = {
             "architectures": ["Eagle3Speculator"],
             "speculators_model_type": "eagle3",
             "speculators_version": "0.1.0",
-            "transformer_layer_config": {**layer, "num_hidden_layers": 1, "model_type": "llama"},
+            "transformer_layer_config": {**layer, "num_hidden_layers": 1},
             "draft_vocab_size": config.draft_vocab_size,
             "target_hidden_size": config.target_hidden_size,
             "norm_before_residual": config.norm_before_residual,
-            "eagle_aux_hidden_state_layer_ids": config.aux_layer_ids,
+            "eagle_aux_hidden_state_layer_ids": None,
+            **{name: getattr(config, name) for name in ("norm_before_fc", "fc_norm", "norm_output")},
+            **ids,
         }
     else:
         raise ValueError(f"layout must be {REFERENCE!r} or {SPECULATORS!r}, got {layout!r}")
+    out.mkdir(parents=True, exist_ok=True)
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True))
     return out

@@ -77,19 +77,22 @@ class DraftEngine(SessionOwner):
         dtype: str = "float32",
         max_batch_size: int = 32,
         max_batch_tokens: int = 4096,
+        aux_layer_convention: str | None = None,
     ):
+        """`aux_layer_convention`: how the head's layer ids count (tandem/aux_layers.py; None: its layout's)."""
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype!r}")
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
-        self.config, self.layout = read_config(draft_dir)
+        self.config, self.layout = read_config(draft_dir, target_dir, aux_layer_convention)
         # the head's trained context; RoPE is computed per position, so longer sequences still run
         self.max_context = int(getattr(self.config.layer, "max_position_embeddings", 0) or 0)
         self.target_max_context: int | None = None  # the context of the target checkpoint we were given
         if target_dir is not None:  # refuse a head made for another target before reading its weights
             check_pair(read_target_shape(target_dir), self.shape(max_target_id=0))
             self.target_max_context = read_target_shape(target_dir).max_context
-        self.model: Eagle3Draft = load_draft(draft_dir, target_dir, device=device, dtype=self.dtype)
+        self.model: Eagle3Draft = load_draft(draft_dir, target_dir, device=device, dtype=self.dtype,
+                                             aux_layer_convention=aux_layer_convention)
         if target_dir is not None:
             check_pair(read_target_shape(target_dir), self.shape())
         self.feature_size = 3 * self.config.target_hidden_size
@@ -234,7 +237,7 @@ class DraftEngine(SessionOwner):
         sizes = [len(step.next_tokens) for step in steps]
         longest, width = max(past), max(sizes)
         # the extend: every session's new pairs, right-padded, after its KV, left-padded
-        fused = model.fc(torch.cat([step.features for step in steps]).to(device, self.dtype))  # [sum m, H]
+        fused = model.fuse(torch.cat([step.features for step in steps]).to(device, self.dtype))  # [sum m, H]
         hidden = fused.new_zeros(b, width, fused.shape[-1])
         tokens = torch.zeros(b, width, dtype=torch.long)
         positions = torch.zeros(b, width, dtype=torch.long)
@@ -280,7 +283,7 @@ class DraftEngine(SessionOwner):
         """One session alone: its own KV, no padding."""
         model, session, m = self.model, step.session, len(step.next_tokens)
         kv = session.kv
-        hidden = model.fc(step.features.to(self.device, self.dtype))[None]  # [1, m, H]
+        hidden = model.fuse(step.features.to(self.device, self.dtype))[None]  # [1, m, H]
         tokens = torch.tensor([step.next_tokens], device=self.device)  # [1, m]
         positions = torch.arange(session.length, session.length + m, device=self.device)[None]
         a = model(hidden, tokens, positions, kv)[:, -1:]  # [1, 1, H]
@@ -309,7 +312,7 @@ class DraftEngine(SessionOwner):
             # after a propose the assumed drafts are fed with the hidden states that proposed them: exactly
             # what a rollout here computes. After a hit (m > 0) they are re-rolled from the exact new pairs
             # (J more one-token forwards, hidden behind the verify) rather than fed those stale states
-            hidden = torch.cat([model.fc(step.features.to(device, self.dtype)), step.rows.to(device, self.dtype)])
+            hidden = torch.cat([model.fuse(step.features.to(device, self.dtype)), step.rows.to(device, self.dtype)])
             tokens = torch.tensor([step.next_tokens + step.assumed], device=device)  # [1, m+J]
             positions = torch.arange(start, start + m + j_max, device=device)[None]
             out = model(hidden[None], tokens, positions, kv)[0]  # [m+J, H]
@@ -318,7 +321,7 @@ class DraftEngine(SessionOwner):
         else:
             # the new pairs changed the context the drafts were proposed in (they were the draft's guesses
             # at those positions): roll the assumed drafts through again, one step each, from the exact pairs
-            hidden = model.fc(step.features.to(device, self.dtype))[None]  # [1, m, H]
+            hidden = model.fuse(step.features.to(device, self.dtype))[None]  # [1, m, H]
             tokens = torch.tensor([step.next_tokens], device=device)
             positions = torch.arange(start, start + m, device=device)[None]
             a = model(hidden, tokens, positions, kv)[:, -1:]  # [1, 1, H]

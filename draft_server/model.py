@@ -7,6 +7,14 @@ One step, for draft sequence index i holding the pair (h_i, x_{i+1}) at RoPE pos
   x   = cat(input_layernorm(embed(x_{i+1})), hidden_norm(h_i))            [2H]
   a   = residual + attn(x);  a = a + mlp(post_attention_layernorm(a))       [H]
   logits over the draft vocabulary = lm_head(norm(a)); target id = d + d2t[d].
+
+EAGLE-3.1 options (vLLM's and speculators' config fields; SpecForge and NeMo write the same keys):
+  norm_before_fc   fc(input_norm(F)), one RMSNorm over the concatenated 3Ht            (key input_norm)
+  fc_norm          fc(cat(fc_norm[0](F_low), fc_norm[1](F_mid), fc_norm[2](F_high)))  (keys fc_norm.{0,1,2})
+  norm_output      the step's output is norm(a): the next step reads the post-norm state, and the logits
+                   are lm_head of it (no second norm)
+Qwen3 decoder layer (speculators' default transformer_layer_config): RMSNorm over each head of q and k
+before RoPE (q_norm, k_norm).
 """
 
 from __future__ import annotations
@@ -32,7 +40,11 @@ class Eagle3Config:
     target_hidden_size: int  # Ht: fc takes 3*Ht
     draft_vocab_size: int
     norm_before_residual: bool = False  # speculators: the residual is hidden_norm(h), not h
-    aux_layer_ids: list[int] | None = None  # the target layers the head was trained on
+    aux_layer_ids: list[int] | None = None  # the target hidden states it fuses (hidden-states ids, aux_layers.py)
+    norm_before_fc: bool = False  # EAGLE-3.1 options: see the module docstring
+    fc_norm: bool = False
+    norm_output: bool = False
+    qk_norm: bool = False  # Qwen3 layer: q_norm and k_norm
 
     @property
     def hidden_size(self) -> int:
@@ -68,7 +80,7 @@ class DraftKV:
 class Eagle3Attention(nn.Module):
     """Llama attention whose q/k/v projections read 2H (token embedding and hidden state)."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, qk_norm: bool = False):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -79,12 +91,16 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps) if qk_norm else None
+        self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps) if qk_norm else None
 
     def forward(self, x, cos, sin, kv: DraftKV | None, attn_mask: torch.Tensor | None):
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nh, S, hd]
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, S, hd]
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:  # over head_dim, the last axis
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         past = 0
         if kv is not None:
@@ -105,7 +121,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.norm_before_residual = config.norm_before_residual
         self.hidden_norm = LlamaRMSNorm(layer.hidden_size, eps=layer.rms_norm_eps)
         self.input_layernorm = LlamaRMSNorm(layer.hidden_size, eps=layer.rms_norm_eps)
-        self.self_attn = Eagle3Attention(layer)
+        self.self_attn = Eagle3Attention(layer, qk_norm=config.qk_norm)
         self.post_attention_layernorm = LlamaRMSNorm(layer.hidden_size, eps=layer.rms_norm_eps)
         self.mlp = LlamaMLP(layer)
 
@@ -124,7 +140,12 @@ class Eagle3Draft(nn.Module):
         layer = config.layer
         h = layer.hidden_size
         self.embed_tokens = nn.Embedding(layer.vocab_size, h)
-        self.fc = nn.Linear(3 * config.target_hidden_size, h, bias=False)
+        ht = config.target_hidden_size
+        self.input_norm = LlamaRMSNorm(3 * ht, eps=layer.rms_norm_eps) if config.norm_before_fc else None
+        self.fc_norm = (
+            nn.ModuleList(LlamaRMSNorm(ht, eps=layer.rms_norm_eps) for _ in range(3)) if config.fc_norm else None
+        )
+        self.fc = nn.Linear(3 * ht, h, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(h, eps=layer.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
@@ -140,14 +161,24 @@ class Eagle3Draft(nn.Module):
         kv: DraftKV | None = None,
         attn_mask: torch.Tensor | None = None,  # [S, past + S] bool, True attends; None: causal (TTT: its own)
     ) -> torch.Tensor:
-        """-> a [B, S, H], the pre-norm output that feeds the next step."""
+        """-> a [B, S, H], the output that feeds the next step: pre-norm (post-norm with norm_output)."""
         embeds = self.embed_tokens(tokens).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, positions)
-        return self.midlayer(embeds, hidden, cos, sin, kv, attn_mask)
+        a = self.midlayer(embeds, hidden, cos, sin, kv, attn_mask)
+        return self.norm(a) if self.config.norm_output else a
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features [..., 3Ht] (low, mid, high) -> the hidden state h [..., H]."""
+        if self.input_norm is not None:
+            features = self.input_norm(features)
+        if self.fc_norm is not None:
+            features = torch.cat([norm(f) for norm, f in zip(self.fc_norm, features.chunk(3, dim=-1), strict=True)],
+                                 dim=-1)
+        return self.fc(features)
 
     def draft_logits(self, a: torch.Tensor) -> torch.Tensor:
-        """a [..., H] -> logits over the draft vocabulary [..., draft_vocab]."""
-        return self.lm_head(self.norm(a))
+        """a [..., H] (a step's output) -> logits over the draft vocabulary [..., draft_vocab]."""
+        return self.lm_head(a if self.config.norm_output else self.norm(a))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

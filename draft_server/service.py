@@ -150,7 +150,8 @@ def load(settings: DraftSettings, service: Service, servicer: DraftServicer):
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     engine = DraftEngine(settings.model, settings.target, device=settings.device, dtype=settings.dtype,
-                         max_batch_size=settings.max_batch_size, max_batch_tokens=settings.max_batch_tokens)
+                         max_batch_size=settings.max_batch_size, max_batch_tokens=settings.max_batch_tokens,
+                         aux_layer_convention=settings.aux_layer_convention)
     transport = DraftTransport(settings.transport, settings.device, settings.dtype, engine.feature_size,
                                traffic=service.traffic)
     servicer.model_dir = str(settings.model)

@@ -34,7 +34,6 @@ from draft_server.checkpoint import REFERENCE, save_draft
 from draft_server.model import DraftKV, Eagle3Config, Eagle3Draft
 from draft_server.train_data import Batches, Teacher, draft_vocabulary, training_sequences
 from tandem.dtypes import TORCH_DTYPES
-from tandem.pairing import default_aux_layer_ids
 
 # -- the head ----------------------------------------------------------------------------------------------
 
@@ -105,7 +104,7 @@ def ttt_forward(
     s = t - 1
     index = torch.arange(s, device=ids.device)
     kv = DraftKV()  # [committed | step 2 | ... | step j], S keys each
-    a = draft(draft.fc(features[:, :s]), ids[:, 1:], index[None].expand(b, s), kv)  # causal extend
+    a = draft(draft.fuse(features[:, :s]), ids[:, 1:], index[None].expand(b, s), kv)  # causal extend
     outputs = [a]
     causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
     own = torch.eye(s, dtype=torch.bool, device=ids.device)  # a rollout step's key at the query's own index
@@ -210,8 +209,9 @@ def train_draft(
     )
     draft_vocab_size = min(draft_vocab_size or teacher.vocab_size, teacher.vocab_size)
     d2t, t2d = draft_vocabulary(sequences, teacher.vocab_size, draft_vocab_size, teacher.eos_token_ids)
-    default_layers = tuple(teacher.aux_layer_ids) == tuple(default_aux_layer_ids(teacher.num_layers))
-    config = draft_config_for(teacher.config, draft_vocab_size, None if default_layers else teacher.aux_layer_ids)
+    # the head names the hidden states it was trained on, so that any server captures those (save_draft
+    # records their convention)
+    config = draft_config_for(teacher.config, draft_vocab_size, teacher.aux_layer_ids)
     draft = init_draft(teacher, config, d2t, t2d, init_from_target).to(teacher.device).train()
     batches = Batches(teacher, sequences, batch_size, t2d, cache_bytes)
     if epochs is not None:

@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tandem.aux_layers import CONVENTION_HELP
 from tandem.dtypes import DTYPE_NAMES
 
 Dtype = Literal[DTYPE_NAMES]  # the table's names, in its order (tandem/dtypes.py)
@@ -23,6 +24,8 @@ Dtype = Literal[DTYPE_NAMES]  # the table's names, in its order (tandem/dtypes.p
 # takes the fastest both ends support; the coordinator's handshake settles what each end asked for.
 Transport = Literal["auto", "grpc", "shm", "cuda-ipc", "nccl"]
 TRANSPORT_HELP = "feature path to the draft: auto | grpc | shm | cuda-ipc | nccl (default grpc)"
+# How a head's eagle_aux_hidden_state_layer_ids count (tandem/aux_layers.py); None: from the head's layout.
+AuxLayerConvention = Literal["hidden-states", "outputs"]
 
 _DEVICE = re.compile(r"^(cpu|mps|(cuda|xpu)(:\d+)?)$")
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
@@ -181,6 +184,7 @@ class TargetSettings(EngineSettings):
     # Only the draft's config.json is read, for eagle_aux_hidden_state_layer_ids: the target must
     # capture the layers the head was trained on.
     draft: DraftCheckpoint | None = None
+    aux_layer_convention: AuxLayerConvention | None = Field(None, description=CONVENTION_HELP)
     feature_chunk_mib: float = Field(2.0, gt=0)
     # The shm / cuda-ipc ring: a 4096-token prefill of an 8B target in bf16 is 96 MiB; a step that
     # does not fit (or finds the ring full) goes inline over gRPC instead of waiting.
@@ -212,6 +216,7 @@ class DraftSettings(EngineSettings):
     port: int = Field(DEFAULT_DRAFT_PORT, ge=0, le=65535)
     model: DraftCheckpoint
     target: TargetCheckpoint  # the draft reads the target's embed_tokens (that one tensor)
+    aux_layer_convention: AuxLayerConvention | None = Field(None, description=CONVENTION_HELP)
 
 
 class CoordinatorSettings(ServiceSettings):
@@ -259,6 +264,7 @@ class ServeSettings(BaseSettings):
 
     target: TargetCheckpoint | None = None  # none: the built-in tiny pair
     draft: DraftCheckpoint | None = None
+    aux_layer_convention: AuxLayerConvention | None = Field(None, description=CONVENTION_HELP)
     target_device: Device = "cpu"
     draft_device: Device = "cpu"
     dtype: Dtype = "float32"

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.aux_layers import default_aux_layer_ids
+
 
 class PairMismatch(ValueError):
     """The draft head was not made for this target; the message lists every mismatch."""
-
-
-def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """The target layers whose hidden states the draft fuses, when its config names none: EAGLE-3's
-    choice, low, mid and high, in the input-of-layer convention (target_server/capture.py)."""
-    return (2, num_layers // 2, num_layers - 3)
 
 
 @dataclass
@@ -47,19 +43,19 @@ def check_pair(target: TargetShape, draft: DraftShape) -> None:
         problems.append(f"vocabulary: the draft has {draft.vocab_size} tokens, the target {target.vocab_size}")
     elif draft.max_target_id >= target.vocab_size:
         problems.append(f"vocabulary: d2t maps to token {draft.max_target_id}, past the target's {target.vocab_size}")
-    if draft.aux_layer_ids is not None:
-        bad = [i for i in draft.aux_layer_ids if not 0 <= i < target.num_layers]
+    if draft.aux_layer_ids is not None:  # hidden_states ids: 0 the embeddings .. L the last layer's output
+        bad = [i for i in draft.aux_layer_ids if not 0 <= i <= target.num_layers]
         if len(draft.aux_layer_ids) != 3 or bad:
             problems.append(
-                f"layer ids: the draft asks for target layers {draft.aux_layer_ids}, "
-                f"the target has {target.num_layers} decoder layers (3 ids in [0, {target.num_layers}) needed)"
+                f"layer ids: the draft asks for target hidden states {draft.aux_layer_ids}, "
+                f"the target has {target.num_layers} decoder layers (3 ids in [0, {target.num_layers}] needed)"
             )
     if target.aux_layer_ids is not None:
         wanted = list(draft.aux_layer_ids or default_aux_layer_ids(target.num_layers))
         if list(target.aux_layer_ids) != wanted:
             problems.append(
                 f"layer ids: the draft reads target layers {wanted}, the target captures {list(target.aux_layer_ids)} "
-                f"(start the target with --draft pointing at the draft checkpoint)"
+                f"(start the target with --draft pointing at the draft checkpoint, and the same --aux-layer-convention)"
             )
     if target.dtype and draft.dtype and target.dtype != draft.dtype:
         problems.append(

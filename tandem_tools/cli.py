@@ -8,6 +8,7 @@ import json
 import sys
 from collections.abc import Callable
 
+from tandem.aux_layers import CONVENTION_HELP, CONVENTIONS
 from tandem.dtypes import DTYPE_NAMES
 
 DTYPE_HELP = " | ".join(DTYPE_NAMES) + " (default float32)"
@@ -117,7 +118,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     target, draft = _resolve_models(args)
     generator = InProcessGenerator(
-        target, None if args.no_speculation else draft, device=args.device, dtype=args.dtype
+        target, None if args.no_speculation else draft, device=args.device, dtype=args.dtype,
+        aux_layer_convention=args.aux_layer_convention,
     )
     prompt_ids = args.prompt_ids
     if prompt_ids is None:
@@ -244,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="--server: deadline in seconds")
     p.add_argument("--target", help="target checkpoint directory (default: the built-in tiny pair)")
     p.add_argument("--draft", help="EAGLE-3 head directory")
+    p.add_argument("--aux-layer-convention", choices=CONVENTIONS, help="--in-process: " + CONVENTION_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     p.add_argument("--overlap", choices=["on", "off"], default="off",
@@ -255,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="target checkpoint directory (default: the built-in tiny pair)")
     p.add_argument("--draft", help="EAGLE-3 head directory (default with no --target: the tiny head)")
     p.add_argument("--demo", action="store_true", help="the demo pair (built on first use: tandem demo build)")
+    p.add_argument("--aux-layer-convention", choices=CONVENTIONS, help=CONVENTION_HELP)
     p.add_argument("--target-device", help="device of the target process (default cpu)")
     p.add_argument("--draft-device", help="device of the draft process (default cpu)")
     p.add_argument("--dtype", help=DTYPE_HELP)
@@ -276,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("target", help="run the target service (one process, one device)")
     p.add_argument("--model", help="target checkpoint directory (TANDEM_TARGET_MODEL)")
     p.add_argument("--draft", help="draft directory: only its config.json is read, for the capture layer ids")
+    p.add_argument("--aux-layer-convention", choices=CONVENTIONS, help=CONVENTION_HELP)
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--dtype", help=DTYPE_HELP)
     p.add_argument("--feature-chunk-mib", type=float, help="size of feature chunks on the wire (default 2)")
@@ -296,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("draft", help="run the draft service (one process, one device)")
     p.add_argument("--model", help="EAGLE-3 head directory (TANDEM_DRAFT_MODEL)")
     p.add_argument("--target", help="target checkpoint directory: its embed_tokens is read")
+    p.add_argument("--aux-layer-convention", choices=CONVENTIONS, help=CONVENTION_HELP)
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--dtype", help=DTYPE_HELP)
     p.add_argument("--transport", help=TRANSPORT_HELP)

@@ -38,12 +38,15 @@ class InProcessGenerator:
         draft_device: str | None = None,
         dtype: str = "float32",
         draft_cost: float = SPEC_DRAFT_COST,
+        aux_layer_convention: str | None = None,
     ):
         """`draft_cost`: the acceptance gate's cost of a draft token, as the coordinator's
-        --spec-draft-cost; 0 turns the gate off (every round drafts the request's K)."""
+        --spec-draft-cost; 0 turns the gate off (every round drafts the request's K).
+        `aux_layer_convention`: how the head's layer ids count (tandem/aux_layers.py; None: its layout's)."""
         self.draft = None
         if draft_dir is not None:
-            self.draft = DraftEngine(draft_dir, target_dir, device=draft_device or device, dtype=dtype)
+            self.draft = DraftEngine(draft_dir, target_dir, device=draft_device or device, dtype=dtype,
+                                     aux_layer_convention=aux_layer_convention)
         layer_ids = self.draft.config.aux_layer_ids if self.draft else None
         self.target = TargetEngine(target_dir, device=device, dtype=dtype, aux_layer_ids=layer_ids)
         if self.draft is not None:

@@ -112,14 +112,17 @@ def serve(settings: ServeSettings) -> int:
         try:
             target_args = ["--model", str(target), "--device", settings.target_device, "--dtype", settings.dtype,
                            "--transport", settings.transport, *threads["target"], *pinned["target"]]
+            convention = []  # the target and the draft must read the head's layer ids alike
+            if settings.aux_layer_convention:
+                convention = ["--aux-layer-convention", settings.aux_layer_convention]
             if draft is not None:
-                target_args += ["--draft", str(draft)]
+                target_args += ["--draft", str(draft), *convention]
             target_args += _metrics(settings.target_metrics_port)
             children.append(Child("target", [*target_args, *common], run / "target.addr"))
             if draft is not None:
                 draft_args = ["--model", str(draft), "--target", str(target), "--device", settings.draft_device,
                               "--dtype", settings.dtype, "--transport", settings.transport, *threads["draft"],
-                              *pinned["draft"]]
+                              *pinned["draft"], *convention]
                 draft_args += _metrics(settings.draft_metrics_port)
                 children.append(Child("draft", [*draft_args, *common], run / "draft.addr"))
             deadline = time.monotonic() + settings.startup_timeout

@@ -17,7 +17,6 @@ budget is taken.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -30,6 +29,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers.cache_utils import Cache, DynamicLayer
 
+from tandem.aux_layers import capture_ids
 from tandem.batching import Batcher
 from tandem.dtypes import TORCH_DTYPES
 from tandem.params import MAX_DRAFT_TOKENS, SamplingParams
@@ -153,14 +153,13 @@ class KVBudget:
             self._changed.notify_all()
 
 
-def aux_layer_ids_from_draft(draft_dir: str | Path) -> list[int] | None:
-    """The capture layers a draft asks for (vLLM's `eagle_aux_hidden_state_layer_ids`), if any."""
-    config = json.loads((Path(draft_dir) / "config.json").read_text())
-    for scope in (config, config.get("eagle_config") or {}):
-        ids = scope.get("eagle_aux_hidden_state_layer_ids")
-        if ids:
-            return [int(i) for i in ids]
-    return None
+def aux_layer_ids_from_draft(
+    draft_dir: str | Path, target_dir: str | Path | None = None, convention: str | None = None
+) -> list[int] | None:
+    """The hidden states a draft asks for (its `eagle_aux_hidden_state_layer_ids`, converted from its
+    convention: tandem/aux_layers.py), if it names any."""
+    ids = capture_ids(draft_dir, target_dir, convention)
+    return list(ids) if ids is not None else None
 
 
 class TargetEngine(SessionOwner):

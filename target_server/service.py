@@ -191,7 +191,9 @@ def default_kv_bytes(device: torch.device) -> float | None:
 
 def load(settings: TargetSettings, service: Service, servicer: TargetServicer):
     """The engine, its KV budget and its feature transport, attached to the servicer; the clean-up."""
-    layer_ids = aux_layer_ids_from_draft(settings.draft) if settings.draft is not None else None
+    layer_ids = None
+    if settings.draft is not None:
+        layer_ids = aux_layer_ids_from_draft(settings.draft, settings.model, settings.aux_layer_convention)
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     engine = TargetEngine(

@@ -332,7 +332,15 @@ def test_cli_make_tiny_writes_both_layouts(tmp_path):
     assert "embed_tokens.weight" not in keys and "midlayer.hidden_norm.weight" in keys and "d2t" in keys
 
 
-def test_speculators_options_that_change_the_math_are_refused(tiny_dir, tmp_path):
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"fc_norm": True}, "sets fc_norm but it has no fc_norm"),  # a flag the weights do not carry
+        ({"transformer_layer_config": {"num_hidden_layers": 2}}, "one decoder layer"),
+        ({"eagle_aux_hidden_state_layer_ids": [1, 2, 3, 4]}, "captures three"),
+    ],
+)
+def test_speculators_heads_that_do_not_fit_are_refused_with_the_reason(tiny_dir, tmp_path, change, message):
     import shutil
 
     from draft_server.checkpoint import DraftLoadError
@@ -340,6 +348,8 @@ def test_speculators_options_that_change_the_math_are_refused(tiny_dir, tmp_path
     draft_dir = tmp_path / "spec"
     shutil.copytree(tiny_dir / "draft-speculators", draft_dir)
     config = json.loads((draft_dir / "config.json").read_text())
-    (draft_dir / "config.json").write_text(json.dumps({**config, "norm_output": True}))
-    with pytest.raises(DraftLoadError, match="norm_output"):
+    for key, value in change.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    (draft_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DraftLoadError, match=message):
         DraftEngine(draft_dir, tiny_dir / "target")

@@ -1,0 +1,198 @@
+"""Published head layouts, loaded by the real loader and checked against the EAGLE-3 math written out here
+in plain torch (not the project's model): every layout, each EAGLE-3.1 option, Qwen3 layers, biases and a
+decoupled head_dim. The heads are written by tests/published_heads.py with the trainers' own names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from published_heads import (
+    HEADS,
+    HIDDEN,
+    INTERMEDIATE,
+    KV_HEADS,
+    LAYERS,
+    VOCAB,
+    canonical_weights,
+    layer_fields,
+    write_modelopt,
+    write_nemo,
+    write_reference,
+    write_specforge,
+    write_speculators,
+)
+from safetensors import safe_open
+from transformers import LlamaConfig, Phi3Config, Qwen3Config
+
+from draft_server.checkpoint import load_draft
+from draft_server.engine import DraftEngine
+
+# -- the EAGLE-3 math, written out -----------------------------------------------------------------------
+
+
+def rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope(x, position, theta):
+    """x [n, hd] at one position: the rotate-half RoPE of Llama and Qwen3."""
+    hd = x.shape[-1]
+    angle = position / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    cos, sin = torch.cat([angle.cos()] * 2).float(), torch.cat([angle.sin()] * 2).float()
+    return x * cos + torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], dim=-1) * sin
+
+
+class ReferenceHead:
+    """One EAGLE-3 draft layer over canonical weights `w`, one position at a time with its own KV list."""
+
+    def __init__(self, w, embed, *, head_dim=HIDDEN // HEADS, eps=1e-5, theta=10000.0, norm_before_residual=False,
+                 qk_norm=False, fc_norm=False, input_norm=False, norm_output=False):
+        self.w, self.embed, self.hd, self.eps, self.theta = w, embed, head_dim, eps, theta
+        self.nbr, self.qk_norm, self.fc_norm, self.input_norm, self.norm_output = (
+            norm_before_residual, qk_norm, fc_norm, input_norm, norm_output)
+        self.keys, self.values = [], []
+
+    def linear(self, x, name):
+        y = x @ self.w[name + ".weight"].T
+        return y + self.w[name + ".bias"] if name + ".bias" in self.w else y
+
+    def fuse(self, features):  # [3Ht] -> [H]
+        if self.input_norm:
+            features = rms(features, self.w["input_norm.weight"], self.eps)
+        if self.fc_norm:
+            features = torch.cat([rms(c, self.w[f"fc_norm.{i}.weight"], self.eps)
+                                  for i, c in enumerate(features.chunk(3))])
+        return self.linear(features, "fc")
+
+    def step(self, h, token, position):
+        """(h [H], target id, position) -> the state the next step reads, and the draft logits."""
+        m = "midlayer."
+        normed = rms(h, self.w[m + "hidden_norm.weight"], self.eps)
+        residual = normed if self.nbr else h
+        x = torch.cat([rms(self.embed[token], self.w[m + "input_layernorm.weight"], self.eps), normed])
+        q = self.linear(x, m + "self_attn.q_proj").view(HEADS, self.hd)
+        k = self.linear(x, m + "self_attn.k_proj").view(KV_HEADS, self.hd)
+        v = self.linear(x, m + "self_attn.v_proj").view(KV_HEADS, self.hd)
+        if self.qk_norm:
+            q = rms(q, self.w[m + "self_attn.q_norm.weight"], self.eps)
+            k = rms(k, self.w[m + "self_attn.k_norm.weight"], self.eps)
+        q, k = rope(q, position, self.theta), rope(k, position, self.theta)
+        self.keys.append(k)
+        self.values.append(v)
+        keys, values = torch.stack(self.keys, 1), torch.stack(self.values, 1)  # [KV_HEADS, T, hd]
+        group = HEADS // KV_HEADS
+        heads = []
+        for i in range(HEADS):  # query head i reads key/value head i // group
+            scores = keys[i // group] @ q[i] / self.hd**0.5
+            heads.append(scores.softmax(-1) @ values[i // group])
+        a = residual + self.linear(torch.cat(heads), m + "self_attn.o_proj")
+        mlp_in = rms(a, self.w[m + "post_attention_layernorm.weight"], self.eps)
+        gate = self.linear(mlp_in, m + "mlp.gate_proj")
+        a = a + self.linear(torch.nn.functional.silu(gate) * self.linear(mlp_in, m + "mlp.up_proj"), m + "mlp.down_proj")
+        final = rms(a, self.w["norm.weight"], self.eps)
+        return (final if self.norm_output else a), final @ self.w["lm_head.weight"].T
+
+    def drafts(self, features, tokens, k):
+        """The committed pairs (features[i], tokens[i]) at positions 0..m-1, then k rollout steps."""
+        logits_seen = []
+        for i, token in enumerate(tokens):
+            state, logits = self.step(self.fuse(features[i]), token, i)
+            logits_seen.append(logits)
+        out = []
+        for n in range(k):
+            draft = int(logits.argmax())
+            target_id = draft + int(self.w["d2t"][draft])
+            out.append(target_id)
+            state, logits = self.step(state, target_id, len(tokens) + n)
+        return out, torch.stack(logits_seen)
+
+
+# -- the heads ---------------------------------------------------------------------------------------------
+
+
+def _target_embedding(tiny_dir):
+    with safe_open(tiny_dir / "target" / "model.safetensors", "pt") as f:
+        return f.get_tensor("model.embed_tokens.weight")
+
+
+def _family(cls, **extra):
+    base = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS,
+            "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "max_position_embeddings": 2048}
+    return cls(**base, **extra)
+
+
+def _case(name, tmp, tiny_dir):
+    """-> (head directory, canonical weights, ReferenceHead options, embedding the head runs with)."""
+    embed = _target_embedding(tiny_dir)
+    out = tmp / name
+    if name == "reference":
+        w = canonical_weights(1)
+        return write_reference(out, w), w, {}, embed
+    if name == "specforge-norm_before_fc-in-eagle_config":  # the flag nested, as vLLM also reads it
+        w = canonical_weights(3, input_norm=True)
+        head = write_specforge(out, w)
+        config = json.loads((head / "config.json").read_text())
+        config["eagle_config"]["norm_before_fc"] = True
+        (head / "config.json").write_text(json.dumps(config))
+        return head, w, {"input_norm": True}, embed
+    if name.startswith("specforge"):
+        flags = {"specforge": {}, "specforge-fc_norm": {"fc_norm": True}, "specforge-norm_output": {"norm_output": True},
+                 "specforge-3.1": {"fc_norm": True, "norm_output": True}}[name]
+        w = canonical_weights(2, fc_norm=flags.get("fc_norm", False))
+        return write_specforge(out, w, **flags), w, flags, embed
+    if name == "modelopt":
+        w = canonical_weights(4)
+        return write_modelopt(out, w), w, {}, embed
+    if name == "nemo-llama":  # mlp_bias, a rope_theta of its own, its own embedding
+        w = canonical_weights(5, mlp_bias=True, embed=True)
+        family = _family(LlamaConfig, mlp_bias=True, rope_theta=500000.0).to_dict()
+        return write_nemo(out, w, family), w, {"theta": 500000.0}, w["embed_tokens.weight"]
+    if name == "nemo-qwen3-3.1":  # attention_bias, head_dim 32 of hidden 64 / 4 heads, EAGLE-3.1 options
+        w = canonical_weights(6, head_dim=32, attention_bias=True, fc_norm=True, embed=True)
+        family = _family(Qwen3Config, head_dim=32, attention_bias=True, rms_norm_eps=1e-6).to_dict()
+        opts = {"head_dim": 32, "eps": 1e-6, "fc_norm": True, "norm_output": True}
+        return write_nemo(out, w, family, fc_norm=True, norm_output=True), w, opts, w["embed_tokens.weight"]
+    if name == "nemo-phi3":
+        w = canonical_weights(7, embed=True)
+        family = _family(Phi3Config, rope_theta=10000.0, pad_token_id=0).to_dict()
+        return write_nemo(out, w, family), w, {}, w["embed_tokens.weight"]
+    if name.startswith("speculators-llama"):
+        flags = {"speculators-llama": {}, "speculators-llama-fc_norm": {"fc_norm": True},
+                 "speculators-llama-norm_output": {"norm_output": True}}[name]
+        w = canonical_weights(8, fc_norm=flags.get("fc_norm", False), embed=True)
+        layer = LlamaConfig(**layer_fields(), num_hidden_layers=1).to_diff_dict()
+        head = write_speculators(out, w, {**layer, "model_type": "llama"}, **flags)
+        return head, w, {"norm_before_residual": True, **flags}, w["embed_tokens.weight"]
+    if name.startswith("speculators-qwen3"):  # speculators' default layer: q_norm, k_norm; Qwen3's own defaults
+        input_norm = name.endswith("norm_before_fc")
+        w = canonical_weights(9, head_dim=32, qk_norm=True, input_norm=input_norm)
+        fields = {k: v for k, v in layer_fields(head_dim=32).items() if k != "rms_norm_eps"}  # Qwen3's 1e-6
+        layer = {**Qwen3Config(**fields, num_hidden_layers=1).to_diff_dict(), "model_type": "qwen3"}
+        head = write_speculators(out, w, layer, norm_before_residual=False, norm_before_fc=input_norm)
+        return head, w, {"head_dim": 32, "eps": 1e-6, "qk_norm": True, "input_norm": input_norm}, embed
+    raise KeyError(name)
+
+
+CASES = ["reference", "specforge", "specforge-fc_norm", "specforge-norm_output", "specforge-3.1",
+         "specforge-norm_before_fc-in-eagle_config", "modelopt", "nemo-llama", "nemo-qwen3-3.1", "nemo-phi3",
+         "speculators-llama", "speculators-llama-fc_norm", "speculators-llama-norm_output", "speculators-qwen3",
+         "speculators-qwen3-norm_before_fc"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_published_layout_loads_and_matches_the_reference_math(name, tiny_dir, tmp_path):
+    head, w, options, embed = _case(name, tmp_path, tiny_dir)
+    torch.manual_seed(0)
+    m, k = 7, 5
+    features = torch.randn(m, 3 * HIDDEN) * 2
+    tokens = torch.randint(0, VOCAB, (m,)).tolist()
+    expected_drafts, expected_logits = ReferenceHead(w, embed, **options).drafts(features, tokens, k)
+
+    model = load_draft(head, tiny_dir / "target")  # the real loader
+    with torch.no_grad():
+        a = model(model.fuse(features)[None], torch.tensor([tokens]), torch.arange(m)[None])
+        torch.testing.assert_close(model.draft_logits(a)[0], expected_logits, atol=2e-4, rtol=1e-4)
+    engine = DraftEngine(head, tiny_dir / "target")  # and the real engine, rollout included
+    assert engine.propose("s", features, tokens, k, create=True) == expected_drafts
