@@ -109,7 +109,8 @@ def write_reference(out: Path, weights: dict, **fields) -> Path:
 
 
 def write_specforge(out: Path, weights: dict, aux_ids=OUTPUT_IDS, **fields) -> Path:
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids},
+    config = {"architectures": ["LlamaForCausalLMEagle3"],
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids},
               "head_dim": HIDDEN // HEADS, "model_type": "llama", "num_hidden_layers": 1, "pad_token_id": 0,
               "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
               "draft_vocab_size": DRAFT_VOCAB, **layer_fields(), **fields}

@@ -24,6 +24,7 @@ from published_heads import (
     write_speculators,
 )
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import LlamaConfig, Phi3Config, Qwen3Config
 
 from draft_server.checkpoint import load_draft
@@ -90,7 +91,8 @@ class ReferenceHead:
         a = residual + self.linear(torch.cat(heads), m + "self_attn.o_proj")
         mlp_in = rms(a, self.w[m + "post_attention_layernorm.weight"], self.eps)
         gate = self.linear(mlp_in, m + "mlp.gate_proj")
-        a = a + self.linear(torch.nn.functional.silu(gate) * self.linear(mlp_in, m + "mlp.up_proj"), m + "mlp.down_proj")
+        up = self.linear(mlp_in, m + "mlp.up_proj")
+        a = a + self.linear(torch.nn.functional.silu(gate) * up, m + "mlp.down_proj")
         final = rms(a, self.w["norm.weight"], self.eps)
         return (final if self.norm_output else a), final @ self.w["lm_head.weight"].T
 
@@ -138,7 +140,8 @@ def _case(name, tmp, tiny_dir):
         (head / "config.json").write_text(json.dumps(config))
         return head, w, {"input_norm": True}, embed
     if name.startswith("specforge"):
-        flags = {"specforge": {}, "specforge-fc_norm": {"fc_norm": True}, "specforge-norm_output": {"norm_output": True},
+        flags = {"specforge": {}, "specforge-fc_norm": {"fc_norm": True},
+                 "specforge-norm_output": {"norm_output": True},
                  "specforge-3.1": {"fc_norm": True, "norm_output": True}}[name]
         w = canonical_weights(2, fc_norm=flags.get("fc_norm", False))
         return write_specforge(out, w, **flags), w, flags, embed
@@ -196,3 +199,120 @@ def test_published_layout_loads_and_matches_the_reference_math(name, tiny_dir, t
         torch.testing.assert_close(model.draft_logits(a)[0], expected_logits, atol=2e-4, rtol=1e-4)
     engine = DraftEngine(head, tiny_dir / "target")  # and the real engine, rollout included
     assert engine.propose("s", features, tokens, k, create=True) == expected_drafts
+
+
+# -- where the embedding and the lm_head come from -------------------------------------------------------
+
+
+def _multimodal_target(out, tiny_dir, architecture, embed_key, lm_head_key, fmt="safetensors"):
+    """A target laid out as Llama-4, Qwen3-VL or Mistral-3 publish theirs: text_config, a vision tower, the
+    text model's tensors under a prefix, sharded with an index. Only what the draft reads is real."""
+    out.mkdir(parents=True)
+    with safe_open(tiny_dir / "target" / "model.safetensors", "pt") as f:
+        embed, lm_head = f.get_tensor("model.embed_tokens.weight"), f.get_tensor("lm_head.weight")
+    text = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": HIDDEN, "num_hidden_layers": LAYERS,
+            "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "max_position_embeddings": 8192}
+    (out / "config.json").write_text(json.dumps({"architectures": [architecture], "text_config": text,
+                                                 "vision_config": {"hidden_size": 32}}))
+    shards = {"vision_tower.patch_embed.weight": ("a", torch.randn(32, 3)),
+              "vision_tower.embed_tokens.weight": ("a", torch.randn(7, 32)),  # not the text model's
+              embed_key: ("a", embed), lm_head_key: ("b", lm_head)}
+    suffix = ".safetensors" if fmt == "safetensors" else ".bin"
+    index = {"metadata": {}, "weight_map": {k: f"model-{s}{suffix}" for k, (s, _) in shards.items()}}
+    for shard in ("a", "b"):
+        tensors = {k: v for k, (s, v) in shards.items() if s == shard}
+        if fmt == "safetensors":
+            save_file(tensors, out / f"model-{shard}.safetensors")
+        else:
+            torch.save(tensors, out / f"model-{shard}.bin")
+    name = "model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json"
+    (out / name).write_text(json.dumps(index))
+    return out, embed, lm_head
+
+
+MULTIMODAL = [
+    ("Llama4ForConditionalGeneration", "language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
+     "safetensors"),
+    ("Qwen3VLForConditionalGeneration", "model.language_model.embed_tokens.weight", "lm_head.weight", "safetensors"),
+    ("Mistral3ForConditionalGeneration", "language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
+     "bin"),
+]
+
+
+@pytest.mark.parametrize("architecture, embed_key, lm_head_key, fmt", MULTIMODAL)
+def test_the_embedding_of_a_multimodal_target_is_found(architecture, embed_key, lm_head_key, fmt, tiny_dir, tmp_path):
+    target, embed, lm_head = _multimodal_target(tmp_path / "target", tiny_dir, architecture, embed_key, lm_head_key,
+                                                fmt)
+    w = canonical_weights(21)
+    head = write_reference(tmp_path / "head", w)
+    torch.manual_seed(1)
+    features, tokens = torch.randn(5, 3 * HIDDEN), [4, 8, 15, 16, 23]
+    drafts = DraftEngine(head, target).propose("s", features, tokens, 4, create=True)
+    assert drafts == DraftEngine(head, tiny_dir / "target").propose("s", features, tokens, 4, create=True)
+    # a head with no lm_head shares the target's: the rows of its draft vocabulary
+    del w["lm_head.weight"]
+    model = load_draft(write_reference(tmp_path / "shared", w), target)
+    torch.testing.assert_close(model.lm_head.weight, lm_head[torch.arange(len(w["d2t"])) + w["d2t"]])
+    torch.testing.assert_close(model.embed_tokens.weight, embed)
+
+
+def test_a_head_that_ties_its_lm_head_reads_its_embedding_rows(tiny_dir, tmp_path):
+    w = canonical_weights(22, embed=True)
+    del w["lm_head.weight"]
+    head = write_reference(tmp_path / "tied", w, tie_word_embeddings=True)
+    model = load_draft(head)  # needs nothing from the target
+    torch.testing.assert_close(model.lm_head.weight, w["embed_tokens.weight"][torch.arange(len(w["d2t"])) + w["d2t"]])
+
+
+def test_a_pickle_free_bin_head_loads_as_its_safetensors(tiny_dir, tmp_path):
+    w = canonical_weights(23)
+    head = write_reference(tmp_path / "bin", w)
+    expected = load_draft(head, tiny_dir / "target").state_dict()
+    torch.save(w, head / "pytorch_model.bin")
+    (head / "model.safetensors").unlink()
+    for key, tensor in load_draft(head, tiny_dir / "target").state_dict().items():
+        assert torch.equal(tensor, expected[key]), key
+
+
+# -- what Tandem cannot run, refused with the reason -------------------------------------------------------
+
+
+def _refused(tmp_path, kind):
+    w = canonical_weights(31)
+    out = tmp_path / kind
+    if kind == "nemo-parallel-drafting":
+        return write_nemo(out, w, _family(LlamaConfig).to_dict(), parallel_drafting=True), "parallel_drafting"
+    if kind == "modelopt-eagle1":
+        head = write_modelopt(out, w)
+        config = json.loads((head / "config.json").read_text())
+        config["eagle_config"]["use_aux_hidden_state"] = False
+        (head / "config.json").write_text(json.dumps(config))
+        return head, "use_aux_hidden_state is false"
+    if kind == "speculators-two-layers":
+        w |= {k.replace("midlayer.", "layers.1."): v.clone() for k, v in w.items() if k.startswith("midlayer.")}
+        layer = {**LlamaConfig(**layer_fields(), num_hidden_layers=1).to_diff_dict(), "model_type": "llama"}
+        return write_speculators(out, w, layer), "2 decoder layers"
+    if kind == "speculators-four-aux":
+        layer = {**LlamaConfig(**layer_fields(), num_hidden_layers=1).to_diff_dict(), "model_type": "llama"}
+        return write_speculators(out, w, layer, aux_ids=[2, 3, 4, 5]), "4 fused hidden states"
+    if kind == "partial-rotary":
+        family = _family(Phi3Config, partial_rotary_factor=0.75).to_dict()
+        return write_nemo(out, w, family), "partial_rotary_factor"
+    if kind == "fc_norm-weights-without-the-flag":
+        return write_specforge(out, canonical_weights(32, fc_norm=True)), "does not set fc_norm"
+    if kind == "no-d2t":
+        del w["d2t"]
+        return write_reference(out, w), "no d2t"
+    raise KeyError(kind)
+
+
+@pytest.mark.parametrize("kind", ["nemo-parallel-drafting", "modelopt-eagle1", "speculators-two-layers",
+                                  "speculators-four-aux", "partial-rotary", "fc_norm-weights-without-the-flag",
+                                  "no-d2t"])
+def test_a_head_tandem_cannot_run_is_refused_with_the_reason(kind, tiny_dir, tmp_path):
+    from draft_server.checkpoint import DraftLoadError
+
+    head, reason = _refused(tmp_path, kind)
+    with pytest.raises(DraftLoadError, match=reason) as error:
+        load_draft(head, tiny_dir / "target")
+    assert "layout" in str(error.value)  # and names the layout it read
