@@ -128,6 +128,10 @@ def parse(raw: dict, keys: Iterable[str], directory: str = "draft") -> tuple[Eag
     keys = list(keys)
     layout = detect_layout(raw, keys)
     where = f"draft {directory} ({layout} layout)"
+    mla = [k for k in keys if "kv_a_proj_with_mqa" in k or "q_a_proj" in k]
+    if mla or any("Deepseek" in a for a in raw.get("architectures") or []):
+        _refuse(where, f"MLA attention ({(raw.get('architectures') or ['?'])[0]}, {mla[:1]}): Tandem's draft layer is "
+                       f"Llama or Qwen3 attention")
     if layout == SPECULATORS:
         if raw["speculators_model_type"] != "eagle3":
             _refuse(where, f"speculators_model_type is {raw['speculators_model_type']!r}; Tandem runs 'eagle3'")

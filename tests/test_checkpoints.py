@@ -300,6 +300,10 @@ def _refused(tmp_path, kind):
         return write_nemo(out, w, family), "partial_rotary_factor"
     if kind == "fc_norm-weights-without-the-flag":
         return write_specforge(out, canonical_weights(32, fc_norm=True)), "does not set fc_norm"
+    if kind == "mla":  # lightseekorg/kimi-k2.6-eagle3.1-mla, ModelOpt's kimik2 heads
+        mla = {k: v for k, v in w.items() if "q_proj" not in k and "k_proj" not in k}
+        mla["midlayer.self_attn.kv_a_proj_with_mqa.weight"] = torch.zeros(8, 2 * HIDDEN)
+        return write_reference(out, mla, architectures=["Eagle3DeepseekV2ForCausalLM"]), "MLA attention"
     if kind == "no-d2t":
         del w["d2t"]
         return write_reference(out, w), "no d2t"
@@ -308,7 +312,7 @@ def _refused(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", ["nemo-parallel-drafting", "modelopt-eagle1", "speculators-two-layers",
                                   "speculators-four-aux", "partial-rotary", "fc_norm-weights-without-the-flag",
-                                  "no-d2t"])
+                                  "mla", "no-d2t"])
 def test_a_head_tandem_cannot_run_is_refused_with_the_reason(kind, tiny_dir, tmp_path):
     from draft_server.checkpoint import DraftLoadError
 
