@@ -24,9 +24,15 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from tandem.convert import branches_from_pb, logprobs_from_pb, sampling_to_pb
+from tandem.convert import (
+    branches_from_pb,
+    draft_probs_from_pb,
+    draft_probs_to_pb,
+    logprobs_from_pb,
+    sampling_to_pb,
+)
 from tandem.params import SamplingParams
-from tandem.protocol import Branch, DraftUnavailable, PrefillResult, VerifyResult
+from tandem.protocol import Branch, DraftProbs, Drafts, DraftUnavailable, PrefillResult, VerifyResult
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire import is_last_chunk
 
@@ -248,10 +254,12 @@ class GrpcTarget:
         return PrefillResult(token=response.prefilled.token, features=features,
                              logprobs=logprobs_from_pb(response.prefilled.logprobs))
 
-    def verify(self, session_id: str, token: int, drafts: list[int], want_features: bool = True) -> VerifyResult:
+    def verify(self, session_id: str, token: int, drafts: list[int], want_features: bool = True,
+               q: list[DraftProbs] | None = None) -> VerifyResult:
         self._drain()
         request = target_pb2.TargetRequest(verify=target_pb2.Verify(token=token, drafts=drafts,
-                                                                    want_features=want_features))
+                                                                    want_features=want_features,
+                                                                    q=draft_probs_to_pb(q)))
         if self._cohorts is not None:
             self._cohorts.leave()  # a round without a propose first: this step did not go to the draft
             cohort = self._cohorts.to_target()
@@ -304,7 +312,8 @@ class GrpcDraft:
         next_tokens: list[int],
         num_draft_tokens: int,
         create: bool = False,
-    ) -> list[int]:
+        sampling: SamplingParams | None = None,
+    ) -> Drafts:
         cohort = self._cohorts.to_draft() if self._cohorts is not None else None
         first = True
         for chunk in features:
@@ -315,6 +324,8 @@ class GrpcDraft:
                 if create:
                     request.session_id = session_id
                     request.want_timing = self._stream.probe is not None
+                    if sampling is not None:
+                        request.sampling.CopyFrom(sampling_to_pb(sampling))
                 if cohort is not None:
                     request.cohort.id, request.cohort.size = cohort
                 first = False
@@ -322,7 +333,7 @@ class GrpcDraft:
         response = self._answer()
         if self._cohorts is not None and response.HasField("batch"):
             self._cohorts.from_draft(response.batch.id, response.batch.size)
-        return list(response.drafts)
+        return Drafts(response.drafts, draft_probs_from_pb(response.q))
 
     def ahead(
         self,

@@ -18,6 +18,10 @@ the drafts were proposed before those pairs were known. From every possible outc
 from its logits — and rolls out K drafts for each, all in one batch. Only the committed pairs' KV is
 kept: the assumed drafts and the rollouts are dropped, so every committed position is still read with
 its exact target features.
+
+Sampled requests (speculative sampling): a session opened with sampling parameters draws each draft
+from its own distribution q at those settings instead of taking the argmax, in proposes and aheads
+alike, and returns the q it drew from with the drafts (draft_server/sampling.py).
 """
 
 from __future__ import annotations
@@ -32,10 +36,13 @@ import torch
 
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.model import DraftKV, Eagle3Draft
+from draft_server.sampling import DraftSampler, draft_q, draw
 from tandem.batching import Batcher
+from tandem.config import DRAFT_Q_TOP_N
 from tandem.dtypes import TORCH_DTYPES
 from tandem.pairing import DraftShape, TargetShape, check_pair
-from tandem.protocol import Branch
+from tandem.params import SamplingParams
+from tandem.protocol import Branch, DraftProbs, Drafts
 from tandem.sessions import InvalidRequest, SessionOwner, SessionTable
 
 
@@ -44,6 +51,7 @@ class _Session:
     kv: DraftKV = field(default_factory=DraftKV)
     length: int = 0  # committed pairs in the KV
     last_used: float = field(default_factory=time.monotonic)
+    sampler: DraftSampler | None = None  # a sampled request: drafts are drawn from q, not the argmax
     # the drafts of the last step (one list per branch after an ahead) with the hidden states whose
     # logits proposed them, [K, H]: an ahead assuming those drafts feeds them as the drafts' inputs
     proposed: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
@@ -77,6 +85,7 @@ class DraftEngine(SessionOwner):
         dtype: str = "float32",
         max_batch_size: int = 32,
         max_batch_tokens: int = 4096,
+        q_top_n: int = DRAFT_Q_TOP_N,
         aux_layer_convention: str | None = None,
     ):
         """`aux_layer_convention`: how the head's layer ids count (tandem/aux_layers.py; None: its layout's)."""
@@ -101,9 +110,10 @@ class DraftEngine(SessionOwner):
         self.batcher: Batcher[_Step | _Ahead] = Batcher(self._run_steps, max_batch_size, max_batch_tokens)
         self._ahead_pool: ThreadPoolExecutor | None = None  # in-process aheads run here, beside the verify
         self._max_batch_size = max_batch_size
-        # K -> how many verifies accepted 0..K drafts: acceptance runs in streaks (the draft's own
-        # probabilities are flat even where it is right), so the outcomes are ranked by this
-        self._outcomes: dict[int, list[int]] = {}
+        self.q_top_n = q_top_n  # sampled drafts: q is cut to this many likeliest tokens (0: not cut)
+        # (K, sampled) -> how many verifies accepted 0..K drafts: acceptance runs in streaks (the draft's
+        # own probabilities are flat even where it is right), so the outcomes are ranked by this
+        self._outcomes: dict[tuple[int, bool], list[int]] = {}
         d2t = self.model.d2t
         # target id -> draft id, -1 outside the draft vocabulary
         self._draft_id = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=d2t.device)
@@ -132,8 +142,10 @@ class DraftEngine(SessionOwner):
         next_tokens: list[int],  # [m]: x_{i+1} for each
         num_draft_tokens: int,
         create: bool = False,
-    ) -> list[int]:
-        """Append the m new committed pairs and return K draft tokens (target ids)."""
+        sampling: SamplingParams | None = None,  # with create: a sampled request's settings
+    ) -> Drafts:
+        """Append the m new committed pairs and return K draft tokens (target ids): the argmax, or for a
+        session opened with sampling (temperature > 0) drawn from q, with q."""
         m = len(next_tokens)
         if m == 0 or features.shape != (m, self.feature_size):
             raise InvalidRequest(
@@ -143,10 +155,11 @@ class DraftEngine(SessionOwner):
         if bad:
             raise InvalidRequest(f"draft tokens outside the vocabulary: {bad[:5]}")
         if create:  # only once the input is known good: a bad first request leaves nothing behind
-            self.sessions.add(session_id, _Session())
+            sampler = DraftSampler.for_request(sampling) if sampling is not None and not sampling.greedy else None
+            self.sessions.add(session_id, _Session(sampler=sampler))
         session = self.sessions.get(session_id)
         if not create:
-            self._count_outcome(num_draft_tokens, m - 1)
+            self._count_outcome(session, num_draft_tokens, m - 1)
         step = _Step(session, features, list(next_tokens), num_draft_tokens)
         # a session's first extend carries the whole prompt: padding the other sessions' few pairs to it
         # would be wasted work, so first extends share batches only with each other
@@ -179,7 +192,7 @@ class DraftEngine(SessionOwner):
             raise InvalidRequest("speculating ahead needs drafts to assume, K >= 1 and at least one branch")
         session = self.sessions.get(session_id)
         if m:
-            self._count_outcome(len(assumed), m - 1)
+            self._count_outcome(session, len(assumed), m - 1)
         rows = next((r[: len(assumed)] for drafts, r in session.proposed if drafts[: len(assumed)] == assumed), None)
         if rows is None:
             raise InvalidRequest("an ahead assumes drafts this session proposed in its last step")
@@ -188,14 +201,15 @@ class DraftEngine(SessionOwner):
         session.last_used = time.monotonic()
         return out
 
-    def _count_outcome(self, k: int, accepted: int) -> None:
-        """A verify's outcome, read off the pairs it committed (a accepted + the bonus)."""
-        counts = self._outcomes.setdefault(k, [1] * (k + 1))  # a uniform prior
+    def _count_outcome(self, session: _Session, k: int, accepted: int) -> None:
+        """A verify's outcome, read off the pairs it committed (a accepted + the bonus); greedy and
+        sampled sessions apart, as their acceptance differs."""
+        counts = self._outcomes.setdefault((k, session.sampler is not None), [1] * (k + 1))  # a uniform prior
         counts[min(max(accepted, 0), k)] += 1
 
-    def outcome_logprobs(self, k: int) -> torch.Tensor:
+    def outcome_logprobs(self, k: int, sampled: bool = False) -> torch.Tensor:
         """[k+1]: log P(j of k drafts accepted), as verifies of this engine's drafts have gone so far."""
-        counts = torch.tensor(self._outcomes.get(k, [1] * (k + 1)), dtype=torch.float)
+        counts = torch.tensor(self._outcomes.get((k, sampled), [1] * (k + 1)), dtype=torch.float)
         return (counts / counts.sum()).log()
 
     def ahead(
@@ -263,13 +277,16 @@ class DraftEngine(SessionOwner):
         a = torch.stack([a[i, m - 1] for i, m in enumerate(sizes)])[:, None]  # [B, 1, H]
         position = torch.tensor([[step.session.length] for step in steps], device=device)
         drafts: list[list[int]] = [[] for _ in steps]
+        qs: list[list[DraftProbs | None]] = [[] for _ in steps]
         rows: list[list[torch.Tensor]] = [[] for _ in steps]  # [k][H] per session: what proposed each draft
         rounds = max(step.k for step in steps)
+        samplers = [step.session.sampler for step in steps]
         for n in range(rounds):
-            draft = model.to_target_ids(model.draft_logits(a[:, -1]).argmax(-1))  # [B]
+            draft, q = self._pick(model.draft_logits(a[:, -1]), samplers, [s.session.length + n for s in steps])
             for i, token in enumerate(draft.tolist()):
                 if n < steps[i].k:
                     drafts[i].append(token)
+                    qs[i].append(q[i])
                     rows[i].append(a[i, -1])
             if n + 1 < rounds:
                 valid = torch.cat([valid, valid.new_ones(b, 1)], dim=1)
@@ -277,9 +294,9 @@ class DraftEngine(SessionOwner):
                 position = position + 1
         for i, step in enumerate(steps):
             step.session.proposed = [(drafts[i], torch.stack(rows[i]))] if rows[i] else []
-        return drafts
+        return [_drafts(d, q) for d, q in zip(drafts, qs, strict=True)]
 
-    def _run_one(self, step: _Step) -> list[int]:
+    def _run_one(self, step: _Step) -> Drafts:
         """One session alone: its own KV, no padding."""
         model, session, m = self.model, step.session, len(step.next_tokens)
         kv = session.kv
@@ -289,18 +306,38 @@ class DraftEngine(SessionOwner):
         a = model(hidden, tokens, positions, kv)[:, -1:]  # [1, 1, H]
         session.length += m
         drafts: list[int] = []
+        qs: list[DraftProbs | None] = []
         rows: list[torch.Tensor] = []  # [k][H]: the hidden state whose logits proposed each draft
         position = session.length
         for n in range(step.k):
-            draft = model.to_target_ids(model.draft_logits(a[0, -1]).argmax(-1))
+            draft, q = self._pick(model.draft_logits(a[0, -1])[None], [session.sampler], [position])  # [1]
             drafts.append(int(draft))
+            qs.append(q[0])
             rows.append(a[0, -1])
             if n + 1 < step.k:
                 a = model(a, draft.view(1, 1), torch.tensor([[position]], device=self.device), kv)
                 position += 1
         kv.crop(session.length)  # the rollout's KV is dropped: exact target features replace it
         session.proposed = [(drafts, torch.stack(rows))] if rows else []
-        return drafts
+        return _drafts(drafts, qs)
+
+    def _pick(self, logits: torch.Tensor, samplers: list[DraftSampler | None], positions: list[int]
+              ) -> tuple[torch.Tensor, list[DraftProbs | None]]:
+        """logits [B, Vd] -> each row's draft as a target id [B]: the argmax for a greedy session, drawn
+        from q for a sampled one (the token at sequence `positions[i]`), with its q (None when greedy)."""
+        chosen = logits.argmax(-1)  # [B]
+        q: list[DraftProbs | None] = [None] * len(samplers)
+        rows = [i for i, s in enumerate(samplers) if s is not None]
+        if rows:
+            sampled = [samplers[i] for i in rows]
+            ids, probs = draft_q(logits[rows], sampled, self.q_top_n)  # [b, N]
+            column = draw(probs, [s.uniform(positions[i]) for s, i in zip(sampled, rows, strict=True)])  # [b]
+            chosen[rows] = ids.gather(1, column[:, None])[:, 0]
+            support = (probs > 0).sum(-1).tolist()
+            target_ids, probs = self.model.to_target_ids(ids).tolist(), probs.tolist()
+            for j, i in enumerate(rows):
+                q[i] = DraftProbs(target_ids[j][: support[j]], probs[j][: support[j]])
+        return self.model.to_target_ids(chosen), q
 
     @torch.inference_mode()
     def _run_ahead(self, step: _Ahead) -> list[Branch]:
@@ -333,14 +370,17 @@ class DraftEngine(SessionOwner):
             fork = torch.stack(forks)  # [J+1, H]
         session.length = base = start + m  # the committed pairs are kept; the assumed drafts are not
         # fork j (j drafts accepted): the hidden state whose logits pick the token after them
-        logp = model.draft_logits(fork).float().log_softmax(-1)  # [J+1, draft_vocab]
+        logits = model.draft_logits(fork).float()  # [J+1, draft_vocab]
+        if session.sampler is not None:  # what the bonus is drawn from is nearer the sampled distribution
+            logits = logits / session.sampler.temperature
+        logp = logits.log_softmax(-1)
         # outcome (j, c): d_1..d_j accepted, then c; c != d_{j+1}, for that one was rejected.
         # log P(j) from the verifies so far, log P(c | j) from the draft's logits
         for j, d in enumerate(self._draft_id[torch.tensor(step.assumed, device=device)].tolist()):
             if d >= 0:
                 logp[j, d] = float("-inf")
         logp = logp.log_softmax(-1)
-        prefix = self.outcome_logprobs(j_max).to(device)  # [J+1]
+        prefix = self.outcome_logprobs(j_max, session.sampler is not None).to(device)  # [J+1]
         n = min(step.branches, logp.shape[-1])
         top = logp.topk(n, dim=-1)  # [J+1, n]
         score = (prefix[:, None] + top.values).flatten()
@@ -360,18 +400,23 @@ class DraftEngine(SessionOwner):
         bonus = token[:, 0].tolist()
         position = torch.tensor([[base + j] for j in forks], device=device)
         drafts: list[list[int]] = [[] for _ in range(b)]
+        qs: list[list[DraftProbs | None]] = [[] for _ in range(b)]
         rows: list[list[torch.Tensor]] = [[] for _ in range(b)]
         for _ in range(step.k):
             valid = torch.cat([valid, valid.new_ones(b, 1)], dim=1)
             a = model(a, token, position, branch_kv, valid[:, None, None])  # [B, 1, H]
-            token = model.to_target_ids(model.draft_logits(a[:, -1]).argmax(-1))[:, None]
+            # the token after the one at `position`: keyed as a propose after that outcome would key it
+            token, q = self._pick(model.draft_logits(a[:, -1]), [session.sampler] * b, (position[:, 0] + 1).tolist())
+            token = token[:, None]
             for i, t in enumerate(token[:, 0].tolist()):
                 drafts[i].append(t)
+                qs[i].append(q[i])
                 rows[i].append(a[i, -1])
             position = position + 1
         kv.crop(base)
         session.proposed = [(drafts[i], torch.stack(rows[i])) for i in range(b)]
-        return [Branch(accepted=forks[i], bonus=bonus[i], drafts=drafts[i]) for i in range(b)]
+        return [Branch(accepted=forks[i], bonus=bonus[i], drafts=drafts[i], q=_drafts(drafts[i], qs[i]).q)
+                for i in range(b)]
 
     @staticmethod
     def _stack_kv(steps: list[_Step], past: list[int], longest: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,6 +429,11 @@ class DraftEngine(SessionOwner):
                 k[i, :, longest - past[i] :] = step.session.kv.k[0]
                 v[i, :, longest - past[i] :] = step.session.kv.v[0]
         return k, v
+
+
+def _drafts(tokens: list[int], q: list[DraftProbs | None]) -> Drafts:
+    """The drafts of one session's rollout, with q when it sampled them."""
+    return Drafts(tokens, q if q and q[0] is not None else None)
 
 
 def read_target_shape(target_dir: str | Path) -> TargetShape:

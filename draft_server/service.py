@@ -15,7 +15,7 @@ import torch
 
 from draft_server.engine import DraftEngine
 from tandem.config import DraftSettings
-from tandem.convert import branches_to_pb
+from tandem.convert import branches_to_pb, draft_probs_to_pb, sampling_from_pb
 from tandem.dtypes import name_of
 from tandem.errors import Abort
 from tandem.params import MAX_DRAFT_TOKENS
@@ -126,10 +126,12 @@ class DraftServicer(EngineServicer[DraftEngine], draft_pb2_grpc.DraftServiceServ
                 branches = engine.prepare(session_id, features, tokens, list(step.ahead.assumed), k, step.ahead.branches)
             self.metrics.observe("ahead", clock)
             return draft_pb2.DraftResponse(branches=branches_to_pb(branches))
+        # a sampled request's settings come with the stream's first message: its drafts are drawn from q
+        sampling = sampling_from_pb(step.sampling) if create and step.HasField("sampling") else None
         with clock.compute():
-            drafts = engine.propose(session_id, features, tokens, k, create=create)
+            drafts = engine.propose(session_id, features, tokens, k, create=create, sampling=sampling)
         self.metrics.observe("propose", clock)
-        response = draft_pb2.DraftResponse(drafts=drafts)
+        response = draft_pb2.DraftResponse(drafts=drafts, q=draft_probs_to_pb(drafts.q))
         if clock.batch is not None:
             response.batch.id, response.batch.size = clock.batch
         return response
@@ -151,6 +153,7 @@ def load(settings: DraftSettings, service: Service, servicer: DraftServicer):
         torch.set_num_threads(settings.threads)
     engine = DraftEngine(settings.model, settings.target, device=settings.device, dtype=settings.dtype,
                          max_batch_size=settings.max_batch_size, max_batch_tokens=settings.max_batch_tokens,
+                         q_top_n=settings.q_top_n,
                          aux_layer_convention=settings.aux_layer_convention)
     transport = DraftTransport(settings.transport, settings.device, settings.dtype, engine.feature_size,
                                traffic=service.traffic)

@@ -133,6 +133,12 @@ SPEC_DRAFT_COST = 0.3
 # (tokens/s over overlap off, 2 cores: 1.12x, 1.15x, 1.18x, 1.07x; 64: 0.81x).
 OVERLAP_BRANCHES = 16
 OVERLAP_HELP = "on: the draft prepares the next round while the target verifies (default off)"
+# Speculative sampling: a sampled request's drafts are drawn from the draft's q cut to its N likeliest
+# tokens (renormalised), and q's support crosses to the target with each draft. Measured on the demo pair
+# (bench/q_truncation.py): see the README, "Sampling: drafts from the draft's own distribution".
+DRAFT_Q_TOP_N = 32
+Q_TOP_N_HELP = ("sampled requests: the draft samples from its N likeliest tokens, renormalised, and sends that "
+                "support with each draft (default 32; 0 = the whole draft vocabulary, 1 = its argmax)")
 
 
 class ServiceSettings(BaseSettings):
@@ -216,6 +222,7 @@ class DraftSettings(EngineSettings):
     port: int = Field(DEFAULT_DRAFT_PORT, ge=0, le=65535)
     model: DraftCheckpoint
     target: TargetCheckpoint  # the draft reads the target's embed_tokens (that one tensor)
+    q_top_n: int = Field(DRAFT_Q_TOP_N, ge=0, description=Q_TOP_N_HELP)
     aux_layer_convention: AuxLayerConvention | None = Field(None, description=CONVENTION_HELP)
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from tandem.errors import InvalidRequest
 from tandem.pairing import DraftShape, TargetShape
 from tandem.params import GenerationRequest, SamplingParams
-from tandem.protocol import Branch, TokenLogprob
+from tandem.protocol import Branch, DraftProbs, TokenLogprob
 from tandem.stats import GenerationStats
 from tandem.v1 import common_pb2, coordinator_pb2, draft_pb2, target_pb2
 
@@ -85,12 +85,23 @@ def _plain(value):
     return value if isinstance(value, (int, float)) else list(value)
 
 
+def draft_probs_to_pb(q: list[DraftProbs] | None) -> list[common_pb2.DraftProbs]:
+    return [common_pb2.DraftProbs(ids=d.ids, probs=d.probs) for d in q or ()]
+
+
+def draft_probs_from_pb(msgs) -> list[DraftProbs] | None:
+    """None for none sent (greedy drafts: the draft's argmax)."""
+    return [DraftProbs(list(m.ids), list(m.probs)) for m in msgs] or None
+
+
 def branches_to_pb(branches: list[Branch]) -> list[draft_pb2.Branch]:
-    return [draft_pb2.Branch(accepted=b.accepted, bonus=b.bonus, drafts=b.drafts) for b in branches]
+    return [draft_pb2.Branch(accepted=b.accepted, bonus=b.bonus, drafts=b.drafts, q=draft_probs_to_pb(b.q))
+            for b in branches]
 
 
 def branches_from_pb(msgs) -> list[Branch]:
-    return [Branch(accepted=b.accepted, bonus=b.bonus, drafts=list(b.drafts)) for b in msgs]
+    return [Branch(accepted=b.accepted, bonus=b.bonus, drafts=list(b.drafts), q=draft_probs_from_pb(b.q))
+            for b in msgs]
 
 
 def target_shape_from_pb(info: target_pb2.TargetInfo) -> TargetShape:

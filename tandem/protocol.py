@@ -1,6 +1,7 @@
 """What crosses between the round loop and the two engines, independent of transport.
 
 Features are opaque to the loop: a torch tensor [n, 3H] in-process, a wire message when relayed.
+Drafts are token ids; a sampled request's drafts also carry q, what the draft sampled each from.
 """
 
 from __future__ import annotations
@@ -45,14 +46,37 @@ class VerifyResult:
 
 
 @dataclass
+class DraftProbs:
+    """q_i, the distribution the draft sampled draft d_i from: its support (target ids) and their
+    probabilities, summing to 1. Truncated (draft_server/sampling.py): only what the draft could draw."""
+
+    ids: list[int]
+    probs: list[float]
+
+
+class Drafts(list):
+    """d_1..d_K (target ids), and `q`: for each, the DraftProbs it was sampled from (a sampled request,
+    speculative sampling), or None when the drafts are the draft's argmax (greedy, or a draft that does
+    not sample): the target then counts q as one-hot on each draft, which is lossless too."""
+
+    def __init__(self, tokens=(), q: list[DraftProbs] | None = None):
+        super().__init__(tokens)
+        self.q = q
+
+    def head(self, k: int) -> Drafts:
+        return Drafts(self[:k], self.q[:k] if self.q is not None else None)
+
+
+@dataclass
 class Branch:
     """One outcome of a verify in flight that the draft prepared for (overlap): if the target accepts
     `accepted` of the drafts under verification and picks `bonus` after them, `drafts` are the next
-    round's drafts, ready at once."""
+    round's drafts, ready at once (with the q they were sampled from, for a sampled request)."""
 
     accepted: int
     bonus: int
     drafts: list[int]
+    q: list[DraftProbs] | None = None
 
 
 class Pending(Protocol):
@@ -74,7 +98,8 @@ class TargetBackend(Protocol):
     ) -> PrefillResult: ...
 
     def verify(
-        self, session_id: str, token: int, drafts: list[int], want_features: bool = True
+        self, session_id: str, token: int, drafts: list[int], want_features: bool = True,
+        q: list[DraftProbs] | None = None,  # what each draft was sampled from; None: the drafts are argmax
     ) -> VerifyResult: ...
 
     def release(self, session_id: str) -> bool: ...
@@ -82,10 +107,11 @@ class TargetBackend(Protocol):
 
 @runtime_checkable
 class DraftBackend(Protocol):
-    # may raise DraftUnavailable
+    # may raise DraftUnavailable. `sampling` (with create, for a sampled request): the draft samples its
+    # drafts from its own distribution at these settings and returns Drafts with q; else its argmax.
     def propose(
         self, session_id: str, features: Features, next_tokens: list[int], num_draft_tokens: int,
-        create: bool = False,
+        create: bool = False, sampling: SamplingParams | None = None,
     ) -> list[int]: ...
 
     def release(self, session_id: str) -> bool: ...

@@ -6,7 +6,7 @@ chunks in the coordinator): the loop only moves them.
     prefill                       the target: t and the prompt's features
     repeat until a stop:
       k       = policy.k_for_round()          how many drafts this round (tandem/policy.py)
-      drafts  = draft.draft(k)                the draft session: d_1..d_k
+      drafts  = draft.draft(k)                the draft session: d_1..d_k (sampled: with their q)
       verdict = target.verify(t, drafts)      accepted d_1..d_a, bonus b, features of t, d_1..d_a
       commit                                  count, feed the draft the new pairs, t := b, emit
 """
@@ -18,11 +18,12 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from tandem.params import GenerationRequest
+from tandem.params import GenerationRequest, SamplingParams
 from tandem.policy import KPolicy, Speculation
 from tandem.protocol import (
     Branch,
     DraftBackend,
+    Drafts,
     DraftUnavailable,
     Features,
     OverlapDraftBackend,
@@ -71,39 +72,44 @@ class DraftSession:
 
     It keeps the committed pairs (F_i, x_{i+1}) the draft has not seen yet and sends them with the
     next propose or ahead step. With overlap it also holds the ahead step under way (`pending`) and
-    the drafts it prepared for this round (`ready`).
+    the drafts it prepared for this round (`ready`). A sampled request's session is opened with its
+    sampling parameters: the draft draws its drafts from its own distribution and returns each one's q.
     """
 
-    def __init__(self, backend: DraftBackend, session_id: str, overlap: bool):
+    def __init__(self, backend: DraftBackend, session_id: str, overlap: bool,
+                 sampling: SamplingParams | None = None):
         self.backend = backend
         self.session_id = session_id
+        self.sampling = sampling if sampling is not None and not sampling.greedy else None
         self.alive = True  # until lost or released
         self.overlap = overlap and isinstance(backend, OverlapDraftBackend)
         self._open = False  # the draft holds the session: release it
         self._features: Features = None  # not yet sent, with the tokens after them
         self._tokens: list[int] = []
         self._pending: Pending | None = None  # an ahead under way
-        self._ready: list[int] | None = None  # this round's drafts, prepared during the last verify
+        self._ready: Drafts | None = None  # this round's drafts, prepared during the last verify
 
     def feed(self, features: Features, tokens: list[int]) -> None:
         """Newly committed pairs: `tokens[i]` follows the position of `features[i]`."""
         self._features, self._tokens = features, tokens
 
-    def draft(self, k: int, ahead_branches: int = 0) -> list[int]:
+    def draft(self, k: int, ahead_branches: int = 0) -> Drafts:
         """This round's k drafts: prepared during the last verify when there are some, else a propose.
         With `ahead_branches`, the draft then starts preparing the next round (answered in `settle`)."""
         ready, self._ready = self._ready, None
         if ready and ahead_branches:
-            drafts = ready[:k]
+            drafts = ready.head(k)
         else:
             create, self._open = not self._open, True  # released even if this first call fails
-            drafts = self._call(self.backend.propose, self.session_id, self._features, self._tokens, k, create=create)
+            sampled = {"sampling": self.sampling} if create and self.sampling is not None else {}
+            drafts = self._call(self.backend.propose, self.session_id, self._features, self._tokens, k,
+                                create=create, **sampled)
             self._features, self._tokens = None, []
         if self.alive and self.overlap and ahead_branches and drafts:
             self._pending = self._call(self.backend.ahead, self.session_id, self._features, self._tokens,
                                        drafts, k, ahead_branches)
             self._features, self._tokens = None, []
-        return drafts or []
+        return drafts if isinstance(drafts, Drafts) else Drafts(drafts or [])  # a plain list: argmax drafts
 
     def settle(self, accepted: int, bonus: int) -> bool | None:
         """After a verify: whether the ahead step had prepared its outcome (None: there was none under way)."""
@@ -113,7 +119,8 @@ class DraftSession:
         if branches is None:
             self.lose("its ahead step failed")
             return None
-        self._ready = next((b.drafts for b in branches if (b.accepted, b.bonus) == (accepted, bonus)), None)
+        self._ready = next((Drafts(b.drafts, b.q) for b in branches if (b.accepted, b.bonus) == (accepted, bonus)),
+                           None)
         return self._ready is not None
 
     def lose(self, reason: object) -> None:
@@ -168,7 +175,8 @@ def run_rounds(
         limit = min(limit, max_context - len(request.prompt_ids))
     stopper = Stopper(limit, stop_ids)
     policy = KPolicy(request, speculation, limit, has_draft=draft is not None)
-    drafter = DraftSession(draft, session, speculation.overlap) if draft is not None and policy.drafting else None
+    drafter = (DraftSession(draft, session, speculation.overlap, request.sampling)
+               if draft is not None and policy.drafting else None)
     stats = GenerationStats(accepted_per_position=[0] * (request.num_draft_tokens if drafter else 0))
 
     def alive() -> bool:
@@ -188,13 +196,13 @@ def run_rounds(
                 stats.num_rounds_load_shed += 1
                 if drafter is not None:
                     drafter.release()
-            drafts: list[int] = []
+            drafts = Drafts()
             if k > 0 and alive():
                 drafts = drafter.draft(k, _ahead_branches(speculation, drafter, k, limit - stopper.produced))
             if k > 0 and not alive():
                 stats.num_rounds_without_draft += 1
             # verify
-            verdict = target.verify(session, token, drafts, alive())
+            verdict = target.verify(session, token, drafts, alive(), drafts.q)
             # commit
             accepted = len(verdict.accepted)
             stats.count_round(len(drafts), accepted)

@@ -1,8 +1,22 @@
 """The lossless acceptance rule of speculative decoding, for a linear chain of K drafts.
 
-Drafts are deterministic (argmax of the draft), so the draft distribution q is one-hot:
-accepting d_k with probability min(1, p/q) = p(d_k) and resampling from norm(max(0, p - q))
-= p with d_k zeroed keeps the output distribution equal to sampling the target alone.
+The words (as vLLM's rejection sampler uses them):
+  accepted tokens   the drafts d_1..d_a the target keeps
+  recovered token   at the first rejected draft d_{a+1}: the token sampled instead, from the residual
+                    norm(max(0, p - q)) at that position
+  bonus token       after all K drafts were accepted: one more token, sampled from p after d_K
+A verify commits the accepted tokens and then one more, the recovered or the bonus token (VerifyResult.bonus).
+
+p_i is the target's distribution at draft position i (after temperature, top-k, top-p), q_i the one the
+draft sampled d_i from. Draft d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); every committed
+token is then distributed exactly as sampling the target alone would (Leviathan et al. 2023; Chen et al.
+2023), for any q the draft really sampled from independently of the target's randomness: a truncated q
+(draft_server/sampling.py) only lowers acceptance.
+
+Drafts without q (the draft's argmax, or a draft that does not sample) count as q one-hot on d_i: d_i is
+accepted with probability p_i(d_i), and the recovered token comes from p_i with d_i zeroed. That is
+lossless too, over any draft chosen independently, but accepts less: sum_x q(x) p(x) against
+sum_x min(p(x), q(x)) for a draft sampled from q. Greedy requests accept while d_i is the argmax.
 """
 
 from __future__ import annotations
@@ -16,6 +30,7 @@ from transformers.generation.logits_process import (
 )
 
 from tandem.params import SamplingParams
+from tandem.protocol import DraftProbs
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -37,20 +52,37 @@ def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]
     return accepted, int(best[accepted])
 
 
+def dense_q(q: list[DraftProbs], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The draft's q_1..q_K as rows over the target vocabulary, [K, V] fp32, each renormalised to sum 1
+    as the draft drew from it (it scales its uniform by the row's sum)."""
+    lengths = torch.tensor([len(d.ids) for d in q])
+    rows = torch.repeat_interleave(torch.arange(len(q)), lengths)  # [sum N]
+    ids = torch.tensor([i for d in q for i in d.ids], dtype=torch.long)
+    probs = torch.tensor([p for d in q for p in d.probs], dtype=torch.float32)
+    dense = torch.zeros(len(q), vocab_size, dtype=torch.float32)
+    dense[rows, ids] = probs
+    return (dense / dense.sum(-1, keepdim=True)).to(device)
+
+
 def accept_sampled(
-    probs: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator
+    probs: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator, q: torch.Tensor | None = None
 ) -> tuple[int, int]:
-    """probs [K+1, V], drafts [K] -> (accepted a, bonus b), by the rule in the module docstring."""
+    """probs [K+1, V], drafts [K], q [K, V] (None: one-hot on the drafts) -> (accepted a, the recovered or
+    bonus token), by the rule in the module docstring."""
     k = drafts.numel()
     accepted = 0
     if k:
+        rows = torch.arange(k, device=probs.device)
         u = torch.rand(k, generator=generator, device=probs.device)  # [K]
-        p_draft = probs[torch.arange(k, device=probs.device), drafts]  # [K]
-        accepted = int((u < p_draft).int().cumprod(0).sum())
+        p_draft = probs[rows, drafts]  # [K]
+        q_draft = q[rows, drafts] if q is not None else torch.ones_like(p_draft)  # [K]
+        accepted = int((u * q_draft < p_draft).int().cumprod(0).sum())  # u < p/q: accepted w.p. min(1, p/q)
     final = probs[accepted]
-    if accepted < k:
-        final = final.clone()
-        final[drafts[accepted]] = 0.0  # residual max(0, p - q) with q one-hot on d_a
+    if accepted < k:  # the residual max(0, p - q) at the first rejection
+        q_row = q[accepted] if q is not None else torch.nn.functional.one_hot(drafts[accepted], final.numel())
+        residual = (final - q_row).clamp(min=0)
+        if float(residual.sum()) > 0:  # 0 only when p = q up to rounding: then rejection had no mass
+            final = residual
     bonus = torch.multinomial(final / final.sum(), 1, generator=generator)
     return accepted, int(bonus)
 
@@ -61,9 +93,12 @@ def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
 
 
 def accept(
-    logits: torch.Tensor, drafts: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, drafts: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+    q: list[DraftProbs] | None = None,
 ) -> tuple[int, int]:
+    """logits [K+1, V], drafts [K]; `q`: what the draft sampled each draft from (None: one-hot)."""
     if params.greedy:
         return accept_greedy(logits, drafts)
     assert generator is not None
-    return accept_sampled(target_probs(logits, params), drafts, generator)
+    dense = dense_q(q, logits.shape[-1], logits.device) if q else None
+    return accept_sampled(target_probs(logits, params), drafts, generator, dense)

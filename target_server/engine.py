@@ -17,6 +17,7 @@ budget is taken.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -33,7 +34,7 @@ from tandem.aux_layers import capture_ids
 from tandem.batching import Batcher
 from tandem.dtypes import TORCH_DTYPES
 from tandem.params import MAX_DRAFT_TOKENS, SamplingParams
-from tandem.protocol import PrefillResult, TokenLogprob, VerifyResult
+from tandem.protocol import DraftProbs, PrefillResult, TokenLogprob, VerifyResult
 from tandem.sessions import InvalidRequest, ResourceExhausted, SessionOwner, SessionTable
 from target_server.acceptance import accept, pick
 from target_server.loading import load_target
@@ -119,6 +120,7 @@ class _Step:
     session: _Session
     ids: list[int]  # the new tokens: the prompt, or [t, d_1..d_K]
     want_features: bool
+    q: list[DraftProbs] | None = None  # a verify of sampled drafts: what each was sampled from
 
 
 class KVBudget:
@@ -226,6 +228,19 @@ class TargetEngine(SessionOwner):
         if bad:
             raise InvalidRequest(f"{what} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
+    def _check_q(self, q: list[DraftProbs], drafts: list[int]) -> None:
+        """InvalidRequest unless q is one distribution per draft, each draft in its support."""
+        if len(q) != len(drafts):
+            raise InvalidRequest(f"q has {len(q)} distributions for {len(drafts)} drafts")
+        for i, (dist, draft) in enumerate(zip(q, drafts, strict=True)):
+            self._check_ids(dist.ids, f"q_{i + 1}")
+            if len(dist.ids) != len(dist.probs) or len(set(dist.ids)) != len(dist.ids):
+                raise InvalidRequest(f"q_{i + 1} needs one probability per distinct id")
+            if not all(math.isfinite(p) and p > 0 for p in dist.probs):
+                raise InvalidRequest(f"q_{i + 1} has a probability that is not finite and positive")
+            if draft not in dist.ids:
+                raise InvalidRequest(f"draft d_{i + 1} = {draft} is outside the support of q_{i + 1}")
+
     # -- the protocol -----------------------------------------------------------------------
 
     def prefill(
@@ -267,9 +282,14 @@ class TargetEngine(SessionOwner):
             raise
         return result
 
-    def verify(self, session_id: str, token: int, drafts: list[int], want_features: bool = True) -> VerifyResult:
+    def verify(self, session_id: str, token: int, drafts: list[int], want_features: bool = True,
+               q: list[DraftProbs] | None = None) -> VerifyResult:
+        """`q`: for a sampled session, the distribution the draft sampled each draft from (speculative
+        sampling, target_server/acceptance.py); None: the drafts are the draft's argmax."""
         session = self.sessions.get(session_id)
         self._check_ids([token, *drafts], "the verify input")
+        if q:
+            self._check_q(q, drafts)
         grown = session.length + 1 + len(drafts)
         if grown > self.max_context:
             raise InvalidRequest(f"verify would pass the context of {self.max_context} tokens")
@@ -278,7 +298,7 @@ class TargetEngine(SessionOwner):
                 f"verify would grow the session to {grown} tokens, past the {session.reserved} its prefill "
                 "reserved (prompt + max_new_tokens)"
             )
-        step = _Step("verify", session, [token, *drafts], want_features)
+        step = _Step("verify", session, [token, *drafts], want_features, q or None)
         result = self.batcher.submit(step, 1 + len(drafts), key=session_id, group="verify")
         session.last_used = time.monotonic()
         return result
@@ -377,7 +397,7 @@ class TargetEngine(SessionOwner):
         else:
             drafts = step.ids[1:]
             drafted = torch.tensor(drafts, dtype=torch.long, device=self.device)
-            accepted, bonus = accept(logits, drafted, session.params, session.generator)
+            accepted, bonus = accept(logits, drafted, session.params, session.generator, step.q)
             keep = 1 + accepted
             out = VerifyResult(
                 accepted=drafts[:accepted], bonus=bonus, features=features[:keep] if step.want_features else None

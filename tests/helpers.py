@@ -6,7 +6,8 @@ from concurrent.futures import Future
 
 import torch
 
-from tandem.protocol import Branch
+from draft_server.sampling import DraftSampler, draft_q, draw
+from tandem.protocol import Branch, DraftProbs, Drafts
 
 
 class OracleDraft:
@@ -32,7 +33,8 @@ class OracleDraft:
                 self._logits_cache[key] = self.model(torch.tensor([ids])).logits[0, -1]
         return self._logits_cache[key]
 
-    def propose(self, session_id, features, next_tokens, num_draft_tokens, create=False):
+    def propose(self, session_id, features, next_tokens, num_draft_tokens, create=False, sampling=None):
+        """The drafts are argmax-like (no q): the target counts q one-hot on them."""
         if create:
             self.context[session_id] = [self._next_first]
         context = self.context[session_id]
@@ -71,6 +73,53 @@ class OracleDraft:
         return True
 
 
+class SamplingOracleDraft:
+    """A draft that samples its drafts from a q of its own, as the draft engine does (draft_server.sampling:
+    the request's temperature, top-k and top-p, cut to `top_n`, drawn with position-keyed uniforms), and
+    sends that q. Its logits are the target's, tempered and biased by a fixed random vector, so q is near
+    p but not p: drafts are accepted often (the accepted and bonus tokens carry mass), rejected often
+    enough (the recovered tokens do too), and q's truncation and support differ from p's.
+
+    Sessions may run concurrently (the target batches them); every prompt starts with `first_token`."""
+
+    def __init__(self, model, first_token: int, top_n: int = 8, temper: float = 1.3, bias: float = 0.5,
+                 seed: int = 0):
+        self.model, self.first_token, self.top_n, self.temper = model, first_token, top_n, temper
+        vocab = model.get_output_embeddings().weight.shape[0]
+        self.bias = bias * torch.randn(vocab, generator=torch.Generator().manual_seed(seed))
+        self.context: dict[str, list[int]] = {}
+        self.samplers: dict[str, DraftSampler] = {}
+        self._logits_cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def _logits(self, ids: list[int]) -> torch.Tensor:
+        key = tuple(ids)
+        if key not in self._logits_cache:
+            with torch.inference_mode():
+                self._logits_cache[key] = self.model(torch.tensor([ids])).logits[0, -1] / self.temper + self.bias
+        return self._logits_cache[key]
+
+    def propose(self, session_id, features, next_tokens, num_draft_tokens, create=False, sampling=None):
+        if create:
+            self.context[session_id] = [self.first_token]
+            self.samplers[session_id] = DraftSampler.for_request(sampling)
+        context, sampler = self.context[session_id], self.samplers[session_id]
+        context.extend(next_tokens)
+        rollout, drafts, q = list(context), [], []
+        for _ in range(num_draft_tokens):
+            ids, probs = draft_q(self._logits(rollout)[None], [sampler], self.top_n)  # [1, N]
+            column = int(draw(probs, [sampler.uniform(len(rollout))])[0])
+            support = int((probs > 0).sum())
+            drafts.append(int(ids[0, column]))
+            q.append(DraftProbs(ids[0, :support].tolist(), probs[0, :support].tolist()))
+            rollout.append(drafts[-1])
+        return Drafts(drafts, q)
+
+    def release(self, session_id):
+        self.context.pop(session_id, None)
+        self.samplers.pop(session_id, None)
+        return True
+
+
 class RecordingDraft:
     """Wraps a DraftEngine and keeps every propose() call's inputs and outputs."""
 
@@ -78,8 +127,8 @@ class RecordingDraft:
         self.engine = engine
         self.calls: list[tuple[torch.Tensor, list[int], int, list[int]]] = []
 
-    def propose(self, session_id, features, next_tokens, num_draft_tokens, create=False):
-        drafts = self.engine.propose(session_id, features, next_tokens, num_draft_tokens, create)
+    def propose(self, session_id, features, next_tokens, num_draft_tokens, create=False, sampling=None):
+        drafts = self.engine.propose(session_id, features, next_tokens, num_draft_tokens, create, sampling)
         self.calls.append((features.clone(), list(next_tokens), num_draft_tokens, drafts))
         return drafts
 

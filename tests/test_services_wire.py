@@ -10,7 +10,7 @@ from coordinator.backends import GrpcDraft, GrpcTarget
 from draft_server.service import DraftServicer
 from tandem.config import DraftSettings, TargetSettings
 from tandem.params import SamplingParams
-from tandem.protocol import PrefillResult, VerifyResult
+from tandem.protocol import Drafts, PrefillResult, VerifyResult
 from tandem.service import Service
 from tandem.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from tandem.wire import (
@@ -106,7 +106,7 @@ class BigFeaturesTarget:
         self.sessions.add(session_id)
         return PrefillResult(token=7, features=self.features[: len(prompt_ids)])
 
-    def verify(self, session_id, token, drafts, want_features=True):
+    def verify(self, session_id, token, drafts, want_features=True, q=None):
         return VerifyResult(accepted=drafts[:1], bonus=9, features=self.features[:2])
 
     def release(self, session_id):
@@ -123,11 +123,11 @@ class RecordingDraftEngine:
     def session_ids(self):
         return list(self.sessions)
 
-    def propose(self, session_id, features, next_tokens, num_draft_tokens, create=False):
+    def propose(self, session_id, features, next_tokens, num_draft_tokens, create=False, sampling=None):
         assert features.shape[0] == len(next_tokens)
         self.sessions.add(session_id)
         self.received.append(features)
-        return [len(self.received)] * num_draft_tokens
+        return Drafts([len(self.received)] * num_draft_tokens)
 
     def release(self, session_id):
         self.sessions.discard(session_id)

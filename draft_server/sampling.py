@@ -1,0 +1,86 @@
+"""How the draft picks a draft token for a sampled request (speculative sampling): from its own
+distribution q, which it then sends with the draft so that the target can accept it losslessly
+(target_server/acceptance.py).
+
+    q      the head's softmax at the request's temperature, with the request's top-k and then top-p
+           (the target's order: transformers' warpers), cut to the `top_n` likeliest tokens and
+           renormalised; top_n 0 keeps every token. Any q the draft really samples from is lossless;
+           truncation only costs acceptance, and it bounds what crosses the wire: a support of N ids and
+           N probabilities per draft, not the whole draft vocabulary.
+    draw   by inverse CDF with a uniform keyed by the session and the position of the drafted token:
+           a seeded request draws the same way alone or batched, through an ahead step or a propose,
+           whatever the rounds before it. A uniform is used once per position in the committed output
+           (a position, once verified, is never drafted again), and what is committed before a position
+           does not depend on its uniform, so the draws are as fresh as a generator's.
+
+Greedy requests never come here: their drafts are the argmax, as before.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tandem.params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_DRAFT_STREAM = 0x5D2A_F7C3_91B4_0E6D  # keeps the draft's uniforms apart from the target's seeded generator
+
+
+@dataclass(frozen=True)
+class DraftSampler:
+    """A sampled session's settings on the draft."""
+
+    temperature: float
+    top_k: int  # 0: off
+    top_p: float  # 1.0: off
+    key: int  # the session's stream of uniforms, from the request's seed (random without one)
+
+    @classmethod
+    def for_request(cls, params: SamplingParams) -> DraftSampler:
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        return cls(params.temperature, params.top_k, params.top_p, _splitmix64(seed ^ _DRAFT_STREAM))
+
+    def uniform(self, position: int) -> float:
+        """The uniform in [0, 1) that draws the draft token at sequence `position`."""
+        return (_splitmix64(self.key + position) >> 11) * 2.0**-53
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draft_q(logits: torch.Tensor, samplers: list[DraftSampler], top_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, Vd] over the draft vocabulary -> (ids [B, N] draft ids, likeliest first; probs [B, N]
+    fp32, each row summing to 1 over its support, a prefix of the row, and 0 after it)."""
+    device, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([s.temperature for s in samplers], device=device)[:, None]  # [B, 1]
+    top_k = torch.tensor([s.top_k or vocab for s in samplers], device=device)[:, None]  # [B, 1]
+    top_p = torch.tensor([s.top_p for s in samplers], device=device)[:, None]  # [B, 1]
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, Vd]
+    n = vocab if top_n <= 0 else min(top_n, vocab)
+    width = min(vocab, max(n, int(top_k.max())))  # enough columns for the top-k mass
+    if width < vocab:
+        sorted_p, ids = probs.topk(width, dim=-1)  # [B, width]
+    else:
+        sorted_p, ids = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(width, device=device)[None]  # [1, width]
+    in_k = rank < top_k
+    mass_k = (sorted_p * in_k).sum(-1, keepdim=True)  # [B, 1]: top-p works on the top-k renormalised
+    before = (torch.cumsum(sorted_p, -1) - sorted_p) / mass_k  # mass of the likelier tokens
+    keep = in_k & (before < top_p) & (rank < n)
+    kept = (sorted_p * keep)[:, :n]
+    return ids[:, :n], kept / kept.sum(-1, keepdim=True)
+
+
+def draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """probs [B, N] (rows as draft_q gives them) -> the column each row draws with its uniform, [B]."""
+    cdf = torch.cumsum(probs, dim=-1)  # [B, N]
+    u = torch.tensor(uniforms, dtype=cdf.dtype, device=cdf.device)[:, None] * cdf[:, -1:]
+    column = (cdf <= u).sum(-1)  # the first column whose cdf passes u
+    return torch.minimum(column, (probs > 0).sum(-1) - 1)  # rounding never lands past the support

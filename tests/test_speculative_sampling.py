@@ -1,0 +1,171 @@
+"""Speculative sampling with the draft's own distribution q is lossless: the output law is the target's.
+
+The statistical test: for each setting (temperature 0.7 and 1.0, with and without top-k/top-p, sessions
+alone and batched), RUNS seeded generations of a few tokens from one prompt, drafted K=2 at a time by a
+draft that samples from its own q and sends it (helpers.SamplingOracleDraft: accepted, recovered and
+bonus tokens all carry mass). At each of the positions 1..3 (the drafted ones; position 0 is the
+prefill's own sample) the empirical law of the next token given the tokens before it is compared with
+the target's exact conditional law (a chi-square over (prefix, token) cells, rare cells pooled within
+each prefix). Each check fails at p < ALPHA: with 8 settings x 3 positions = 24 checks the chance that
+a correct sampler fails this file is at most 24 * ALPHA = 0.24% (Bonferroni). The same test, run on a
+sampler with a classic bug (the recovered token drawn from p instead of max(0, p - q)), fails at once:
+the check has the power to see a wrong rule at this size.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from helpers import SamplingOracleDraft
+
+from draft_server.sampling import DraftSampler, draft_q, draw
+from tandem.params import GenerationRequest, SamplingParams
+from tandem.rounds import run_rounds
+from target_server import acceptance
+from target_server.acceptance import target_probs
+
+PROMPT = [17, 250, 33, 104]
+RUNS, K, NEW_TOKENS = 1200, 2, 4
+POSITIONS = (1, 2, 3)
+ALPHA = 1e-4  # per check
+
+SETTINGS = {
+    "t0.7": SamplingParams(temperature=0.7),
+    "t1": SamplingParams(temperature=1.0),
+    "t0.7-top_k8-top_p0.9": SamplingParams(temperature=0.7, top_k=8, top_p=0.9),
+    "t1-top_k20-top_p0.8": SamplingParams(temperature=1.0, top_k=20, top_p=0.8),
+}
+
+
+def sample_runs(target, draft, params: SamplingParams, runs: int, batched: bool) -> list[tuple[int, ...]]:
+    """`runs` seeded generations of NEW_TOKENS tokens; batched: 8 at a time, so that the target verifies
+    them in shared forwards."""
+
+    def one(seed: int) -> tuple[int, ...]:
+        request = GenerationRequest(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=K,
+                                    ignore_eos=True, sampling=params.model_copy(update={"seed": seed}))
+        return tuple(t for event in run_rounds(target, draft, request) for t in event.new_tokens)
+
+    if not batched:
+        return [one(seed) for seed in range(runs)]
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, range(runs)))
+
+
+def conditional_p_value(model, params: SamplingParams, samples: list[tuple[int, ...]], position: int) -> float:
+    """Goodness of fit of the token at `position` given the tokens before it, to the target's own
+    conditional law: chi-square summed over the observed prefixes (cells with an expected count below 5
+    pooled per prefix; a token the target cannot produce makes the statistic infinite)."""
+    groups: dict[tuple[int, ...], Counter] = {}
+    for s in samples:
+        groups.setdefault(s[:position], Counter())[s[position]] += 1
+    prefixes = list(groups)
+    with torch.inference_mode():
+        logits = model(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1]
+        probs = target_probs(logits, params)  # [prefixes, V]
+    stat, df = 0.0, 0
+    for prefix, row in zip(prefixes, probs, strict=True):
+        observed, n = groups[prefix], sum(groups[prefix].values())
+        cells, pooled_obs, pooled_exp = 0, 0, 0.0
+        for token, expected in enumerate((row * n).tolist()):
+            if expected >= 5:
+                stat += (observed.get(token, 0) - expected) ** 2 / expected
+                cells += 1
+            else:
+                pooled_obs += observed.get(token, 0)
+                pooled_exp += expected
+        if pooled_exp > 0:
+            stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+            cells += 1
+        elif pooled_obs:
+            return 0.0  # the target gives those tokens no probability at all
+        df += cells - 1
+    if df == 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))
+
+
+@pytest.fixture(scope="module")
+def oracle(hf_target):
+    return SamplingOracleDraft(hf_target, PROMPT[0], top_n=8)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_sampled_drafts_keep_the_targets_law(generator, hf_target, oracle, name, batched):
+    params = SETTINGS[name]
+    samples = sample_runs(generator.target, oracle, params, RUNS, batched)
+    p_values = {j: conditional_p_value(hf_target, params, samples, j) for j in POSITIONS}
+    assert min(p_values.values()) > ALPHA, p_values
+    assert generator.target.num_sessions == 0
+
+
+def test_the_check_sees_a_residual_drawn_from_p(generator, hf_target, oracle, monkeypatch):
+    """The power of the check: a recovered token drawn from p (not max(0, p - q)) favours the drafts'
+    tokens, and the same test at the same size rejects it."""
+    def biased(probs, drafts, generator, q=None):
+        k = drafts.numel()
+        rows = torch.arange(k)
+        u = torch.rand(k, generator=generator)
+        q_draft = q[rows, drafts] if q is not None else torch.ones(k)
+        accepted = int((u * q_draft < probs[rows, drafts]).int().cumprod(0).sum())
+        return accepted, int(torch.multinomial(probs[accepted], 1, generator=generator))
+
+    monkeypatch.setattr(acceptance, "accept_sampled", biased)
+    params = SETTINGS["t1"]
+    samples = sample_runs(generator.target, oracle, params, RUNS, batched=True)
+    assert min(conditional_p_value(hf_target, params, samples, j) for j in POSITIONS) < ALPHA
+
+
+def test_seeded_sampled_requests_repeat_alone_and_batched(generator):
+    """The real draft engine samples its drafts (q travels with them); a seed fixes the output, whichever
+    sessions share the batches."""
+    requests = [GenerationRequest(prompt_ids=[4 + i, 5, 6], max_new_tokens=16, num_draft_tokens=3, ignore_eos=True,
+                                  sampling=SamplingParams(temperature=0.7 + 0.1 * i, top_k=40 * (i % 2), seed=i))
+                for i in range(6)]
+    alone = [generator.generate(r).token_ids for r in requests]
+    start = threading.Barrier(len(requests))
+
+    def one(request):
+        start.wait()
+        return generator.generate(request).token_ids
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        assert list(pool.map(one, requests)) == alone
+    assert generator.draft.num_sessions == 0
+
+
+# -- the draft's q ------------------------------------------------------------------------------------
+
+
+def test_q_is_the_tempered_head_under_top_k_top_p_and_the_cut():
+    logits = torch.tensor([[3.0, 2.5, 2.0, 1.0, 0.0, -1.0, -2.0, -9.0]])
+    plain = DraftSampler(temperature=0.5, top_k=0, top_p=1.0, key=0)
+    ids, probs = draft_q(logits, [plain], top_n=0)
+    torch.testing.assert_close(probs[0], torch.softmax(logits[0] / 0.5, -1).sort(descending=True).values)
+    ids, probs = draft_q(logits, [plain], top_n=3)  # the cut: the 3 likeliest, renormalised
+    assert ids[0].tolist() == [0, 1, 2]
+    torch.testing.assert_close(probs[0], torch.softmax(logits[0, :3] / 0.5, -1))
+    # top-k 4, then top-p 0.9 of that renormalised mass (the target's order), then the cut to 6
+    both = DraftSampler(temperature=1.0, top_k=4, top_p=0.9, key=0)
+    ids, probs = draft_q(logits, [both], top_n=6)
+    p = torch.softmax(logits[0, :4], -1)  # top-k 4
+    keep = int(((torch.cumsum(p, 0) - p) < 0.9).sum())
+    assert (probs[0] > 0).sum() == keep and ids[0, :keep].tolist() == list(range(keep))
+    torch.testing.assert_close(probs[0, :keep], p[:keep] / p[:keep].sum())
+
+
+def test_draws_follow_q():
+    """Over many keys, the inverse-CDF draws of one row follow its probabilities (chi-square, p > 1e-4)."""
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.125, 0.0]])
+    sampler = DraftSampler.for_request(SamplingParams(temperature=1.0, seed=5))
+    n = 4000
+    counts = Counter(int(draw(probs, [sampler.uniform(position)])[0]) for position in range(n))
+    assert set(counts) <= {0, 1, 2, 3}
+    stat = sum((counts[i] - n * p) ** 2 / (n * p) for i, p in enumerate(probs[0].tolist()) if p)
+    assert float(torch.special.gammaincc(torch.tensor(1.5), torch.tensor(stat / 2))) > 1e-4
+    assert DraftSampler.for_request(SamplingParams(temperature=1.0, seed=5)).uniform(7) == sampler.uniform(7)
