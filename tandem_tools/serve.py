@@ -216,14 +216,17 @@ def _shutdown(children: list[Child], grace: float) -> int:
     return int(status)
 
 
-def launch(args: list[str], log: Path | None = None, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+def launch(args: list[str], log: Path | None = None, env: dict[str, str] | None = None,
+           lines: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     """`tandem serve ARGS` as a child process (bench, profile, load): the process and the coordinator's
     address once it listens. Its stdout stays drained from then on (a full pipe would stall it); its
-    stderr goes to `log`."""
+    stderr goes to `log`; what it printed until then goes to `lines` (the HTTP front's URL, ...)."""
     stderr = log.open("w") if log is not None else None
     proc = subprocess.Popen([sys.executable, "-m", "tandem_tools.cli", "serve", *args], stdout=subprocess.PIPE,
                             stderr=stderr, text=True, env=env)
     for line in proc.stdout:
+        if lines is not None:
+            lines.append(line)
         if "listening on" in line:
             threading.Thread(target=proc.stdout.read, daemon=True).start()
             return proc, line.rsplit(" ", 1)[1].strip()

@@ -291,6 +291,23 @@ def test_a_client_that_leaves_a_whole_request_frees_both_sessions(stack):
     wait_for_no_sessions(stack.target, stack.draft)
 
 
+def test_bench_openai_drives_the_front_beside_the_grpc_path(stack, tokenizer):
+    from tandem_tools.bench.openai import GrpcChat, OpenAIChat, openai_table, run_openai_bench
+
+    runners = [OpenAIChat(stack.url, "target"), GrpcChat(stack.grpc, lambda m: list(tokenizer.apply_chat_template(
+        m, add_generation_prompt=True, tokenize=True, return_dict=False)))]
+    try:
+        results = run_openai_bench(runners, [[{"role": "user", "content": "def f("}]], [2], 8, 12, 0.0,
+                                   echo=lambda m: None)
+    finally:
+        for runner in runners:
+            runner.close()
+    assert [(r["path"], r["requests"], r["generated_tokens"]) for r in results] == [
+        ("openai-http", 8, 96), ("grpc", 8, 96)]  # ignore_eos: max_tokens each, as the servers counted them
+    assert all(r["ttft_mean_ms"] > 0 and r["tpot_mean_ms"] > 0 for r in results)
+    assert "| openai-http | 2 | 8 |" in openai_table(results)
+
+
 def test_draining_answers_503_while_in_flight_requests_finish(stack, client):
     """Last: stops the stack. SIGTERM drains the coordinator; a stream already running finishes."""
     body = {"prompt": "x", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}

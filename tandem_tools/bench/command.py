@@ -58,6 +58,8 @@ def _prompts(args: argparse.Namespace, target: Path, demo: Path | None) -> list[
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.openai:
+        return cmd_bench_openai(args)
     demo = None
     if args.demo:
         from tandem_tools.demo import ensure_demo
@@ -102,12 +104,55 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_openai(args: argparse.Namespace) -> int:
+    """`tandem bench --openai URL --model NAME [--grpc HOST:PORT --target DIR]`: streamed chat completions
+    against any OpenAI-compatible server (tandem_tools/bench/openai.py), beside Tandem's gRPC path when asked."""
+    from tandem_tools.bench.openai import (
+        BUILTIN_PROMPTS,
+        GrpcChat,
+        OpenAIChat,
+        load_conversations,
+        openai_table,
+        run_openai_bench,
+    )
+
+    if not args.model:
+        raise ValueError("--openai needs --model NAME (the server's model, as /v1/models lists it)")
+    if args.grpc and not args.target:
+        raise ValueError("--grpc needs --target DIR: its tokenizer renders the chat template for the gRPC path")
+    conversations = (load_conversations(Path(args.prompts)) if args.prompts
+                     else [[{"role": "user", "content": p}] for p in BUILTIN_PROMPTS])
+    runners = [OpenAIChat(args.openai, args.model)]
+    if args.grpc:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+        runners.append(GrpcChat(args.grpc, lambda messages: list(tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False))))
+    try:
+        results = run_openai_bench(runners, conversations, args.concurrency, args.num_prompts, args.max_new_tokens,
+                                   args.temperature[0], args.seed,
+                                   echo=lambda m: print(m, file=sys.stderr, flush=True))
+    finally:
+        for runner in runners:
+            runner.close()
+    print(openai_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": results}, indent=2))
+    return 0
+
+
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Register `tandem bench` on an argparse subparsers object."""
     p = subparsers.add_parser("bench", help="tokens/s: target-only vs EAGLE-3 at each K vs assisted generation")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--demo", action="store_true", help="the demo pair (built on first use: tandem demo build)")
     which.add_argument("--target", help="target checkpoint directory")
+    p.add_argument("--openai", metavar="URL", help="drive this OpenAI-compatible server (Tandem's front, vLLM, "
+                   "SGLang) with streamed chat completions instead: tokens/s, TTFT, TPOT, ITL, latency")
+    p.add_argument("--model", help="with --openai: the model name the server serves")
+    p.add_argument("--grpc", metavar="HOST:PORT", help="with --openai: the same requests through this Tandem "
+                   "coordinator's gRPC stream too, side by side (needs --target for the chat template)")
     p.add_argument("--draft", help="with --target: the EAGLE-3 head")
     p.add_argument("--assistant", help="with --target: a small LM for the assisted-generation peer")
     p.add_argument("--no-peer", action="store_true", help="leave out the assisted-generation peer")
@@ -122,7 +167,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "coordinator on the rest (default on)")
     p.add_argument("--num-prompts", "-n", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--prompts", metavar="FILE", help="one prompt per line, or .jsonl with prompt / prompt_ids")
+    p.add_argument("--prompts", metavar="FILE", help="one prompt per line, or .jsonl with prompt / prompt_ids "
+                   "(--openai: .jsonl of chat conversations, as `vllm bench serve --dataset-name custom` reads)")
     p.add_argument("--seed", type=int, default=0, help="sampling: prompt i gets seed + i")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of this process (in-process and peer; the services split the cores)")

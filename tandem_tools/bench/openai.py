@@ -168,9 +168,10 @@ class GrpcChat:
 
 def run_openai_bench(runners: list, conversations: list[list[dict]], concurrency: list[int], num_requests: int,
                      max_tokens: int, temperature: float, seed: int = 0,
-                     echo: Callable[[str], None] = print) -> list[dict]:
+                     echo: Callable[[str], None] = print, cpu: Callable[[], float] | None = None) -> list[dict]:
     """Each runner at each concurrency: `num_requests` requests (at least 4 per client), in blocks of 4c
-    that take turns between the runners; one result dict per (runner, concurrency)."""
+    that take turns between the runners; one result dict per (runner, concurrency). `cpu()`: CPU seconds
+    the server's processes have used so far, to report their CPU time per generated token of each runner."""
     results = []
     for runner in runners:  # warm up: first-call set-up is not measured
         runner.run(conversations[0], 4, temperature, seed)
@@ -178,22 +179,28 @@ def run_openai_bench(runners: list, conversations: list[list[dict]], concurrency
         n = max(num_requests, 4 * c)
         timings: dict[str, list[Timing]] = {r.label: [] for r in runners}
         seconds = dict.fromkeys(timings, 0.0)
+        cpu_seconds = dict.fromkeys(timings, 0.0)
         block = 4 * c
         for first in range(0, n, block):
             size = min(block, n - first)
-            order = runners[(first // block) % len(runners):] + runners[: (first // block) % len(runners)]
-            for runner in order:
-                started = time.perf_counter()
+            turn = (first // block) % len(runners)
+            for runner in runners[turn:] + runners[:turn]:  # rotated: neither always goes first
+
                 def one(i: int, runner=runner, first=first) -> Timing:
                     return runner.run(conversations[(first + i) % len(conversations)], max_tokens, temperature,
                                       seed + first + i)
 
+                started, used = time.perf_counter(), cpu() if cpu is not None else 0.0
                 with ThreadPoolExecutor(c) as pool:
                     timings[runner.label] += pool.map(one, range(size))
                 seconds[runner.label] += time.perf_counter() - started
+                cpu_seconds[runner.label] += cpu() - used if cpu is not None else 0.0
             echo(f"bench: concurrency {c}: {min(first + block, n)}/{n} requests")
         for runner in runners:
-            results.append(summarize(runner.label, c, timings[runner.label], seconds[runner.label]))
+            result = summarize(runner.label, c, timings[runner.label], seconds[runner.label])
+            if cpu is not None:
+                result["server_cpu_ms_per_token"] = 1e3 * cpu_seconds[runner.label] / result["generated_tokens"]
+            results.append(result)
     return results
 
 
