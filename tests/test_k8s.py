@@ -40,8 +40,6 @@ MIN_KUBERNETES = "1.27"
 # Kinds kubernetes-validate has no schema for (it ships the built-in API only): each is checked by hand
 # in the test named here, never skipped silently.
 CUSTOM_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"): "test_pod_monitor_scrapes_every_services_metrics_port"}
-# Set in the manifests ahead of the code that reads it: allowed only while no setting of that name exists.
-PENDING = {"TANDEM_COORDINATOR_HTTP_PORT": "the coordinator's OpenAI-compatible HTTP front (issue 20)"}
 # The only commands besides `tandem`: a preStop pause while the endpoints drop the pod.
 OTHER_COMMANDS = {"sleep"}
 GPU = "nvidia.com/gpu"
@@ -253,11 +251,7 @@ def test_every_tandem_variable_is_a_setting_of_its_containers_service(objects):
         for key in variables:
             assert key.startswith(prefix), (name, key)
             field = key.removeprefix(prefix).lower()
-            if field in cls.model_fields:
-                continue
-            assert key in PENDING, f"{name}: {key} is no setting of {cls.__name__}"
-            # the front landed under another name: the manifest must follow it
-            assert not [f for f in cls.model_fields if "http" in f], (key, list(cls.model_fields))
+            assert field in cls.model_fields, f"{name}: {key} is no setting of {cls.__name__}"
 
 
 def test_the_environment_loads_as_valid_settings(objects, tmp_path, monkeypatch):
@@ -288,11 +282,18 @@ def test_the_environment_loads_as_valid_settings(objects, tmp_path, monkeypatch)
 
 
 def test_probes_are_grpc_health_checks_on_each_services_own_port(objects):
+    """The coordinator's readiness asks its HTTP front's /health instead (503 while not serving, like
+    its gRPC health), so that a pod whose HTTP server does not answer takes no traffic."""
     for name, container in containers(objects).items():
         port = int(setting(name, container, objects, "port"))
         assert port in ports(container).values(), f"{name}: port {port} is not declared"
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = container[kind]
+            if name == "coordinator" and kind == "readinessProbe":
+                http = int(setting(name, container, objects, "http_port"))
+                assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"httpGet"}, probe
+                assert probe["httpGet"] == {"path": "/health", "port": http} and http in ports(container).values()
+                continue
             # the kubelet's native grpc.health.v1 client; the port must be a number (named ports are not
             # supported for gRPC probes)
             assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, (name, kind)
