@@ -417,4 +417,3 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()  # [n]
     values, ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())  # [n, top]
     return [TokenLogprob(lp, i, v) for lp, i, v in zip(chosen, ids.tolist(), values.tolist(), strict=True)]
-
