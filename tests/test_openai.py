@@ -85,6 +85,44 @@ def tokenizer(tiny_dir):
     return AutoTokenizer.from_pretrained(tiny_dir / "target")
 
 
+CHATML = ("{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+          "{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"
+          "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] | trim + '<|im_end|>' + '\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+NAMESPACED = ("{% set ns = namespace(system='') %}{% for m in messages %}{% if m.role == 'system' %}"
+              "{% set ns.system = m.content %}{% continue %}{% endif %}[{{ m.role }}] {{ m.content | tojson }}\n"
+              "{% endfor %}{{ ns.system }}{% if add_generation_prompt %}[assistant]{% endif %}{{ eos_token }}")
+
+
+@pytest.mark.parametrize("template", [None, CHATML, NAMESPACED])
+def test_chat_templates_render_as_transformers_renders_them(tokenizer, template):
+    from coordinator.http.chat import render_chat
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo <b>\"x\"</b>  "},
+                {"role": "assistant", "content": "hi"}, {"role": "user", "content": [{"type": "text", "text": "and?"}]}]
+    source = template or tokenizer.chat_template
+    plain = [{**m, "content": m["content"] if isinstance(m["content"], str) else "and?"} for m in messages]
+    for generation_prompt in (True, False):
+        expected = tokenizer.apply_chat_template(plain, chat_template=source, tokenize=False,
+                                                 add_generation_prompt=generation_prompt)
+        special = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
+        assert render_chat(source, messages, special, generation_prompt) == expected
+
+
+def test_spec_metrics_are_vllms_fields_from_the_round_counts():
+    from coordinator.http.protocol import spec_metrics
+    from tandem.stats import GenerationStats
+
+    one = GenerationStats(num_rounds=5, num_draft_tokens=15, num_accepted_tokens=6, accepted_per_position=[3, 2, 1])
+    two = GenerationStats(num_rounds=2, num_draft_tokens=2, num_accepted_tokens=1, accepted_per_position=[1])
+    spec = spec_metrics([one, two])["speculative_decoding"]
+    assert spec == {"num_spec_steps": 7, "num_draft_tokens": 17, "num_accepted_draft_tokens": 7,
+                    "mean_acceptance_length": 2.0, "draft_acceptance_rate": 7 / 17,
+                    "acceptance_histogram": [2 + 1, 1 + 1, 1, 1], "num_spec_tokens": 3,
+                    "accepted_per_position": [4, 2, 1]}
+    assert sum(j * n for j, n in enumerate(spec["acceptance_histogram"])) == spec["num_accepted_draft_tokens"]
+
+
 def test_models_lists_the_target_by_its_directory_name(client):
     assert [m.id for m in client.models.list().data] == ["target"]
 
