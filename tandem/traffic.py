@@ -12,7 +12,8 @@ Kinds split a message's serialized size; they add up to it exactly:
 
     features     tensor payload bytes: rows x 3H x dtype size (the framing around them is control)
     token_ids    the varint-encoded token id values (packed repeated fields: no tag, no length)
-    draft_probs  draft probability payload bytes (none yet: drafts are argmax, q is one-hot)
+    draft_probs  q of sampled drafts (DraftProbs): its support ids (varints) and float32 probabilities;
+                 greedy drafts carry none (argmax, q one-hot)
     text         UTF-8 bytes of the prompt and of the output text
     control      the rest: tags, lengths, shapes, sampling parameters, session ids, step timing
 
@@ -93,6 +94,11 @@ class Parts:
                 "text": self.text, "control": size - payload}
 
 
+def _draft_probs(parts: Parts, q) -> None:
+    for dist in q:
+        parts.draft_probs += ids_size(dist.ids) + 4 * len(dist.probs)  # packed float: 4 bytes each
+
+
 def _features(parts: Parts, chunk: common_pb2.Features) -> None:
     # From the shape, not len(data): reading a bytes field copies it (2 MiB for a full chunk).
     if chunk.WhichOneof("payload") == "tensor":
@@ -118,6 +124,7 @@ def _target_request(msg: target_pb2.TargetRequest, parts: Parts) -> None:
     elif step == "verify":
         _scalar_id(parts, msg.verify.token)
         _ids(parts, msg.verify.drafts)
+        _draft_probs(parts, msg.verify.q)
 
 
 def _target_response(msg: target_pb2.TargetResponse, parts: Parts) -> None:
@@ -139,6 +146,9 @@ def _draft_request(msg: draft_pb2.DraftRequest, parts: Parts) -> None:
 
 def _draft_response(msg: draft_pb2.DraftResponse, parts: Parts) -> None:
     _ids(parts, msg.drafts)
+    _draft_probs(parts, msg.q)
+    for branch in msg.branches:
+        _draft_probs(parts, branch.q)
 
 
 def _generate_request(msg: coordinator_pb2.GenerateRequest, parts: Parts) -> None:

@@ -119,6 +119,7 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
     num_draft_tokens = num_accepted = num_drafts = 0
     profile0 = done[0].profile if done else None
     overlap_rounds = overlap_hits = hit_rounds = 0
+    drafted_rounds = 0  # verify rounds that carried drafts
     propose_ns: list[int] = []  # round trips of the proposes that ran
     exposed_ns = 0
 
@@ -133,6 +134,7 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
                 target[stage] += ns
             if r.index > 0:
                 verify_rounds += 1
+                drafted_rounds += r.num_drafts > 0
                 wall_rounds_ns += r.end_ns - r.start_ns
                 hit_rounds += r.overlap_hit
                 if r.draft_sent_ns and r.draft_received_ns:
@@ -243,6 +245,13 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
         "requests": requests,
         "errors": [{"index": r.index, "error": r.error} for r in records if r.error is not None],
     }
+    # speculative sampling: q of every sampled draft, draft -> coordinator, then relayed to the target
+    q_bytes = links["draft->coordinator"]["by_kind"]["draft_probs"]
+    report["draft_probs"] = {
+        "bytes": q_bytes, "relayed_to_target_bytes": links["coordinator->target"]["by_kind"]["draft_probs"],
+        "drafted_rounds": drafted_rounds, "bytes_per_round": q_bytes / drafted_rounds if drafted_rounds else 0.0,
+        "bytes_per_draft": q_bytes / num_draft_tokens if num_draft_tokens else 0.0,
+    }
     propose_ms = statistics.fmean(propose_ns) / 1e6 if propose_ns else 0.0
     report["overlap"] = {
         "rounds": overlap_rounds, "hits": overlap_hits,
@@ -270,8 +279,8 @@ def summary(report: dict) -> str:
     head = (f"{t['completed']}/{t['requests']} requests, {t['prompt_tokens']} prompt + {t['generated_tokens']} "
             f"generated tokens, {t['rounds']} rounds in {t['wall_s']:.2f}s ({t['output_tokens_per_s']:.1f} tok/s); "
             f"mean acceptance length {report['acceptance']['mean_acceptance_length']:.2f}")
-    columns = (f"{'link':<22}{'msgs':>8}{'total':>12}{'B/token':>10}{'features':>10}{'token_ids':>10}{'text':>7}"
-               f"{'control':>9}   time share (connection)")
+    columns = (f"{'link':<22}{'msgs':>8}{'total':>12}{'B/token':>10}{'features':>10}{'token_ids':>10}{'q':>8}"
+               f"{'text':>7}{'control':>9}   time share (connection)")
     lines = [head, "", columns]
     share_of = {link: (name, c["share"]) for name, c in report["transport"]["connections"].items()
                 for link in CONNECTIONS[name]}
@@ -283,13 +292,18 @@ def summary(report: dict) -> str:
         shown = f"{100 * share:5.1f}% ({conn})" if conn != "client<->coordinator" else "   in coordinator"
         lines.append(
             f"{name:<22}{link['messages']:>8}{_human_bytes(link['bytes']):>12}{link['bytes_per_token']:>10.1f}"
-            f"{per['features']:>10.1f}{per['token_ids']:>10.2f}{per['text']:>7.2f}{per['control']:>9.1f}   {shown}"
+            f"{per['features']:>10.1f}{per['token_ids']:>10.2f}{per['draft_probs']:>8.1f}{per['text']:>7.2f}"
+            f"{per['control']:>9.1f}   {shown}"
         )
     lat = report["latency"]
     lines += ["", f"{'stage':<16}{'total s':>10}{'ms/round':>10}{'share':>8}"]
     for stage in STAGES:
         lines.append(f"{stage:<16}{lat['stages'][stage]:>10.3f}{lat['per_round_ms'][stage]:>10.2f}"
                      f"{100 * lat['share'][stage]:>7.1f}%")
+    q = report.get("draft_probs", {})
+    if q.get("bytes"):
+        lines.append(f"q (sampled drafts' distributions): {q['bytes_per_round']:.0f} B per drafted round per session, "
+                     f"{q['bytes_per_draft']:.0f} B per draft (draft -> coordinator, relayed to the target)")
     ov = report.get("overlap", {})
     if ov.get("rounds"):
         lines.append(

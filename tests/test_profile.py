@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem.config import DRAFT_Q_TOP_N
 from tandem.params import GenerationRequest
 from tandem.traffic import ids_size, varint_size
 from tandem_tools.inprocess import InProcessGenerator
@@ -185,3 +186,25 @@ def test_the_summary_table_is_printed(run):
     assert "target_compute" in stdout and "transport" in stdout
     assert str(out / "trace.json") in stdout
     assert Path(out / "report.json").is_file()
+
+
+def test_sampled_drafts_send_their_q_and_the_report_counts_it_per_round(tiny_dir, tmp_path):
+    """Speculative sampling: every sampled draft's q crosses draft -> coordinator and is relayed to the
+    target, counted as draft_probs at both ends, and the report gives its bytes per drafted round."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tandem_tools.cli", "profile", "--target", str(tiny_dir / "target"),
+         "--draft", str(tiny_dir / "draft"), "--num-requests", "2", "--concurrency", "1", "--temperature", "1",
+         "--seed", "3", "--max-new-tokens", "12", "--num-draft-tokens", str(K), "--ignore-eos",
+         "--out", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    links, q = report["links"], report["draft_probs"]
+    assert q["bytes"] == links["draft->coordinator"]["by_kind"]["draft_probs"] > 0
+    assert q["relayed_to_target_bytes"] == links["coordinator->target"]["by_kind"]["draft_probs"] == q["bytes"]
+    assert report["transport"]["send_site"]["draft->coordinator"]["draft_probs"] == q["bytes"]
+    drafted = sum(r["num_drafts"] > 0 for request in report["requests"] for r in request["rounds"][1:])
+    assert q["drafted_rounds"] == drafted and q["bytes_per_round"] == pytest.approx(q["bytes"] / drafted)
+    assert 5 <= q["bytes_per_draft"] <= DRAFT_Q_TOP_N * (3 + 4)  # per support token: an id varint, a float
+    assert "q (sampled drafts' distributions)" in proc.stdout

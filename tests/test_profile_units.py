@@ -50,6 +50,10 @@ def messages(rng: random.Random) -> list:
         target_pb2.TargetResponse(features=feature_chunk(3)),
         draft_pb2.DraftRequest(session_id="x", next_tokens=ids(9), num_draft_tokens=4, features=feature_chunk(9)),
         draft_pb2.DraftResponse(drafts=ids(4), timing=profile_pb2.StepTiming(compute_ns=99)),
+        draft_pb2.DraftResponse(drafts=ids(3), q=[common_pb2.DraftProbs(ids=ids(8), probs=[0.125] * 8)
+                                                  for _ in range(3)]),
+        target_pb2.TargetRequest(verify=target_pb2.Verify(token=5, drafts=ids(2), q=[
+            common_pb2.DraftProbs(ids=ids(32), probs=[rng.random() for _ in range(32)]) for _ in range(2)])),
         coordinator_pb2.GenerateRequest(prompt="héllo wörld ✓", max_new_tokens=32, stop=["\n\n"]),
         coordinator_pb2.GenerateRequest(prompt_ids=ids(30)),
         coordinator_pb2.GenerateResponse(token_ids=ids(6), text="def main(", finish_reason="length"),
@@ -84,6 +88,16 @@ def test_token_id_bytes_are_the_varints_of_the_ids():
     assert (parts.num_token_ids, parts.token_ids) == (4, 1 + 2 + 3 + 3)
     request = target_pb2.TargetRequest(verify=target_pb2.Verify(token=0, drafts=[1, 2]))
     assert (parts_of(request).num_token_ids, parts_of(request).token_ids) == (3, 2)  # a zero id is not sent
+
+
+def test_q_bytes_are_its_support_ids_and_float_probabilities():
+    q = [common_pb2.DraftProbs(ids=[5, 300, 70_000], probs=[0.5, 0.25, 0.25]),
+         common_pb2.DraftProbs(ids=[9], probs=[1.0])]
+    response = draft_pb2.DraftResponse(drafts=[5, 9], q=q)
+    assert parts_of(response).draft_probs == (1 + 2 + 3 + 4 * 3) + (1 + 4)
+    assert parts_of(response).num_token_ids == 2  # q's support is not counted as token ids
+    relayed = target_pb2.TargetRequest(verify=target_pb2.Verify(token=1, drafts=[5, 9], q=q))
+    assert parts_of(relayed).draft_probs == parts_of(response).draft_probs
 
 
 @pytest.fixture
