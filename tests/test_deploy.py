@@ -332,6 +332,7 @@ def _coordinator_requirements() -> list[str]:
 def test_coordinator_image_gets_the_light_dependencies_only():
     names = {re.split(r"[\s<>=!~;\[(]", spec, maxsplit=1)[0].lower() for spec in _coordinator_requirements()}
     assert {"grpcio", "grpcio-health-checking", "pydantic", "pydantic-settings", "tokenizers"} <= names
+    assert {"starlette", "uvicorn", "jinja2"} <= names  # the OpenAI-compatible HTTP front
     assert not names & {"torch", "transformers", "safetensors"}, names
 
 
@@ -397,6 +398,7 @@ def test_coordinator_image_recipe_runs_the_coordinator_without_torch(coordinator
     enough for `tandem coordinator`, `tandem generate --server` and the health probe."""
     code = (
         "import sys, coordinator.server, coordinator.client, coordinator.backends\n"
+        "import coordinator.http.app, coordinator.http.server\n"  # the OpenAI front: starlette, uvicorn, jinja2
         "import tandem_tools.cli, tandem.config\n"
         "heavy = [m for m in ('torch', 'transformers', 'numpy', 'safetensors') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
