@@ -307,6 +307,9 @@ def test_error_classes_map_to_their_http_status(client, stack):
         client.completions.create(model="target", prompt=[1, 2, 10**6], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="roles"):  # the template's raise_exception
         client.chat.completions.create(model="target", messages=[{"role": "robot", "content": "x"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="only text"):
+        client.chat.completions.create(model="target", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
     with pytest.raises(openai.RateLimitError, match="max_sessions"):  # RESOURCE_EXHAUSTED
         client.completions.create(model="target", prompt="x", max_tokens=2, n=MAX_SESSIONS + 1)
     assert httpx.post(f"{stack.url}/v1/completions", content=b"{not json").status_code == 400

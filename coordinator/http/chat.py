@@ -54,7 +54,10 @@ def message_text(content) -> str:
     content format); None (an assistant turn with tool calls only) is empty."""
     if content is None or isinstance(content, str):
         return content or ""
-    return "\n".join(part["text"] for part in content if part.get("type") == "text")
+    kinds = {part.get("type") for part in content} - {"text"}
+    if kinds:
+        raise InvalidRequest(f"only text content parts are supported, got {sorted(map(str, kinds))}")
+    return "\n".join(part["text"] for part in content)
 
 
 def render_chat(template: str, messages: list[dict], special_tokens: dict[str, str],
