@@ -349,6 +349,30 @@ def test_bench_openai_drives_the_front_beside_the_grpc_path(stack, tokenizer):
     assert "| openai-http | 2 | 8 |" in openai_table(results)
 
 
+def test_health_is_503_while_the_coordinator_connects(tmp_path):
+    """No target yet: the HTTP front answers at once, /health and every API call with 503."""
+    from tests.processes import Proc
+
+    coordinator = Proc("coordinator", ["--target-addr", "127.0.0.1:9", "--http-port", "0",
+                                       "--connect-timeout", "60"], tmp_path)
+    try:
+        coordinator.wait_address()
+        http = coordinator.announce.with_name(coordinator.announce.name + ".http")
+        deadline = time.monotonic() + 30
+        while not http.is_file():
+            assert time.monotonic() < deadline, coordinator.log()
+            time.sleep(0.05)
+        url = http.read_text().strip()
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and "connecting" in health.text
+        models = httpx.get(f"{url}/v1/models")
+        assert models.status_code == 503 and models.json()["error"]["type"] == "ServiceUnavailableError"
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x"})
+        assert refused.status_code == 503, refused.text
+    finally:
+        coordinator.kill()
+
+
 def test_draining_answers_503_while_in_flight_requests_finish(stack, client):
     """Last: stops the stack. SIGTERM drains the coordinator; a stream already running finishes."""
     body = {"prompt": "x", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
