@@ -52,6 +52,8 @@ METRICS_PORT_HELP = "serve Prometheus /metrics on this port (default: off; 0 = a
 HTTP_PORT_HELP = ("serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
                   "/metrics) on this port of --host (default: off; 0 = any free port)")
 SERVED_MODEL_NAME_HELP = "the model name of the HTTP API (default: the target's directory name)"
+CHAT_TEMPLATE_HELP = ("the HTTP API's chat template, a jinja2 file or the template itself (default: the target "
+                      "checkpoint's)")
 
 
 class ConfigError(ValueError):
@@ -257,6 +259,19 @@ class CoordinatorSettings(ServiceSettings):
     # The OpenAI-compatible HTTP front (coordinator/http/) on this port of the same --host; off unless given.
     http_port: int | None = Field(None, ge=0, le=65535, description=HTTP_PORT_HELP)
     served_model_name: str | None = Field(None, min_length=1, description=SERVED_MODEL_NAME_HELP)
+    # For a checkpoint without one (a base model) or to replace it, as vLLM's --chat-template.
+    chat_template: str | None = Field(None, min_length=1, description=CHAT_TEMPLATE_HELP)
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, v: str | None) -> str | None:
+        """A file's text; anything with no newline and no jinja2 markup must be an existing file."""
+        if v is None or "{" in v or "\n" in v:
+            return v
+        path = Path(v)
+        if not path.is_file():
+            raise ValueError(f"chat_template {v!r} is neither a file nor a jinja2 template")
+        return path.read_text()
 
     @field_validator("target_addr", "draft_addr")
     @classmethod
@@ -291,6 +306,7 @@ class ServeSettings(BaseSettings):
     draft_metrics_port: int | None = Field(None, ge=0, le=65535)
     http_port: int | None = Field(None, ge=0, le=65535, description=HTTP_PORT_HELP)  # the coordinator's
     served_model_name: str | None = Field(None, min_length=1, description=SERVED_MODEL_NAME_HELP)
+    chat_template: str | None = Field(None, min_length=1, description=CHAT_TEMPLATE_HELP)  # passed on as given
     # On a CPU host, the target on half the CPUs and the draft and the coordinator on the other half,
     # as they would be on two devices: sharing every core, the services' threads took turns on them
     # and a round at 16 requests took 1.3x longer (SPLIT_CPUS_HELP).

@@ -228,6 +228,8 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int,
                    help="serve the OpenAI-compatible HTTP API on this port of --host (default: off; 0 = any free port)")
     p.add_argument("--served-model-name", help="the model name of the HTTP API (default: the target's directory name)")
+    p.add_argument("--chat-template", help="the HTTP API's chat template: a jinja2 file or the template itself "
+                   "(default: the target checkpoint's)")
 
 
 def build_parser() -> argparse.ArgumentParser:

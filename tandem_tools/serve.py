@@ -144,6 +144,8 @@ def serve(settings: ServeSettings) -> int:
                 coordinator_args += ["--http-port", str(settings.http_port)]
             if settings.served_model_name is not None:
                 coordinator_args += ["--served-model-name", settings.served_model_name]
+            if settings.chat_template is not None:
+                coordinator_args += ["--chat-template", settings.chat_template]
             coordinator = Child("coordinator", coordinator_args, run / "coordinator.addr")
             children.insert(0, coordinator)  # stopped first: it drains while the services still answer
             address = coordinator.address(deadline)

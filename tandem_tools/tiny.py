@@ -131,4 +131,19 @@ def ensure_tiny() -> Path:
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
+    add_chat_template(directory / "target")
     return directory
+
+
+def add_chat_template(target: Path) -> None:
+    """A tiny pair built before it had a chat template gets it (tokenization does not change)."""
+    import json
+
+    config_path = target / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    if config.get("chat_template") or (target / "chat_template.jinja").is_file():
+        return
+    config["chat_template"] = CHAT_TEMPLATE
+    tmp = config_path.with_name(f".{config_path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    tmp.replace(config_path)

@@ -109,6 +109,17 @@ def test_chat_templates_render_as_transformers_renders_them(tokenizer, template)
         assert render_chat(source, messages, special, generation_prompt) == expected
 
 
+def test_chat_template_setting_reads_a_file_or_takes_the_template_itself(tmp_path):
+    from tandem.config import ConfigError, CoordinatorSettings, load_settings
+
+    path = tmp_path / "chat.jinja"
+    path.write_text(CHATML)
+    for given in (str(path), CHATML):
+        assert load_settings(CoordinatorSettings, target_addr="a:1", chat_template=given).chat_template == CHATML
+    with pytest.raises(ConfigError, match="neither a file nor a jinja2 template"):
+        load_settings(CoordinatorSettings, target_addr="a:1", chat_template=str(tmp_path / "missing.jinja"))
+
+
 def test_spec_metrics_are_vllms_fields_from_the_round_counts():
     from coordinator.http.protocol import spec_metrics
     from tandem.stats import GenerationStats

@@ -135,9 +135,11 @@ class Choice:
 class Front:
     """The routes, over the coordinator's generations."""
 
-    def __init__(self, generations: Generations, served_model_name: str | None = None):
+    def __init__(self, generations: Generations, served_model_name: str | None = None,
+                 chat_template: str | None = None):
         self.generations = generations
         self.served_model_name = served_model_name
+        self.chat_template = chat_template  # --chat-template: in place of the target checkpoint's
         self.created = int(time.time())
 
     # -- what the front serves -------------------------------------------------------------------
@@ -234,7 +236,7 @@ class Front:
         def build(pair: Pair) -> ClientRequest:
             if chat:
                 ids = _tokenize(pair, render_chat(
-                    pair.target_info.chat_template, [m.model_dump(exclude_none=True) for m in params.messages],
+                    self.chat_template or pair.target_info.chat_template, [m.model_dump(exclude_none=True) for m in params.messages],
                     dict(pair.target_info.special_tokens), params.add_generation_prompt,
                     **(params.chat_template_kwargs or {}),
                 ), special=False)  # the template writes the special tokens (BOS) itself

@@ -65,7 +65,8 @@ def render_chat(template: str, messages: list[dict], special_tokens: dict[str, s
     """The prompt text; InvalidRequest when the model has no template or the template refuses the
     conversation (its raise_exception: e.g. roles out of order)."""
     if not template:
-        raise InvalidRequest("the model has no chat template: use /v1/completions with the prompt as text")
+        raise InvalidRequest("the model has no chat template: give the coordinator one (--chat-template), or use "
+                             "/v1/completions with the prompt as text")
     messages = [{**m, "content": message_text(m.get("content"))} for m in messages]
     try:
         return compile_template(template).render(

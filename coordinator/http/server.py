@@ -40,7 +40,7 @@ class HttpFront:
         self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         port = self.socket.getsockname()[1]
         self.url = f"http://{f'[{host}]' if family == socket.AF_INET6 else host}:{port}"
-        app = Front(generations, settings.served_model_name).app()
+        app = Front(generations, settings.served_model_name, settings.chat_template).app()
         config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
         self.server = uvicorn.Server(config)
