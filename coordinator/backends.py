@@ -26,7 +26,6 @@ import grpc
 
 from tandem.convert import (
     branches_from_pb,
-    draft_probs_from_pb,
     draft_probs_to_pb,
     logprobs_from_pb,
     sampling_to_pb,
@@ -333,7 +332,7 @@ class GrpcDraft:
         response = self._answer()
         if self._cohorts is not None and response.HasField("batch"):
             self._cohorts.from_draft(response.batch.id, response.batch.size)
-        return Drafts(response.drafts, draft_probs_from_pb(response.q))
+        return Drafts(response.drafts, list(response.q) or None)  # q is relayed to the target as it came
 
     def ahead(
         self,

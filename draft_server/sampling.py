@@ -60,20 +60,24 @@ def draft_q(logits: torch.Tensor, samplers: list[DraftSampler], top_n: int) -> t
     fp32, each row summing to 1 over its support, a prefix of the row, and 0 after it)."""
     device, vocab = logits.device, logits.shape[-1]
     temperature = torch.tensor([s.temperature for s in samplers], device=device)[:, None]  # [B, 1]
-    top_k = torch.tensor([s.top_k or vocab for s in samplers], device=device)[:, None]  # [B, 1]
-    top_p = torch.tensor([s.top_p for s in samplers], device=device)[:, None]  # [B, 1]
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, Vd]
     n = vocab if top_n <= 0 else min(top_n, vocab)
-    width = min(vocab, max(n, int(top_k.max())))  # enough columns for the top-k mass
+    top_k = [min(s.top_k, vocab) or vocab for s in samplers]
+    width = max(n, *(k for k in top_k if k < vocab), 1)  # the columns the cut and the top-k mass need
     if width < vocab:
         sorted_p, ids = probs.topk(width, dim=-1)  # [B, width]
     else:
         sorted_p, ids = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(width, device=device)[None]  # [1, width]
-    in_k = rank < top_k
-    mass_k = (sorted_p * in_k).sum(-1, keepdim=True)  # [B, 1]: top-p works on the top-k renormalised
-    before = (torch.cumsum(sorted_p, -1) - sorted_p) / mass_k  # mass of the likelier tokens
-    keep = in_k & (before < top_p) & (rank < n)
+    before = torch.cumsum(sorted_p, -1) - sorted_p  # [B, width]: the mass of the likelier tokens
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if any(k < vocab for k in top_k):  # top-p then works on the top-k mass, renormalised
+        rank = torch.arange(width, device=device)[None]
+        top_k_col = torch.tensor(top_k, device=device)[:, None]  # [B, 1]
+        keep = rank < top_k_col
+        mass = torch.where(top_k_col < vocab, (sorted_p * keep).sum(-1, keepdim=True), 1.0)  # [B, 1]
+        before = before / mass
+    if any(s.top_p < 1.0 for s in samplers):
+        keep = keep & (before < torch.tensor([s.top_p for s in samplers], device=device)[:, None])
     kept = (sorted_p * keep)[:, :n]
     return ids[:, :n], kept / kept.sum(-1, keepdim=True)
 

@@ -85,8 +85,10 @@ def _plain(value):
     return value if isinstance(value, (int, float)) else list(value)
 
 
-def draft_probs_to_pb(q: list[DraftProbs] | None) -> list[common_pb2.DraftProbs]:
-    return [common_pb2.DraftProbs(ids=d.ids, probs=d.probs) for d in q or ()]
+def draft_probs_to_pb(q: list[DraftProbs] | list[common_pb2.DraftProbs] | None) -> list[common_pb2.DraftProbs]:
+    """q as wire messages; messages already (q relayed by the coordinator, never decoded) pass as they are."""
+    return [d if isinstance(d, common_pb2.DraftProbs) else common_pb2.DraftProbs(ids=d.ids, probs=d.probs)
+            for d in q or ()]
 
 
 def draft_probs_from_pb(msgs) -> list[DraftProbs] | None:
@@ -100,8 +102,8 @@ def branches_to_pb(branches: list[Branch]) -> list[draft_pb2.Branch]:
 
 
 def branches_from_pb(msgs) -> list[Branch]:
-    return [Branch(accepted=b.accepted, bonus=b.bonus, drafts=list(b.drafts), q=draft_probs_from_pb(b.q))
-            for b in msgs]
+    """q stays as its wire messages: the coordinator relays it to the target without decoding it."""
+    return [Branch(accepted=b.accepted, bonus=b.bonus, drafts=list(b.drafts), q=list(b.q) or None) for b in msgs]
 
 
 def target_shape_from_pb(info: target_pb2.TargetInfo) -> TargetShape:

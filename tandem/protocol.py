@@ -57,7 +57,8 @@ class DraftProbs:
 class Drafts(list):
     """d_1..d_K (target ids), and `q`: for each, the DraftProbs it was sampled from (a sampled request,
     speculative sampling), or None when the drafts are the draft's argmax (greedy, or a draft that does
-    not sample): the target then counts q as one-hot on each draft, which is lossless too."""
+    not sample): the target then counts q as one-hot on each draft, which is lossless too. Like features,
+    q is opaque to the round loop: DraftProbs in-process, the wire messages the coordinator relays."""
 
     def __init__(self, tokens=(), q: list[DraftProbs] | None = None):
         super().__init__(tokens)

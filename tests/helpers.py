@@ -102,17 +102,36 @@ class SamplingOracleDraft:
         if create:
             self.context[session_id] = [self.first_token]
             self.samplers[session_id] = DraftSampler.for_request(sampling)
-        context, sampler = self.context[session_id], self.samplers[session_id]
-        context.extend(next_tokens)
-        rollout, drafts, q = list(context), [], []
-        for _ in range(num_draft_tokens):
+        self.context[session_id].extend(next_tokens)
+        return self._rollout(session_id, list(self.context[session_id]), num_draft_tokens)
+
+    def _rollout(self, session_id: str, rollout: list[int], k: int) -> Drafts:
+        """k drafts after `rollout`, each drawn from q with the uniform of its position."""
+        sampler, drafts, q = self.samplers[session_id], [], []
+        for _ in range(k):
             ids, probs = draft_q(self._logits(rollout)[None], [sampler], self.top_n)  # [1, N]
             column = int(draw(probs, [sampler.uniform(len(rollout))])[0])
             support = int((probs > 0).sum())
             drafts.append(int(ids[0, column]))
             q.append(DraftProbs(ids[0, :support].tolist(), probs[0, :support].tolist()))
-            rollout.append(drafts[-1])
+            rollout = [*rollout, drafts[-1]]
         return Drafts(drafts, q)
+
+    def ahead(self, session_id, features, next_tokens, drafts, num_draft_tokens, branches=1):
+        """Overlap: for j = 0..J drafts accepted, the target's likeliest tokens after them (never the
+        rejected d_{j+1}) as the bonus, and K sampled drafts after each: up to `branches` outcomes."""
+        context = self.context[session_id]
+        context.extend(next_tokens)
+        prepared = []
+        for j in range(len(drafts) + 1):
+            prefix = [*context, *drafts[:j]]
+            likeliest = ((self._logits(prefix) - self.bias) * self.temper).topk(3).indices.tolist()  # the target's
+            for bonus in [t for t in likeliest if j == len(drafts) or t != drafts[j]][:2]:
+                upcoming = self._rollout(session_id, [*prefix, bonus], num_draft_tokens)
+                prepared.append(Branch(accepted=j, bonus=bonus, drafts=list(upcoming), q=upcoming.q))
+        done: Future = Future()
+        done.set_result(prepared[:branches])
+        return done
 
     def release(self, session_id):
         self.context.pop(session_id, None)

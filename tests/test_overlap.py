@@ -235,6 +235,10 @@ def test_services_with_overlap_match_in_process_and_survive_a_killed_draft(tiny_
                     assert got.stats["num_overlap_hits"] <= got.stats["num_overlap_rounds"]
                     overlap_rounds += got.stats["num_overlap_rounds"]
             assert overlap_rounds > 0
+            # a sampled request: aheads prepare sampled drafts with their q, which the coordinator relays
+            sampled = client.generate(prompt_ids=[5, 6, 7], max_new_tokens=20, num_draft_tokens=2, temperature=1.0,
+                                      seed=3, ignore_eos=True)
+            assert len(sampled.token_ids) == 20 and sampled.stats["num_overlap_rounds"] > 0
 
             request = build_request(prompt_ids=[5, 6, 7], max_new_tokens=20, num_draft_tokens=2)
             request.profile = True

@@ -1,15 +1,15 @@
 """Speculative sampling with the draft's own distribution q is lossless: the output law is the target's.
 
-The statistical test: for each setting (temperature 0.7 and 1.0, with and without top-k/top-p, sessions
-alone and batched), RUNS seeded generations of a few tokens from one prompt, drafted K=2 at a time by a
-draft that samples from its own q and sends it (helpers.SamplingOracleDraft: accepted, recovered and
-bonus tokens all carry mass). At each of the positions 1..3 (the drafted ones; position 0 is the
-prefill's own sample) the empirical law of the next token given the tokens before it is compared with
-the target's exact conditional law (a chi-square over (prefix, token) cells, rare cells pooled within
-each prefix). Each check fails at p < ALPHA: with 8 settings x 3 positions = 24 checks the chance that
-a correct sampler fails this file is at most 24 * ALPHA = 0.24% (Bonferroni). The same test, run on a
-sampler with a classic bug (the recovered token drawn from p instead of max(0, p - q)), fails at once:
-the check has the power to see a wrong rule at this size.
+The statistical test: for each case (temperature 0.7 and 1.0, with and without top-k/top-p, sessions
+alone and batched, and two with overlap), RUNS seeded generations of a few tokens from one prompt,
+drafted K=2 at a time by a draft that samples from its own q and sends it (helpers.SamplingOracleDraft:
+accepted, recovered and bonus tokens all carry mass; with overlap, drafts prepared during the last
+verify too). At each of the positions 1..3 (the drafted ones; position 0 is the prefill's own sample)
+the empirical law of the next token given the tokens before it is compared with the target's exact
+conditional law: a chi-square over (prefix, token) cells, rare cells pooled within each prefix. A check
+fails at p < ALPHA; with 10 cases x 3 positions = 30 checks, the chance that a correct sampler fails
+this file is at most 30 * ALPHA = 0.3% (Bonferroni). The same test on a sampler with a classic bug (the
+recovered token drawn from p instead of max(0, p - q)) fails: at this size the check sees a wrong rule.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from helpers import SamplingOracleDraft
 
 from draft_server.sampling import DraftSampler, draft_q, draw
 from tandem.params import GenerationRequest, SamplingParams
+from tandem.policy import Speculation
 from tandem.rounds import run_rounds
 from target_server import acceptance
 from target_server.acceptance import target_probs
 
 PROMPT = [17, 250, 33, 104]
-RUNS, K, NEW_TOKENS = 1200, 2, 4
+RUNS, K, NEW_TOKENS = 800, 2, 4
 POSITIONS = (1, 2, 3)
 ALPHA = 1e-4  # per check
 
@@ -41,19 +42,29 @@ SETTINGS = {
 }
 
 
-def sample_runs(target, draft, params: SamplingParams, runs: int, batched: bool) -> list[tuple[int, ...]]:
-    """`runs` seeded generations of NEW_TOKENS tokens; batched: 8 at a time, so that the target verifies
-    them in shared forwards."""
+def sample_runs(target, draft, params: SamplingParams, runs: int, mode: str) -> tuple[list[tuple[int, ...]], int]:
+    """`runs` seeded generations of NEW_TOKENS tokens, and the overlap hits among their rounds. batched: 8
+    at a time, so that the target verifies them in shared forwards; overlap: the draft prepares each next
+    round during the verify (a hit verifies the drafts it prepared, with their q)."""
+    speculation = Speculation(overlap=mode == "overlap")
 
     def one(seed: int) -> tuple[int, ...]:
-        request = GenerationRequest(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=K,
+        # an ahead runs only while a next round can follow: overlap needs a few more tokens
+        new_tokens = NEW_TOKENS + 2 if mode == "overlap" else NEW_TOKENS
+        request = GenerationRequest(prompt_ids=PROMPT, max_new_tokens=new_tokens, num_draft_tokens=K,
                                     ignore_eos=True, sampling=params.model_copy(update={"seed": seed}))
-        return tuple(t for event in run_rounds(target, draft, request) for t in event.new_tokens)
+        events = run_rounds(target, draft, request, speculation=speculation)
+        tokens, event = [], None
+        for event in events:
+            tokens += event.new_tokens
+        hits.append(event.stats.num_overlap_hits)
+        return tuple(tokens)
 
-    if not batched:
-        return [one(seed) for seed in range(runs)]
+    hits: list[int] = []
+    if mode != "batched":
+        return [one(seed) for seed in range(runs)], sum(hits)
     with ThreadPoolExecutor(8) as pool:
-        return list(pool.map(one, range(runs)))
+        return list(pool.map(one, range(runs))), sum(hits)
 
 
 def conditional_p_value(model, params: SamplingParams, samples: list[tuple[int, ...]], position: int) -> float:
@@ -94,13 +105,18 @@ def oracle(hf_target):
     return SamplingOracleDraft(hf_target, PROMPT[0], top_n=8)
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
-@pytest.mark.parametrize("name", list(SETTINGS))
-def test_sampled_drafts_keep_the_targets_law(generator, hf_target, oracle, name, batched):
+CASES = [(name, mode) for name in SETTINGS for mode in ("alone", "batched")] + [
+    ("t1", "overlap"), ("t0.7-top_k8-top_p0.9", "overlap")]
+
+
+@pytest.mark.parametrize("name, mode", CASES, ids=[f"{name}-{mode}" for name, mode in CASES])
+def test_sampled_drafts_keep_the_targets_law(generator, hf_target, oracle, name, mode):
     params = SETTINGS[name]
-    samples = sample_runs(generator.target, oracle, params, RUNS, batched)
+    samples, hits = sample_runs(generator.target, oracle, params, RUNS, mode)
+    if mode == "overlap":
+        assert hits > RUNS // 4, hits  # prepared drafts carry a good share of the mass
     p_values = {j: conditional_p_value(hf_target, params, samples, j) for j in POSITIONS}
-    assert min(p_values.values()) > ALPHA, p_values
+    assert min(p_values.values()) > ALPHA, (p_values, hits)
     assert generator.target.num_sessions == 0
 
 
@@ -117,8 +133,9 @@ def test_the_check_sees_a_residual_drawn_from_p(generator, hf_target, oracle, mo
 
     monkeypatch.setattr(acceptance, "accept_sampled", biased)
     params = SETTINGS["t1"]
-    samples = sample_runs(generator.target, oracle, params, RUNS, batched=True)
-    assert min(conditional_p_value(hf_target, params, samples, j) for j in POSITIONS) < ALPHA
+    samples, _ = sample_runs(generator.target, oracle, params, RUNS, "batched")
+    p_value = min(conditional_p_value(hf_target, params, samples, j) for j in POSITIONS)
+    assert p_value < ALPHA, p_value
 
 
 def test_seeded_sampled_requests_repeat_alone_and_batched(generator):
@@ -169,3 +186,14 @@ def test_draws_follow_q():
     stat = sum((counts[i] - n * p) ** 2 / (n * p) for i, p in enumerate(probs[0].tolist()) if p)
     assert float(torch.special.gammaincc(torch.tensor(1.5), torch.tensor(stat / 2))) > 1e-4
     assert DraftSampler.for_request(SamplingParams(temperature=1.0, seed=5)).uniform(7) == sampler.uniform(7)
+
+
+def test_a_batch_gives_each_row_the_q_it_gets_alone():
+    """Rows with and without top-k or top-p in one batch: each row's q is its own."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    samplers = [DraftSampler(1.0, 0, 0.8, 1), DraftSampler(1.0, 5, 0.9, 2), DraftSampler(0.7, 0, 1.0, 3)]
+    ids, probs = draft_q(logits, samplers, top_n=8)
+    for row, sampler in enumerate(samplers):
+        alone_ids, alone_probs = draft_q(logits[row : row + 1], [sampler], top_n=8)
+        assert torch.equal(ids[row], alone_ids[0])
+        torch.testing.assert_close(probs[row], alone_probs[0])
