@@ -251,7 +251,8 @@ class DraftEngine(SessionOwner):
         sizes = [len(step.next_tokens) for step in steps]
         longest, width = max(past), max(sizes)
         # the extend: every session's new pairs, right-padded, after its KV, left-padded
-        fused = model.fuse(torch.cat([step.features for step in steps]).to(device, self.dtype))  # [sum m, H]
+        # each step's features to our device first: a fast path's arrive on its device, an inline step's on the CPU
+        fused = model.fuse(torch.cat([step.features.to(device, self.dtype) for step in steps]))  # [sum m, H]
         hidden = fused.new_zeros(b, width, fused.shape[-1])
         tokens = torch.zeros(b, width, dtype=torch.long)
         positions = torch.zeros(b, width, dtype=torch.long)

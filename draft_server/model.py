@@ -77,6 +77,20 @@ class DraftKV:
             self.v = self.v[:, :, :length]
 
 
+class Float32Rotary(LlamaRotaryEmbedding):
+    """Llama's RoPE whose inverse frequencies stay float32 whatever the head is cast to. `.to(bfloat16)`
+    casts buffers too, and inv_freq in bf16 keeps 3 significant digits: at position 3000, cos(3000 f) was
+    off by up to 1.7 and acceptance fell with context. The target keeps them float32 already
+    (from_pretrained(dtype=) casts weights, not the buffers its modules compute in float)."""
+
+    def _apply(self, fn, recurse=True):
+        inv_freq, original = self.inv_freq, self.original_inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)  # moved with the module, never cast
+        self.original_inv_freq = original.to(self.original_inv_freq.device)
+        return self
+
+
 class Eagle3Attention(nn.Module):
     """Llama attention whose q/k/v projections read 2H (token embedding and hidden state)."""
 
@@ -149,7 +163,7 @@ class Eagle3Draft(nn.Module):
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(h, eps=layer.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
-        self.rotary_emb = LlamaRotaryEmbedding(layer)
+        self.rotary_emb = Float32Rotary(layer)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(layer.vocab_size, dtype=torch.bool))
 

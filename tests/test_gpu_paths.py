@@ -1,0 +1,89 @@
+"""The CUDA paths (issue 18): each defect a desk review found before they first ran on a GPU, with the
+test that failed before its fix. Where the logic can be reached without a GPU it runs here on the CPU
+(NCCL's code path over gloo, the shm ring for the ring logic cuda-ipc shares, fake TransportCaps for the
+handshake); the rest is marked `gpu` and skips cleanly without CUDA. bench/gpu_validate.py runs the
+whole set of GPU paths end to end on one or two GPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft_server.checkpoint import load_draft
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# -- 9. the draft's RoPE stays float32 when the head is cast to bfloat16 ---------------------------------
+
+
+def test_the_drafts_rotary_tables_stay_float32_when_the_head_runs_in_bfloat16(tiny_dir):
+    """`.to(dtype=bfloat16)` casts buffers too: inv_freq in bf16 keeps 3 significant digits, and at
+    position 3000 cos(3000 * f) is off by up to 1.7. The head's weights go bf16; its rotary tables not."""
+    bf16 = load_draft(tiny_dir / "draft", tiny_dir / "target", dtype=torch.bfloat16)
+    fp32 = load_draft(tiny_dir / "draft", tiny_dir / "target", dtype=torch.float32)
+    assert bf16.fc.weight.dtype == torch.bfloat16
+    assert bf16.rotary_emb.inv_freq.dtype == torch.float32
+    positions = torch.tensor([[3000, 1, 17, 4095]])
+    hidden = torch.zeros(1, 4, bf16.config.hidden_size)
+    cos, sin = bf16.rotary_emb(hidden.to(torch.bfloat16), positions)
+    cos_ref, sin_ref = fp32.rotary_emb(hidden, positions)
+    # what is left is the bf16 rounding of cos and sin themselves (|x| <= 1: at most 2^-9)
+    torch.testing.assert_close(cos.float(), cos_ref, atol=4e-3, rtol=0)
+    torch.testing.assert_close(sin.float(), sin_ref, atol=4e-3, rtol=0)
+    # and it stays so through any later cast or move
+    assert bf16.to(torch.float16).rotary_emb.inv_freq.dtype == torch.float32
+
+
+# -- 6. a draft batch whose steps' features are on two devices -------------------------------------------
+
+
+class _OnAnotherDevice(torch.Tensor):
+    """A step's features as a fast path leaves them, on another device than an inline step's: torch.cat
+    of the two refuses, as it does for a CUDA tensor beside a CPU one; `.to(device)` brings them over."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.cat:
+            raise RuntimeError("Expected all tensors to be on the same device")
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+            return out.as_subclass(torch.Tensor) if func is torch.Tensor.to else out
+
+
+def _two_sessions(engine, tiny_dir):
+    """Two draft sessions past their first propose; what their next step gets."""
+    rng = torch.Generator().manual_seed(3)
+    steps = []
+    for sid, n in (("a", 6), ("b", 3)):
+        engine.propose(sid, torch.randn(n, engine.feature_size, generator=rng), list(range(10, 10 + n)), 3, create=True)
+        steps.append((sid, torch.randn(2, engine.feature_size, generator=rng), [7, 8]))
+    return steps
+
+
+def test_a_draft_batch_takes_features_from_a_fast_path_and_an_inline_step_together(tiny_dir):
+    """A fast path's step (features on the transport's device) and an inline fallback step (features
+    decoded on the CPU) in one batch: each step's features go to the engine's device before the batch
+    concatenates them, and the drafts are those of each session alone."""
+    from draft_server.engine import DraftEngine, _Step
+
+    alone = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
+    expected = [list(alone.propose(sid, f, t, 3)) for sid, f, t in _two_sessions(alone, tiny_dir)]
+    engine = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
+    (a, fa, ta), (b, fb, tb) = _two_sessions(engine, tiny_dir)
+    batch = [_Step(engine.sessions.get(a), fa.as_subclass(_OnAnotherDevice), ta, 3),
+             _Step(engine.sessions.get(b), fb, tb, 3)]
+    assert [list(d) for d in engine._run_batch(batch)] == expected
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_a_cuda_draft_batch_takes_cuda_and_cpu_features_together(tiny_dir):
+    """The same on a GPU: one step's features from cuda-ipc or NCCL (on the GPU), one inline (on the CPU)."""
+    from draft_server.engine import DraftEngine, _Step
+
+    alone = DraftEngine(tiny_dir / "draft", tiny_dir / "target", device="cuda")
+    expected = [list(alone.propose(sid, f, t, 3)) for sid, f, t in _two_sessions(alone, tiny_dir)]
+    engine = DraftEngine(tiny_dir / "draft", tiny_dir / "target", device="cuda")
+    (a, fa, ta), (b, fb, tb) = _two_sessions(engine, tiny_dir)
+    batch = [_Step(engine.sessions.get(a), fa.cuda(), ta, 3), _Step(engine.sessions.get(b), fb, tb, 3)]
+    assert [list(d) for d in engine._run_batch(batch)] == expected
