@@ -66,6 +66,17 @@ def _check_device(v: str) -> str:
     return v
 
 
+def with_device_index(device: str) -> str:
+    """"cuda" -> "cuda:<this process's current GPU>". The compose files say "cuda" (each container sees
+    one GPU), but torch.cuda.set_device and the transports need an index. torch is imported only then:
+    only the target and the draft name a CUDA device."""
+    if device != "cuda":
+        return device
+    import torch
+
+    return f"cuda:{torch.cuda.current_device() if torch.cuda.is_available() else 0}"
+
+
 def _checkpoint(what: str) -> AfterValidator:
     def check(v: Path) -> Path:
         if not (v / "config.json").is_file():
@@ -182,6 +193,11 @@ class EngineSettings(ServiceSettings):
     # draft), per batch.
     max_batch_size: int = Field(32, ge=1, le=1024)
     max_batch_tokens: int = Field(4096, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _indexed(cls, v: str) -> str:
+        return with_device_index(v)
 
 
 class TargetSettings(EngineSettings):

@@ -87,3 +87,47 @@ def test_a_cuda_draft_batch_takes_cuda_and_cpu_features_together(tiny_dir):
     (a, fa, ta), (b, fb, tb) = _two_sessions(engine, tiny_dir)
     batch = [_Step(engine.sessions.get(a), fa.cuda(), ta, 3), _Step(engine.sessions.get(b), fb, tb, 3)]
     assert [list(d) for d in engine._run_batch(batch)] == expected
+
+
+# -- 2. device "cuda" without an index; a transport thread that dies of anything but a RuntimeError -------
+
+
+@pytest.mark.parametrize("cls", ["TargetSettings", "DraftSettings"])
+def test_a_model_service_given_cuda_without_an_index_runs_on_the_current_gpu(tiny_dir, monkeypatch, cls):
+    """The compose files set TANDEM_*_DEVICE=cuda; torch.cuda.set_device("cuda") raises (it needs an
+    index), so the settings say which GPU: the process's current one (0 here without CUDA)."""
+    from tandem import config
+
+    monkeypatch.setenv(f"TANDEM_{cls[:-8].upper()}_DEVICE", "cuda")
+    settings = config.load_settings(getattr(config, cls), model=str(tiny_dir / cls[:-8].lower()),
+                                    target=str(tiny_dir / "target"))
+    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    assert settings.device == f"cuda:{index}"
+    assert config.load_settings(getattr(config, cls), model=str(tiny_dir / cls[:-8].lower()),
+                                target=str(tiny_dir / "target"), device="cuda:1").device == "cuda:1"
+
+
+def test_a_transport_thread_that_fails_says_why_at_once(monkeypatch):
+    """Whatever the nccl sender's thread dies of (set_device's ValueError for "cuda" was one) breaks the
+    channel with that reason: the handshake is told at once, not after its timeout, and steps go inline."""
+    import time
+
+    from tandem.transports import nccl
+    from tandem.transports.contract import TransportError
+    from tandem.transports.endpoints import TargetTransport
+    from tandem.v1 import common_pb2
+
+    def no_group(*args, **kwargs):
+        raise ValueError("Expected a torch.device with a specified index or an integer, but got:cuda")
+
+    monkeypatch.setattr(nccl, "_group", no_group)
+    target = TargetTransport("nccl", "cpu", "float32", 12, timeout=5.0)
+    try:
+        plan = target.open(common_pb2.TransportPlan(transport="nccl", reason="test"))
+        started = time.monotonic()
+        with pytest.raises(TransportError, match="ValueError: Expected a torch.device with a specified index"):
+            target.start(plan)
+        assert time.monotonic() - started < 2
+        assert target.name == "grpc" and target.send("a", torch.randn(2, 12)) is None
+    finally:
+        target.close()

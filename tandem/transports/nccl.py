@@ -116,8 +116,9 @@ class NcclSender:
             self._ready.set()
             while (item := self._queue.get()) is not None:
                 self._send(*item)
-        except RuntimeError as exc:  # DistError too: a dead or stuck draft, a broken group: from now on every step goes inline
-            self.broken = str(exc).splitlines()[0][:300]
+        except Exception as exc:  # noqa: BLE001 - anything (a dead or stuck draft, a broken group, a bad device)
+            # breaks the channel with its reason: start() reports it at once, and every step goes inline
+            self.broken = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
             log.warning("the nccl feature channel %s broke (%s): features go over gRPC until the next handshake",
                         self.channel, self.broken)
             self._ready.set()
@@ -188,8 +189,8 @@ class NcclReceiver:
                 self.pg.recv([features], 0, 0).wait(timedelta(seconds=self.timeout))
                 if sequence != WARMUP:
                     self.mailbox.put(sequence, features)
-        except RuntimeError as exc:  # the target went away or the group broke: waiting sessions fail at once
-            reason = "channel broken: " + str(exc).splitlines()[0][:300]
+        except Exception as exc:  # noqa: BLE001 - the target went away, the group broke: waiting sessions fail at once
+            reason = f"channel broken: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
             if not self._closed:
                 log.warning("the nccl feature channel %s broke: %s", self.channel, reason)
             self.mailbox.fail(reason)
