@@ -6,6 +6,7 @@ whole set of GPU paths end to end on one or two GPUs."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 
@@ -129,5 +130,98 @@ def test_a_transport_thread_that_fails_says_why_at_once(monkeypatch):
             target.start(plan)
         assert time.monotonic() - started < 2
         assert target.name == "grpc" and target.send("a", torch.randn(2, 12)) is None
+    finally:
+        target.close()
+
+
+# -- 3. compose: cuda-ipc only where the draft sees the target's GPU; the next transport on a failed set-up -
+
+
+def _caps(device: str, uuid: str, visible: list[str], host: str = "boot/ipc:[1]"):
+    from tandem.v1 import common_pb2
+
+    return common_pb2.TransportCaps(requested="auto", available=["grpc", "shm", "cuda-ipc", "nccl"], host_id=host,
+                                    device=device, device_uuid=uuid, dtype="bfloat16", feature_width=12288,
+                                    visible_uuids=visible)
+
+
+def test_cuda_ipc_is_chosen_only_where_the_draft_can_see_the_targets_gpu():
+    """Compose with `ipc: host`: one host, one IPC namespace, but each container sees only its own GPU,
+    so the draft cannot map the target's ring. NCCL can cross: auto takes it."""
+    from tandem.transports.negotiate import negotiate
+
+    containers = negotiate(_caps("cuda:0", "GPU-a", ["GPU-a"]), _caps("cuda:0", "GPU-b", ["GPU-b"]))
+    assert containers.transport == "nccl" and "cannot see the target's GPU GPU-a" in containers.reason
+    one_process_view = negotiate(_caps("cuda:0", "GPU-a", ["GPU-a", "GPU-b"]), _caps("cuda:1", "GPU-b", ["GPU-a", "GPU-b"]))
+    assert one_process_view.transport == "cuda-ipc"
+    from tandem.transports.negotiate import candidates  # what the handshake tries, in order
+
+    assert [c.transport for c in candidates(_caps("cuda:0", "GPU-a", ["GPU-a", "GPU-b"]),
+                                            _caps("cuda:1", "GPU-b", ["GPU-a", "GPU-b"]))] == [
+        "cuda-ipc", "nccl", "shm", "grpc"]
+
+
+class _Refused(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+class _End:
+    """A target's or a draft's transport RPCs, failing for the transports in `fails`; records the calls."""
+
+    def __init__(self, calls: list, name: str, fails: dict[str, str]):
+        self.calls, self.name, self.fails = calls, name, fails
+
+    def _call(self, rpc: str, plan):
+        self.calls.append((self.name, rpc, plan.transport))
+        if plan.transport in self.fails and rpc == "open":
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, self.fails[plan.transport])
+        return plan
+
+    def OpenTransport(self, plan, timeout=None):
+        return self._call("open", plan)
+
+    def StartTransport(self, plan, timeout=None):
+        return self._call("start", plan)
+
+
+def test_a_fast_path_that_fails_to_set_up_makes_way_for_the_next():
+    """cuda-ipc chosen, but the draft cannot open the target's handle (IPC not permitted between these
+    containers): the handshake tries NCCL next instead of going straight to gRPC."""
+    from coordinator.handshake import connect_transport
+    from tandem.v1 import draft_pb2, target_pb2
+
+    calls: list = []
+    target = _End(calls, "target", {})
+    draft = _End(calls, "draft", {"cuda-ipc": "cudaIpcOpenMemHandle: invalid device context"})
+    both = ["GPU-a", "GPU-b"]
+    used = connect_transport(target, target_pb2.TargetInfo(transport=_caps("cuda:0", "GPU-a", both)),
+                             draft, draft_pb2.DraftInfo(transport=_caps("cuda:1", "GPU-b", both)))
+    assert used == "nccl"
+    assert calls == [("target", "open", "cuda-ipc"), ("draft", "open", "cuda-ipc"),
+                     ("target", "open", "nccl"), ("draft", "open", "nccl"), ("target", "start", "nccl")]
+
+
+def test_falling_back_to_grpc_closes_the_ring_the_target_opened(tmp_path):
+    """A plan the target opened (a 256 MiB ring by default) and never started is closed by the next plan,
+    grpc included: the shm segment is gone."""
+    from pathlib import Path
+
+    from tandem.transports.endpoints import TargetTransport
+    from tandem.v1 import common_pb2
+
+    target = TargetTransport("auto", "cpu", "float32", 12, ring_bytes=1 << 20)
+    try:
+        shm = target.open(common_pb2.TransportPlan(transport="shm", reason="test"))
+        segment = Path("/dev/shm") / shm.channel
+        assert segment.exists()
+        target.open(common_pb2.TransportPlan(transport="grpc", reason="the draft could not attach"))
+        assert not segment.exists()
     finally:
         target.close()

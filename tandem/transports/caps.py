@@ -28,6 +28,16 @@ def device_uuid(device: str) -> str:
     return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
 
 
+def visible_uuids(device: str) -> list[str]:
+    """The UUIDs of every GPU this process can see. A container sees only the GPUs given to it, so two
+    containers on one host may share an IPC namespace and still not reach each other's GPU memory."""
+    import torch
+
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return []
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+
 def available(device: str) -> list[str]:
     import torch
 
@@ -48,4 +58,5 @@ def local_caps(requested: str, device: str, dtype: str, feature_width: int) -> c
     return common_pb2.TransportCaps(
         requested=requested, available=available(device), host_id=host_id(), device=device,
         device_uuid=device_uuid(device), dtype=dtype, feature_width=feature_width,
+        visible_uuids=visible_uuids(device),
     )

@@ -92,13 +92,15 @@ class TargetTransport:
             ring_bytes=self.ring_bytes, max_inflight=self.max_inflight, timeout=self.timeout,
             channel=uuid.uuid4().hex,
         )
-        if plan.transport == "grpc":
-            return plan
-        sender = open_sender(plan, self.device, self.host, self.traffic)  # may rename the channel (shm)
+        sender = None
+        if plan.transport != "grpc":
+            sender = open_sender(plan, self.device, self.host, self.traffic)  # may rename the channel (shm)
         with self._lock:
-            for stale in self._pending.values():  # an earlier handshake that never started
-                stale.close()
-            self._pending = {plan.channel: sender}
+            stale, self._pending = list(self._pending.values()), ({plan.channel: sender} if sender else {})
+        for old in stale:  # an earlier plan of this handshake that never started (its ring would leak)
+            old.close()
+        if sender is None:
+            return plan
         log.info("feature transport %s opened (channel %s): %s", plan.transport, plan.channel, plan.reason)
         return plan
 

@@ -39,6 +39,10 @@ def why_not(transport: str, target: common_pb2.TransportCaps, draft: common_pb2.
         return f"{transport} needs both on one host (and IPC namespace); target {target.host_id}, draft {draft.host_id}"
     if transport == "cuda-ipc" and not (_on_cuda(target) and _on_cuda(draft)):
         return "cuda-ipc needs both on CUDA devices"
+    if transport == "cuda-ipc" and draft.visible_uuids and target.device_uuid not in draft.visible_uuids:
+        # one host and one IPC namespace (compose's `ipc: host`), but a container sees only its own GPUs
+        return (f"the draft cannot see the target's GPU {target.device_uuid or '?'} (it sees "
+                f"{', '.join(draft.visible_uuids)}), so it cannot map the target's ring")
     if transport == "nccl":
         if _on_cuda(target) != _on_cuda(draft):
             return "nccl needs both on CUDA (NCCL) or both on the CPU (gloo)"
@@ -52,6 +56,12 @@ def negotiate(target: common_pb2.TransportCaps, draft: common_pb2.TransportCaps)
 
     An end set to `auto` follows the other's explicit choice; `auto` on both picks the fastest
     both support. An explicit choice that cannot run here falls back to grpc (Choice.fallback)."""
+    return candidates(target, draft)[0]
+
+
+def candidates(target: common_pb2.TransportCaps, draft: common_pb2.TransportCaps) -> list[Choice]:
+    """Every transport to try, in order (the handshake sets up the first and, when that fails, the next):
+    the fastest both ends support first, grpc last. TransportMismatch as in `negotiate`."""
     for field, what in (("dtype", "feature dtype"), ("feature_width", "feature width")):
         t, d = getattr(target, field), getattr(draft, field)
         if t and d and t != d:
@@ -64,20 +74,22 @@ def negotiate(target: common_pb2.TransportCaps, draft: common_pb2.TransportCaps)
         )
     wanted = d_req if t_req == "auto" else t_req
     if wanted == "grpc":
-        return Choice("grpc", "requested")
+        return [Choice("grpc", "requested")]
     if wanted != "auto":
         problem = why_not(wanted, target, draft)
         if problem is None:
-            return Choice(wanted, "requested")
-        return Choice("grpc", f"{wanted} was requested but {problem}", fallback=True)
-    skipped = []
+            return [Choice(wanted, "requested"), Choice("grpc", f"{wanted} failed to set up", fallback=True)]
+        return [Choice("grpc", f"{wanted} was requested but {problem}", fallback=True)]
+    fits, skipped = [], []
     for transport in AUTO_ORDER:
         problem = why_not(transport, target, draft)
         if problem is None:
             if transport == "nccl" and not _on_cuda(target):
                 skipped.append("nccl over gloo is slower than shared memory on one host")
                 continue  # auto takes gloo only where nothing else is faster
-            reason = "the fastest both ends support" + (f" ({'; '.join(skipped)})" if skipped else "")
-            return Choice(transport, f"auto: {reason}")
-        skipped.append(problem)
-    return Choice("grpc", "auto: no fast path fits (" + "; ".join(skipped) + ")")
+            which = "the next fastest both ends support" if fits else "the fastest both ends support"
+            fits.append(Choice(transport, f"auto: {which}" + (f" ({'; '.join(skipped)})" if skipped else "")))
+        else:
+            skipped.append(problem)
+    why = "no other fast path fits" if fits else "no fast path fits"
+    return [*fits, Choice("grpc", f"auto: {why} (" + "; ".join(skipped) + ")" if skipped else f"auto: {why}")]

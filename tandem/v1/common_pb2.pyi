@@ -81,7 +81,7 @@ class FeatureRef(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., channel: _Optional[str] = ..., sequence: _Optional[int] = ..., offset: _Optional[int] = ..., rows: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[str] = ..., event: _Optional[int] = ...) -> None: ...
 
 class TransportCaps(_message.Message):
-    __slots__ = ("requested", "available", "host_id", "device", "device_uuid", "dtype", "feature_width")
+    __slots__ = ("requested", "available", "host_id", "device", "device_uuid", "dtype", "feature_width", "visible_uuids")
     REQUESTED_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class TransportCaps(_message.Message):
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    VISIBLE_UUIDS_FIELD_NUMBER: _ClassVar[int]
     requested: str
     available: _containers.RepeatedScalarFieldContainer[str]
     host_id: str
@@ -96,7 +97,8 @@ class TransportCaps(_message.Message):
     device_uuid: str
     dtype: str
     feature_width: int
-    def __init__(self, requested: _Optional[str] = ..., available: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., dtype: _Optional[str] = ..., feature_width: _Optional[int] = ...) -> None: ...
+    visible_uuids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, requested: _Optional[str] = ..., available: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., dtype: _Optional[str] = ..., feature_width: _Optional[int] = ..., visible_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TransportPlan(_message.Message):
     __slots__ = ("transport", "reason", "dtype", "feature_width", "ring_bytes", "max_inflight", "timeout", "channel", "address", "handle", "device_uuid")
