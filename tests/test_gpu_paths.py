@@ -225,3 +225,51 @@ def test_falling_back_to_grpc_closes_the_ring_the_target_opened(tmp_path):
         assert not segment.exists()
     finally:
         target.close()
+
+
+# -- 1. NCCL: the group's watchdog out of the way, every wait bounded here, the group aborted on close -----
+
+
+def _pair(transport: str, timeout: float = 5.0, ring_bytes: int = 1 << 20, device: str = "cpu",
+          draft_device: str | None = None):
+    """A target's and a draft's transport in this process, set up as the handshake sets them up."""
+    import threading
+
+    from tandem.transports.endpoints import DraftTransport, TargetTransport
+    from tandem.v1 import common_pb2
+
+    target = TargetTransport(transport, device, "float32", 12, ring_bytes=ring_bytes, max_inflight=8, timeout=timeout)
+    draft = DraftTransport(transport, draft_device or device, "float32", 12)
+    plan = target.open(common_pb2.TransportPlan(transport=transport, reason="test"))
+    attach = threading.Thread(target=draft.open, args=(plan,))  # nccl: both ends join the group at once
+    attach.start()
+    attach.join(30)
+    target.start(plan)
+    return target, draft
+
+
+def _nccl_threads() -> set:
+    import threading
+
+    return {t for t in threading.enumerate() if t.name.startswith("tandem-nccl") and t.is_alive()}
+
+
+def test_an_nccl_channel_idles_past_its_timeout_and_closing_it_ends_both_ends():
+    """The draft's receiver is always waiting for the next step; that wait must outlive the transport's
+    timeout (NCCL's watchdog killed the process at the group's timeout, 10 s), while closing a channel
+    (every re-handshake) ends both threads and aborts the group: none is left behind per handshake.
+    Here over gloo, NCCL's code path on the CPU."""
+    import time
+
+    before = _nccl_threads()
+    for _ in range(2):
+        target, draft = _pair("nccl", timeout=1.0)
+        time.sleep(1.5)  # idle past the timeout
+        features = torch.randn(3, 12)
+        assert torch.equal(draft.recv(target.send("a", features), 3, 12), features)
+        target.close()
+        draft.close()
+    deadline = time.monotonic() + 5
+    while _nccl_threads() - before:
+        assert time.monotonic() < deadline, f"still running after close: {_nccl_threads() - before}"
+        time.sleep(0.05)
