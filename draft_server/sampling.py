@@ -68,16 +68,16 @@ def draft_q(logits: torch.Tensor, samplers: list[DraftSampler], top_n: int) -> t
         sorted_p, ids = probs.topk(width, dim=-1)  # [B, width]
     else:
         sorted_p, ids = probs.sort(dim=-1, descending=True)
-    before = torch.cumsum(sorted_p, -1) - sorted_p  # [B, width]: the mass of the likelier tokens
-    keep = torch.ones_like(sorted_p, dtype=torch.bool)
-    if any(k < vocab for k in top_k):  # top-p then works on the top-k mass, renormalised
-        rank = torch.arange(width, device=device)[None]
-        top_k_col = torch.tensor(top_k, device=device)[:, None]  # [B, 1]
-        keep = rank < top_k_col
-        mass = torch.where(top_k_col < vocab, (sorted_p * keep).sum(-1, keepdim=True), 1.0)  # [B, 1]
-        before = before / mass
-    if any(s.top_p < 1.0 for s in samplers):
-        keep = keep & (before < torch.tensor([s.top_p for s in samplers], device=device)[:, None])
+    if all(k == vocab for k in top_k) and all(s.top_p >= 1.0 for s in samplers):  # the cut alone
+        kept = sorted_p[:, :n]
+        return ids[:, :n], kept / kept.sum(-1, keepdim=True)
+    rank = torch.arange(width, device=device)[None]
+    top_k_col = torch.tensor(top_k, device=device)[:, None]  # [B, 1]
+    keep = rank < top_k_col
+    # top-p works on the top-k mass, renormalised: the mass of the likelier tokens over it
+    mass = torch.where(top_k_col < vocab, (sorted_p * keep).sum(-1, keepdim=True), 1.0)  # [B, 1]
+    before = (torch.cumsum(sorted_p, -1) - sorted_p) / mass  # [B, width]
+    keep = keep & (before < torch.tensor([s.top_p for s in samplers], device=device)[:, None])
     kept = (sorted_p * keep)[:, :n]
     return ids[:, :n], kept / kept.sum(-1, keepdim=True)
 

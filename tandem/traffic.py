@@ -12,8 +12,8 @@ Kinds split a message's serialized size; they add up to it exactly:
 
     features     tensor payload bytes: rows x 3H x dtype size (the framing around them is control)
     token_ids    the varint-encoded token id values (packed repeated fields: no tag, no length)
-    draft_probs  q of sampled drafts (DraftProbs): its support ids (varints) and float32 probabilities;
-                 greedy drafts carry none (argmax, q one-hot)
+    draft_probs  q of sampled drafts: the DraftProbs messages (support ids as varints, float32
+                 probabilities, and their own few bytes of framing); greedy drafts carry none
     text         UTF-8 bytes of the prompt and of the output text
     control      the rest: tags, lengths, shapes, sampling parameters, session ids, step timing
 
@@ -95,8 +95,9 @@ class Parts:
 
 
 def _draft_probs(parts: Parts, q) -> None:
-    for dist in q:
-        parts.draft_probs += ids_size(dist.ids) + 4 * len(dist.probs)  # packed float: 4 bytes each
+    # the messages' own sizes (computed in C): walking hundreds of ids in Python at each of the four
+    # places q is counted cost a sampled round 0.6 ms on the 2-core CPU
+    parts.draft_probs += sum(dist.ByteSize() for dist in q)
 
 
 def _features(parts: Parts, chunk: common_pb2.Features) -> None:

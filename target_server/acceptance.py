@@ -52,16 +52,29 @@ def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]
     return accepted, int(best[accepted])
 
 
-def dense_q(q: list[DraftProbs], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """The draft's q_1..q_K as rows over the target vocabulary, [K, V] fp32, each renormalised to sum 1
-    as the draft drew from it (it scales its uniform by the row's sum)."""
-    lengths = torch.tensor([len(d.ids) for d in q])
-    rows = torch.repeat_interleave(torch.arange(len(q)), lengths)  # [sum N]
-    ids = torch.tensor([i for d in q for i in d.ids], dtype=torch.long)
+def dense_q(q: list[DraftProbs], drafts: list[int], vocab_size: int) -> torch.Tensor:
+    """The draft's q_1..q_K as rows over the target vocabulary, [K, V] fp32 on the CPU, each renormalised
+    to sum 1 as the draft drew from it (it scales its uniform by the row's sum). ValueError unless q is
+    one distribution per draft, of distinct ids in the vocabulary with finite positive probabilities,
+    each draft in its support."""
+    if len(q) != len(drafts):
+        raise ValueError(f"q has {len(q)} distributions for {len(drafts)} drafts")
+    lengths = [len(d.ids) for d in q]
+    if any(n != len(d.probs) for n, d in zip(lengths, q, strict=True)):
+        raise ValueError("each q needs one probability per id")
+    ids = torch.tensor([i for d in q for i in d.ids], dtype=torch.long)  # [sum N]
     probs = torch.tensor([p for d in q for p in d.probs], dtype=torch.float32)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"q has ids outside the vocabulary [0, {vocab_size})")
+    if not bool((torch.isfinite(probs) & (probs > 0)).all()):
+        raise ValueError("q has a probability that is not finite and positive")
     dense = torch.zeros(len(q), vocab_size, dtype=torch.float32)
-    dense[rows, ids] = probs
-    return (dense / dense.sum(-1, keepdim=True)).to(device)
+    dense[torch.repeat_interleave(torch.arange(len(q)), torch.tensor(lengths)), ids] = probs
+    if (dense > 0).sum(-1).tolist() != lengths:
+        raise ValueError("q repeats an id")
+    if not bool((dense[torch.arange(len(q)), torch.tensor(drafts, dtype=torch.long)] > 0).all()):
+        raise ValueError("a draft is outside the support of its q")
+    return dense / dense.sum(-1, keepdim=True)
 
 
 def accept_sampled(
@@ -94,11 +107,13 @@ def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
 
 def accept(
     logits: torch.Tensor, drafts: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-    q: list[DraftProbs] | None = None,
+    q: torch.Tensor | None = None,
 ) -> tuple[int, int]:
-    """logits [K+1, V], drafts [K]; `q`: what the draft sampled each draft from (None: one-hot)."""
+    """logits [K+1, V], drafts [K]; `q` [K, V] (dense_q): what the draft sampled each draft from; None:
+    the drafts are argmax, q one-hot."""
     if params.greedy:
         return accept_greedy(logits, drafts)
     assert generator is not None
-    dense = dense_q(q, logits.shape[-1], logits.device) if q else None
-    return accept_sampled(target_probs(logits, params), drafts, generator, dense)
+    if q is not None:
+        q = q.to(logits.device)
+    return accept_sampled(target_probs(logits, params), drafts, generator, q)

@@ -17,7 +17,6 @@ budget is taken.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -36,7 +35,7 @@ from tandem.dtypes import TORCH_DTYPES
 from tandem.params import MAX_DRAFT_TOKENS, SamplingParams
 from tandem.protocol import DraftProbs, PrefillResult, TokenLogprob, VerifyResult
 from tandem.sessions import InvalidRequest, ResourceExhausted, SessionOwner, SessionTable
-from target_server.acceptance import accept, pick
+from target_server.acceptance import accept, dense_q, pick
 from target_server.loading import load_target
 
 
@@ -120,7 +119,7 @@ class _Step:
     session: _Session
     ids: list[int]  # the new tokens: the prompt, or [t, d_1..d_K]
     want_features: bool
-    q: list[DraftProbs] | None = None  # a verify of sampled drafts: what each was sampled from
+    q: torch.Tensor | None = None  # a verify of sampled drafts: what each was sampled from, [K, V] (dense_q)
 
 
 class KVBudget:
@@ -228,19 +227,6 @@ class TargetEngine(SessionOwner):
         if bad:
             raise InvalidRequest(f"{what} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
-    def _check_q(self, q: list[DraftProbs], drafts: list[int]) -> None:
-        """InvalidRequest unless q is one distribution per draft, each draft in its support."""
-        if len(q) != len(drafts):
-            raise InvalidRequest(f"q has {len(q)} distributions for {len(drafts)} drafts")
-        for i, (dist, draft) in enumerate(zip(q, drafts, strict=True)):
-            self._check_ids(dist.ids, f"q_{i + 1}")
-            if len(dist.ids) != len(dist.probs) or len(set(dist.ids)) != len(dist.ids):
-                raise InvalidRequest(f"q_{i + 1} needs one probability per distinct id")
-            if not all(math.isfinite(p) and p > 0 for p in dist.probs):
-                raise InvalidRequest(f"q_{i + 1} has a probability that is not finite and positive")
-            if draft not in dist.ids:
-                raise InvalidRequest(f"draft d_{i + 1} = {draft} is outside the support of q_{i + 1}")
-
     # -- the protocol -----------------------------------------------------------------------
 
     def prefill(
@@ -288,8 +274,12 @@ class TargetEngine(SessionOwner):
         sampling, target_server/acceptance.py); None: the drafts are the draft's argmax."""
         session = self.sessions.get(session_id)
         self._check_ids([token, *drafts], "the verify input")
-        if q:
-            self._check_q(q, drafts)
+        dense = None
+        if q and not session.params.greedy:
+            try:
+                dense = dense_q(q, drafts, self.vocab_size)  # here, not in the batch: the batch is one thread
+            except ValueError as exc:
+                raise InvalidRequest(str(exc)) from None
         grown = session.length + 1 + len(drafts)
         if grown > self.max_context:
             raise InvalidRequest(f"verify would pass the context of {self.max_context} tokens")
@@ -298,7 +288,7 @@ class TargetEngine(SessionOwner):
                 f"verify would grow the session to {grown} tokens, past the {session.reserved} its prefill "
                 "reserved (prompt + max_new_tokens)"
             )
-        step = _Step("verify", session, [token, *drafts], want_features, q or None)
+        step = _Step("verify", session, [token, *drafts], want_features, dense)
         result = self.batcher.submit(step, 1 + len(drafts), key=session_id, group="verify")
         session.last_used = time.monotonic()
         return result

@@ -78,6 +78,10 @@ def test_bench_on_tiny_pair_writes_runs_json_and_plot(tiny_dir, tmp_path, capsys
         assert by["services", "eagle3", k, 0.0]["accepted_per_position"] == by["in-process", "eagle3", k, 0.0][
             "accepted_per_position"]
     assert by["in-process", "assisted-peer", 1, 0.0]["mean_acceptance_length"] > 1.5
+    # accepted / verified drafts, ours from the stats, the peer's from its target forwards' lengths
+    peer = by["in-process", "assisted-peer", 1, 0.0]
+    assert peer["acceptance_per_draft"] == pytest.approx(peer["mean_acceptance_length"] - 1, abs=0.15)
+    assert all(0 <= r["acceptance_per_draft"] <= 1 for r in runs if r["acceptance_per_draft"] is not None)
 
 
 def test_peer_acceptance_is_read_from_where_each_target_forward_starts():

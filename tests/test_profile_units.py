@@ -94,7 +94,8 @@ def test_q_bytes_are_its_support_ids_and_float_probabilities():
     q = [common_pb2.DraftProbs(ids=[5, 300, 70_000], probs=[0.5, 0.25, 0.25]),
          common_pb2.DraftProbs(ids=[9], probs=[1.0])]
     response = draft_pb2.DraftResponse(drafts=[5, 9], q=q)
-    assert parts_of(response).draft_probs == (1 + 2 + 3 + 4 * 3) + (1 + 4)
+    # each q: a tag and a length per field, the id varints, 4 bytes per probability
+    assert parts_of(response).draft_probs == (2 + 1 + 2 + 3 + 2 + 4 * 3) + (2 + 1 + 2 + 4)
     assert parts_of(response).num_token_ids == 2  # q's support is not counted as token ids
     relayed = target_pb2.TargetRequest(verify=target_pb2.Verify(token=1, drafts=[5, 9], q=q))
     assert parts_of(relayed).draft_probs == parts_of(response).draft_probs

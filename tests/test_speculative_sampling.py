@@ -25,7 +25,9 @@ from helpers import SamplingOracleDraft
 from draft_server.sampling import DraftSampler, draft_q, draw
 from tandem.params import GenerationRequest, SamplingParams
 from tandem.policy import Speculation
+from tandem.protocol import DraftProbs
 from tandem.rounds import run_rounds
+from tandem.sessions import InvalidRequest
 from target_server import acceptance
 from target_server.acceptance import target_probs
 
@@ -197,3 +199,20 @@ def test_a_batch_gives_each_row_the_q_it_gets_alone():
         alone_ids, alone_probs = draft_q(logits[row : row + 1], [sampler], top_n=8)
         assert torch.equal(ids[row], alone_ids[0])
         torch.testing.assert_close(probs[row], alone_probs[0])
+
+
+def test_the_target_refuses_a_q_that_does_not_fit_its_drafts(generator):
+    target = generator.target
+    first = target.prefill("bad-q", [5, 6, 7], SamplingParams(temperature=1.0, seed=0)).token
+    fine = DraftProbs([3, 4], [0.5, 0.5])
+    for drafts, q, message in [
+        ([3, 4], [fine], "1 distributions for 2 drafts"),
+        ([9], [fine], "outside the support"),
+        ([3], [DraftProbs([3, 10**6], [0.5, 0.5])], "outside the vocabulary"),
+        ([3], [DraftProbs([3, 4], [0.5, -0.5])], "finite and positive"),
+        ([3], [DraftProbs([3, 3], [0.5, 0.5])], "repeats an id"),
+    ]:
+        with pytest.raises(InvalidRequest, match=message):
+            target.verify("bad-q", first, drafts, q=q)
+    assert target.verify("bad-q", first, [3], q=[fine]).bonus is not None  # the session goes on
+    assert target.release("bad-q")

@@ -24,6 +24,7 @@ class Outcome:
     rounds: int
     accepted: int
     per_position: list[int]  # [K] rounds in which draft k was accepted
+    drafted: int = 0  # draft tokens verified
     seconds: float = 0.0  # the request's latency, as its client saw it
     overlap_rounds: int = 0
     overlap_hits: int = 0
@@ -87,6 +88,7 @@ class InProcessRunner:
 
 def _outcome(token_ids: list[int], s: dict) -> Outcome:
     return Outcome(len(token_ids), s["num_rounds"], s["num_accepted_tokens"], s["accepted_per_position"],
+                   drafted=s["num_draft_tokens"],
                    overlap_rounds=s.get("num_overlap_rounds", 0), overlap_hits=s.get("num_overlap_hits", 0))
 
 
@@ -135,8 +137,10 @@ class AssistedRunner:
                                        assistant_model=self.assistant)
             forwards = list(self._forwards)
         new = int(out.shape[1]) - len(prompt_ids)
+        # each verify forward reads the last committed token and the drafts (the first: the prompt and the drafts)
+        drafted = forwards[0][0] - len(prompt_ids) + sum(n - 1 for n, _ in forwards[1:]) if forwards else 0
         return Outcome(new, len(forwards), new - len(forwards), _accepted_per_position(forwards, len(prompt_ids),
-                                                                                       new, k))
+                                                                                       new, k), drafted)
 
     def close(self) -> None:
         pass

@@ -73,6 +73,7 @@ class Case:
         tokens = sum(o.tokens for o in self.outcomes)
         rounds = sum(o.rounds for o in self.outcomes)
         accepted = sum(o.accepted for o in self.outcomes)
+        drafted = sum(o.drafted for o in self.outcomes)
         per_position = [sum(o.per_position[k] for o in self.outcomes if k < len(o.per_position))
                         for k in range(self.K)]
         latencies = [o.seconds for o in self.outcomes]
@@ -86,6 +87,7 @@ class Case:
             "overlap_hit_rate": round(self.overlap_hits / self.overlap_rounds, 4) if self.overlap_rounds else None,
             "tokens_per_s": tokens / self.seconds if self.seconds else 0.0,
             "mean_acceptance_length": mean_acceptance_length(accepted, rounds),
+            "acceptance_per_draft": round(accepted / drafted, 4) if drafted else None,  # accepted / verified drafts
             "accepted_per_position": [round(c / rounds, 4) for c in per_position] if rounds else [],
             "latency_p50_s": round(percentile(latencies, 50), 4),
             "latency_p99_s": round(percentile(latencies, 99), 4),

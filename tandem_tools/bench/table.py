@@ -21,8 +21,8 @@ def speedups(runs: list[dict]) -> list[float | None]:
 def markdown_table(runs: list[dict]) -> str:
     lines = [
         ("| stack | mode | K | temperature | concurrency | overlap (hit rate) | tokens/s | speedup "
-         "| latency p50 / p99 (s) | mean acceptance length | accepted per position |"),
-        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|",
+         "| latency p50 / p99 (s) | mean acceptance length | acceptance per draft | accepted per position |"),
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for r, s in zip(runs, speedups(runs)):
         positions = " ".join(f"{p:.2f}" for p in r["accepted_per_position"]) or "-"
@@ -30,9 +30,13 @@ def markdown_table(runs: list[dict]) -> str:
             f"| {r['stack']} | {r['mode']} | {r['K']} | {r['temperature']:g} | {r['concurrency']} "
             f"| {_overlap_cell(r)} | {r['tokens_per_s']:.1f} | {'-' if s is None else f'{s:.2f}x'} "
             f"| {r['latency_p50_s']:.2f} / {r['latency_p99_s']:.2f} | {r['mean_acceptance_length']:.2f} "
-            f"| {positions} |"
+            f"| {_rate(r.get('acceptance_per_draft'))} | {positions} |"
         )
     return "\n".join(lines)
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _overlap_cell(r: dict) -> str:
