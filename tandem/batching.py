@@ -182,6 +182,9 @@ class Batcher(Generic[Item]):
             results = self._run([job.item for job in batch])
         except Exception as exc:  # noqa: BLE001 - the whole batch failed: every step gets the error
             results = [exc] * len(batch)
+        for job in batch:  # here, before the next batch: a step's compute time is its batch's
+            if job.clock is not None:
+                job.clock.batch_ended()
         self.steps += len(batch)
         self._last_seconds = (time.monotonic_ns() - start) / 1e9
         with self._changed:

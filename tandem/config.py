@@ -214,7 +214,7 @@ class TargetSettings(EngineSettings):
     # does not fit (or finds the ring full) goes inline over gRPC instead of waiting.
     transport_ring_mib: float = Field(256.0, gt=0)
     # Steps outstanding at once on a fast path (ring ranges, CUDA events, nccl send queue); each
-    # session holds at most its latest step, so this bounds sessions on the fast path.
+    # session holds at most its last two steps, so half of this bounds sessions on the fast path.
     transport_max_inflight: int = Field(128, ge=1, le=4096)
     # Any wait on the fast path (rendezvous, a send, a draft waiting for a step's rows).
     transport_timeout: float = Field(10.0, gt=0)

@@ -34,7 +34,7 @@ from tandem.batching import Batcher
 from tandem.dtypes import TORCH_DTYPES
 from tandem.params import MAX_DRAFT_TOKENS, SamplingParams
 from tandem.protocol import DraftProbs, PrefillResult, TokenLogprob, VerifyResult
-from tandem.sessions import InvalidRequest, ResourceExhausted, SessionOwner, SessionTable
+from tandem.sessions import InvalidRequest, ResourceExhausted, SessionNotFound, SessionOwner, SessionTable
 from target_server.acceptance import accept, dense_q, pick
 from target_server.loading import load_target
 
@@ -109,6 +109,7 @@ class _Session:
     blocks: list[int] = field(default_factory=list)  # its KVPool blocks
     rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # pool row per position
     last_used: float = field(default_factory=time.monotonic)
+    ready: torch.cuda.Event | None = None  # CUDA: recorded at the end of the batch that computed its last features
 
 
 @dataclass
@@ -222,6 +223,14 @@ class TargetEngine(SessionOwner):
         session.blocks = []
         self.kv_budget.free(session.reserved)
 
+    def features_ready(self, session_id: str) -> torch.cuda.Event | None:
+        """The CUDA event at the end of the batch that computed the session's last features (None on a CPU):
+        a fast path reads them after it, on its own stream, not behind the next batch's forward."""
+        try:
+            return self.sessions.get(session_id).ready
+        except SessionNotFound:
+            return None
+
     def _check_ids(self, ids: list[int], what: str) -> None:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
@@ -326,8 +335,13 @@ class TargetEngine(SessionOwner):
         results = [self._finish(step, logits[i], features[i, : sizes[i]], lambda n, i=i: kept.__setitem__(i, n))
                    for i, step in enumerate(steps)]
         self._scatter_kv(steps, past, kept, batch, longest, width)
+        ready = None
+        if self.device.type == "cuda":  # before the next batch can queue a forward behind these features
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
         for step, n in zip(steps, kept, strict=True):
             step.session.length += n
+            step.session.ready = ready
         return results
 
     def _grow(self, session: _Session, length: int) -> None:

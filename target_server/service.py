@@ -158,7 +158,9 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
         chunks = []
         if features is not None:
             with clock.codec():
-                ref = self.transport.send(session_id, features) if self.transport is not None else None
+                ref = None
+                if self.transport is not None:
+                    ref = self.transport.send(session_id, features, self.loaded().features_ready(session_id))
                 if ref is not None:
                     n = features.shape[0]
                     chunks = [common_pb2.Features(ref=ref, row_offset=0, num_rows=n, total_rows=n)]

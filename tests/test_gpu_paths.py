@@ -273,3 +273,165 @@ def test_an_nccl_channel_idles_past_its_timeout_and_closing_it_ends_both_ends():
     while _nccl_threads() - before:
         assert time.monotonic() < deadline, f"still running after close: {_nccl_threads() - before}"
         time.sleep(0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (it refuses two ranks on one)")
+def test_an_nccl_channel_between_two_gpus_idles_past_its_timeout_and_closes():
+    """The same with NCCL: before, the watchdog took this process down 2 s into the idle wait."""
+    import time
+
+    before = _nccl_threads()
+    target, draft = _pair("nccl", timeout=2.0, device="cuda:0", draft_device="cuda:1")
+    time.sleep(5)
+    features = torch.randn(3, 12, device="cuda:0")
+    assert torch.equal(draft.recv(target.send("a", features), 3, 12).cpu(), features.cpu())
+    target.close()
+    draft.close()
+    deadline = time.monotonic() + 15
+    while _nccl_threads() - before:
+        assert time.monotonic() < deadline, f"still running after close: {_nccl_threads() - before}"
+        time.sleep(0.05)
+
+
+# -- 4. a ring range is reused only once the draft is done with it ------------------------------------------
+
+
+def test_a_ring_step_stays_readable_until_its_session_is_two_steps_on():
+    """With overlap the draft reads a verify's features in the ahead step it runs beside the next verify,
+    so the target may send a session's next step before the draft has read the last one. First-fit reuse
+    handed the freed range straight back: shm's stamp refused the read ("gone"), cuda-ipc, which has no
+    stamp, read the next step's rows. A step is freed once its session is two steps on: the draft has
+    answered the step that read it before the coordinator asks for the verify after next."""
+    from tandem.transports.contract import TransportError
+
+    target, draft = _pair("shm")
+    try:
+        first, second, third = torch.randn(5, 12), torch.randn(5, 12), torch.randn(5, 12)
+        ref_first = target.send("a", first)
+        ref_second = target.send("a", second)  # the next verify finished before the ahead read `first`
+        assert torch.equal(draft.recv(ref_first, 5, 12), first)
+        target.send("a", third)  # two steps on: the draft answered the step that read `first`
+        with pytest.raises(TransportError, match="gone"):
+            draft.recv(ref_first, 5, 12)
+        assert torch.equal(draft.recv(ref_second, 5, 12), second)
+    finally:
+        target.close()
+        draft.close()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_ipc_never_reads_another_steps_rows():
+    """The same race on a GPU, where nothing would have noticed it."""
+    target, draft = _pair("cuda-ipc", device="cuda")
+    try:
+        first, second = torch.randn(5, 12, device="cuda"), torch.randn(5, 12, device="cuda")
+        ref_first = target.send("a", first)
+        ref_second = target.send("a", second)
+        assert torch.equal(draft.recv(ref_first, 5, 12), first)
+        assert torch.equal(draft.recv(ref_second, 5, 12), second)
+    finally:
+        target.close()
+        draft.close()
+
+
+# -- 5. the two processes' streams are not coupled -----------------------------------------------------------
+
+
+def _busy(device: torch.device, seconds: float) -> None:
+    """Queue about `seconds` of GPU work on the device's current stream (a forward of the next batch)."""
+    import time
+
+    a = torch.randn(2048, 2048, device=device)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        a = a @ a / 2048
+    torch.cuda.synchronize(device)
+    per = (time.perf_counter() - start) / 10
+    for _ in range(int(seconds / max(per, 1e-6))):
+        a = a @ a / 2048
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("transport", ["cuda-ipc", "nccl"])
+def test_a_step_reaches_the_draft_without_waiting_for_the_targets_next_forward(transport):
+    """The target's next forward may be queued on its stream before a session thread sends the last
+    batch's rows. The rows are copied after the batch's `ready` event on a side stream, so the draft has
+    them at once, not a forward later (before: the ring copy, its event and NCCL's header all queued
+    behind it, and the draft's stream waited on them)."""
+    import time
+
+    if transport == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs two GPUs")
+    device = torch.device("cuda:0")
+    target, draft = _pair(transport, device="cuda:0", draft_device="cuda:1" if transport == "nccl" else "cuda:0")
+    try:
+        features = torch.randn(64, 12, device=device)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))  # the end of the batch that computed them
+        _busy(device, 1.0)  # the next batch's forward, queued before the send
+        start = time.perf_counter()
+        ref = target.send("a", features, ready)
+        sent = time.perf_counter() - start
+        draft_device = torch.device(draft.device)
+        with torch.cuda.stream(torch.cuda.Stream(draft_device)):  # the draft's own stream, not the target's
+            copied = draft.recv(ref, 64, 12).to("cpu")
+        arrived = time.perf_counter() - start
+        assert sent < 0.1 and arrived < 0.5, (sent, arrived)
+        assert torch.equal(copied, features.cpu())
+    finally:
+        torch.cuda.synchronize()
+        target.close()
+        draft.close()
+
+
+# -- 7. the current CUDA device is per thread; a step is timed inside its batch -------------------------------
+
+
+def test_the_batcher_marks_where_each_steps_batch_starts_and_ends():
+    """A step's compute time is its batch's: the batcher stamps both ends on the runner's thread, where
+    the batch runs, so that nothing queued after the batch (the next one) is counted or waited for."""
+    from tandem.batching import Batcher
+    from tandem.timing import StepClock
+
+    marks = []
+
+    class Clock(StepClock):
+        def batch_started(self):
+            marks.append("started")
+
+        def batch_ended(self):
+            marks.append("ended")
+
+    batcher = Batcher(lambda items: [marks.append("run") or i for i in items], 4, 100)
+    clock = Clock()
+    with clock.compute():
+        assert batcher.submit(7, 1) == 7
+    assert marks == ["started", "run", "ended"]
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_a_steps_compute_time_is_its_batch_on_its_device_and_never_waits_for_the_next():
+    """StepClock on the engine's device (the last GPU here: a target on cuda:1 timed GPU 0 before),
+    stamped at the ends of the batch: the next batch, queued before the step's thread stops its clock,
+    is neither counted nor waited for."""
+    import time
+
+    from tandem.batching import Batcher
+    from tandem.timing import StepClock
+
+    device = torch.device(f"cuda:{torch.cuda.device_count() - 1}")
+    x = torch.randn(256, 256, device=device)
+    batcher = Batcher(lambda items: [float((x @ x).sum()) for _ in items], 4, 100)  # a batch ends synchronised
+    clock = StepClock(device)
+    with clock.compute():
+        batcher.submit(1, 1)
+        _busy(device, 1.0)  # another session's batch, queued meanwhile
+        start = time.perf_counter()
+    assert time.perf_counter() - start < 0.2
+    assert clock.compute_ns < 0.2e9
+    torch.cuda.synchronize(device)

@@ -97,13 +97,15 @@ def pair(transport: str, ring_mib: float = 1.0, max_inflight: int = 8, timeout: 
     return target, draft
 
 
-def test_shm_steps_of_concurrent_sessions_are_kept_apart_until_each_moves_on():
+def test_shm_steps_of_concurrent_sessions_are_kept_apart_until_each_is_two_steps_on():
     target, draft = pair("shm")
     try:
         a, b = torch.randn(5, 12), torch.randn(3, 12)
         ref_a, ref_b = target.send("a", a), target.send("b", b)
         assert torch.equal(draft.recv(ref_b, 3, 12), b) and torch.equal(draft.recv(ref_a, 5, 12), a)
-        target.send("a", torch.randn(2, 12))  # session a moved on: its first step is freed
+        target.send("a", torch.randn(2, 12))  # session a moved on: its first step may still be read
+        assert torch.equal(draft.recv(ref_a, 5, 12), a)
+        target.send("a", torch.randn(2, 12))  # two steps on: its first step is freed
         with pytest.raises(TransportError, match="gone"):
             draft.recv(ref_a, 5, 12)
         assert target.send("c", torch.randn(1 << 16, 12)) is None  # 3 MiB: past the ring, so inline

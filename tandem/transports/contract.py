@@ -2,16 +2,20 @@
 
 Target side, one FeatureSender per process, called from every session's thread:
 
-    send(session_id, features [n, 3H]) -> FeatureRef | None   None: send this step inline (gRPC)
+    send(session_id, features [n, 3H], ready) -> FeatureRef | None   None: send this step inline (gRPC)
     release(session_id)                                       the session ended: free what it holds
     close()
+
+`ready` is the CUDA event the engine recorded at the end of the batch that computed the rows (None on
+a CPU): a fast path reads them on its own stream once the GPU is past it, never behind the engine's
+next forward, and nothing on the send path waits for the GPU.
 
 Draft side, one FeatureReceiver:
 
     recv(ref) -> features [n, 3H]   TransportError when the rows are gone, late or never came
 
-A step's buffer is freed when its session sends its next step (the draft answered the previous
-one before the coordinator could ask for the next) or ends. A full ring or queue sends the step
+A step's buffer is freed when its session is two steps on (the draft may read step r beside verify
+r+1, with overlap, but has answered the step that read it before verify r+2) or ends. A full ring or queue sends the step
 inline rather than wait: no session ever blocks on the draft.
 
 No torch at import: the coordinator maps these errors to status codes (tandem/errors.py).
@@ -43,7 +47,7 @@ class NoChannel(TransportError):
 class FeatureSender(Protocol):
     name: str
 
-    def send(self, session_id: str, features: torch.Tensor) -> common_pb2.FeatureRef | None: ...
+    def send(self, session_id: str, features: torch.Tensor, ready=None) -> common_pb2.FeatureRef | None: ...
     def release(self, session_id: str) -> None: ...
     def close(self) -> None: ...
 

@@ -2,16 +2,21 @@
 handshake and exports them once; the draft maps them once (opening a handle costs ~1 ms, far too
 much per step) and keeps them.
 
-Per step the target copies the rows into its range on its current stream and records the range's
-event; the draft's stream waits on that event (a GPU-side wait: no CPU core spins) and copies the
-rows out, so the range can be reused once the session moves on.
+Per step the target copies the rows into its range on a side stream, after the engine's `ready`
+event (the end of the batch that computed them, not behind the forward the engine may have queued
+since), and records the range's event there; the draft's side stream waits on that event (a GPU-side
+wait: no CPU core spins) and copies the rows out, and the draft's own stream waits for that copy only.
+A range is reused once its session is two steps on (tandem/transports/ring.py), by when the draft has
+copied it.
 
 CUDA_VISIBLE_DEVICES may number the GPUs differently in the two processes, so the ring's device
-travels as its UUID and the draft finds its own index for it.
+travels as its UUID and the draft finds its own index for it. The current device is per thread and
+gRPC threads never set it, so every stream, event and copy here names its device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import uuid as uuidlib
 
@@ -44,16 +49,25 @@ class CudaIpcSender(RingSender):
             self._bytes = torch.empty(plan.ring_bytes, dtype=torch.uint8, device=self.device)  # [ring_bytes]
             self._events = [torch.cuda.Event(interprocess=True) for _ in range(plan.max_inflight)]
             for event in self._events:
-                event.record()  # an event gets its CUDA handle on first use
+                event.record(torch.cuda.current_stream(self.device))  # an event gets its CUDA handle on first use
             rebuild, args = reduce_tensor(self._bytes)
             plan.handle = pickle.dumps((rebuild, args, [e.ipc_handle() for e in self._events]))
+        self._stream = torch.cuda.Stream(self.device)  # the ring's writes: never behind the engine's next forward
         plan.device_uuid = str(torch.cuda.get_device_properties(self.device).uuid)
 
-    def _write(self, offset: int, slot: int, sequence: int, features: torch.Tensor) -> None:
+    def _write(self, offset: int, slot: int, sequence: int, features: torch.Tensor, ready=None) -> None:
         nbytes = features.numel() * features.element_size()
         dest = self._bytes[offset : offset + nbytes].view(features.dtype).view(features.shape)
-        dest.copy_(features, non_blocking=True)
-        self._events[slot].record()  # on the current stream, after the copy
+        stream = self._stream
+        if ready is not None:
+            stream.wait_event(ready)  # the end of the batch that computed the rows
+        else:
+            stream.wait_stream(torch.cuda.current_stream(features.device if features.is_cuda else self.device))
+        with torch.cuda.stream(stream):
+            dest.copy_(features, non_blocking=True)
+            self._events[slot].record(stream)  # after the copy: what the draft's stream waits on
+        if features.is_cuda:
+            features.record_stream(stream)  # the engine's buffer stays until the copy has read it
 
     def _release_ring(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -75,6 +89,11 @@ class CudaIpcReceiver:
             self._bytes = rebuild(*args)  # [ring_bytes] on the target's GPU, mapped once
             self._events = [torch.cuda.Event.from_ipc_handle(ring_device, h) for h in event_handles]
         self.size = plan.ring_bytes
+        # the copies out of the ring: a side stream on our GPU and, when the ring is on another GPU, one
+        # there too (a cross-device copy runs on the source device's current stream, with barriers both ways)
+        self._streams = [torch.cuda.Stream(self.device)]
+        if ring_device != self.device.index:
+            self._streams.append(torch.cuda.Stream(torch.device("cuda", ring_device)))
 
     def recv(self, ref: common_pb2.FeatureRef) -> torch.Tensor:
         check_ref(ref, self.channel)
@@ -82,11 +101,18 @@ class CudaIpcReceiver:
         nbytes = ref.rows * ref.width * dtype.itemsize
         if ref.offset < 0 or ref.offset + nbytes > self.size or not 0 <= ref.event < len(self._events):
             raise TransportError(f"feature descriptor [{ref.offset}, +{nbytes}) event {ref.event} is outside the ring")
-        for device in {self.device, self._bytes.device}:  # a cross-device copy orders on both current streams
-            # GPU-side: the copy below starts after the target's write
-            torch.cuda.current_stream(device).wait_event(self._events[ref.event])
+        consumer = torch.cuda.current_stream(self.device)  # the caller's: the draft engine's forward runs there
         rows = self._bytes[ref.offset : ref.offset + nbytes].view(dtype).view(ref.rows, ref.width)
-        out = rows.to(self.device, copy=True)  # [n, 3H], ours: the range is reused after this step
+        with contextlib.ExitStack() as on_side_streams:
+            for stream in self._streams:
+                on_side_streams.enter_context(torch.cuda.stream(stream))
+            self._streams[-1].wait_event(self._events[ref.event])  # GPU-side: after the target's write
+            out = torch.empty((ref.rows, ref.width), dtype=dtype, device=self.device)  # [n, 3H], ours
+            out.copy_(rows)
+            copied = torch.cuda.Event()
+            copied.record(self._streams[0])
+        consumer.wait_event(copied)  # the draft's forward waits for this copy, nothing else
+        out.record_stream(consumer)  # allocated on the side stream, read on the caller's
         count(self.traffic, "received", self.name, out)
         return out
 

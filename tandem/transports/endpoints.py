@@ -122,8 +122,8 @@ class TargetTransport:
         old.close()
         log.info("features go over %s to the draft (%s)", plan.transport, plan.reason or "requested")
 
-    def send(self, session_id: str, features: torch.Tensor) -> common_pb2.FeatureRef | None:
-        return self.sender.send(session_id, features)
+    def send(self, session_id: str, features: torch.Tensor, ready=None) -> common_pb2.FeatureRef | None:
+        return self.sender.send(session_id, features, ready)
 
     def release(self, session_id: str) -> None:
         self.sender.release(session_id)

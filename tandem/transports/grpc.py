@@ -7,7 +7,7 @@ from __future__ import annotations
 class GrpcSender:
     name = "grpc"
 
-    def send(self, session_id, features):
+    def send(self, session_id, features, ready=None):
         return None  # None: the service encodes the step inline
 
     def start(self, timeout: float) -> None:

@@ -71,7 +71,7 @@ class Ring:
 
 
 class Held:
-    """What each session holds in a ring until its next step or its end; thread-safe."""
+    """What each session holds in a ring, oldest step first, until it is freed; thread-safe."""
 
     def __init__(self) -> None:
         self._by_session: dict[str, list[tuple]] = {}
@@ -81,9 +81,13 @@ class Held:
         with self._lock:
             self._by_session.setdefault(session_id, []).append(item)
 
-    def take(self, session_id: str) -> list[tuple]:
+    def take(self, session_id: str, keep: int = 0) -> list[tuple]:
+        """The session's steps but its last `keep`, which it goes on holding."""
         with self._lock:
-            return self._by_session.pop(session_id, [])
+            held = self._by_session.pop(session_id, [])
+            if keep and held[-keep:]:
+                self._by_session[session_id] = held[-keep:]
+            return held[: max(len(held) - keep, 0)]
 
     def take_all(self) -> list[tuple]:
         with self._lock:
@@ -94,13 +98,20 @@ class Held:
 
 class RingSender:
     """The target end of a ring transport (shm, cuda-ipc): each step gets its own range of the ring
-    and a sequence number, held by its session until the session's next step or its end.
+    and a sequence number, held by its session until the session is two steps on, or ends.
+
+    Why two: the draft reads step r's features either in the propose of round r+1, answered before
+    verify r+1 is sent, or (overlap) in the ahead step it runs beside verify r+1, which the coordinator
+    waits for before it sends verify r+2. So step r may still be read while step r+1 is sent, never
+    once step r+2 is: freeing at r+1 handed a range the draft was about to read straight back to the
+    next write (first fit), and cuda-ipc, which has no stamp, read the other step's rows.
 
     Subclasses write the rows (`_write`) and mark a freed range (`_unstamp`) so that a late reader
     can tell its rows are gone."""
 
     name = ""
     STAMP = 0  # bytes in front of each step's rows for its sequence number
+    KEEP = 1  # steps before the newest a session goes on holding (see above)
 
     def __init__(self, plan: common_pb2.TransportPlan, traffic: Traffic | None):
         self.channel = plan.channel
@@ -130,9 +141,10 @@ class RingSender:
     def start(self, timeout: float) -> None:
         pass  # the draft mapped the ring already: nothing to wait for
 
-    def send(self, session_id: str, features: torch.Tensor) -> common_pb2.FeatureRef | None:
+    def send(self, session_id: str, features: torch.Tensor, ready=None) -> common_pb2.FeatureRef | None:
+        """`ready`: a CUDA event recorded when the rows were computed (None: the caller's stream has them)."""
         with self._use() as usable:
-            self._free(self.held.take(session_id))  # the session moved on: the draft read its last step
+            self._free(self.held.take(session_id, keep=self.KEEP))  # the draft is done with all but the last
             if not usable:
                 return None
             rows, width = features.shape
@@ -144,7 +156,7 @@ class RingSender:
             offset, slot = got
             sequence = next(self._seq)
             self.held.add(session_id, (offset, nbytes, slot))
-            self._write(offset, slot, sequence, features)
+            self._write(offset, slot, sequence, features, ready)
             count(self.traffic, "sent", self.name, features)
             return common_pb2.FeatureRef(
                 transport=self.name, channel=self.channel, sequence=sequence, offset=offset, rows=rows,
@@ -167,7 +179,7 @@ class RingSender:
         self.held.take_all()
         self._release_ring()
 
-    def _write(self, offset: int, slot: int, sequence: int, features: torch.Tensor) -> None:
+    def _write(self, offset: int, slot: int, sequence: int, features: torch.Tensor, ready) -> None:
         raise NotImplementedError
 
     def _unstamp(self, offset: int) -> None:

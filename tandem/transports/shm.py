@@ -44,9 +44,11 @@ class ShmSender(RingSender):
         self._stamps = self._bytes.view(torch.int64)  # a stamp at offset o is _stamps[o // 8]
         self._stamps.fill_(-1)
 
-    def _write(self, offset: int, slot: int, sequence: int, features: torch.Tensor) -> None:
+    def _write(self, offset: int, slot: int, sequence: int, features: torch.Tensor, ready=None) -> None:
         start = offset + STAMP
         dest = self._bytes[start : start + features.numel() * features.element_size()]
+        if features.is_cuda:  # a GPU engine asked for shm: read its rows on a side stream after `ready`
+            features = _to_host(features, ready)
         dest.view(features.dtype).view(features.shape).copy_(features)
         self._stamps[offset // 8] = sequence  # after the rows: a reader that sees the stamp sees them
 
@@ -60,6 +62,18 @@ class ShmSender(RingSender):
         except BufferError:  # a view still alive somewhere: unlink anyway, the mapping goes with the process
             pass
         self.segment.unlink()
+
+
+def _to_host(features: torch.Tensor, ready) -> torch.Tensor:
+    """The rows on the host, read once the GPU is past `ready`, not behind the engine's next forward."""
+    stream = torch.cuda.Stream(features.device)
+    if ready is not None:
+        stream.wait_event(ready)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(features.device))
+    with torch.cuda.stream(stream):
+        host = features.to("cpu")  # waits for this stream only
+    return host
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
