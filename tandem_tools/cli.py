@@ -309,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", help=TRANSPORT_HELP)
     p.add_argument("--max-batch-size", type=int, help="sessions' steps per batched forward (default 32)")
     p.add_argument("--max-batch-tokens", type=int, help="new pairs + drafts per batched forward (default 4096)")
+    p.add_argument("--q-top-n", type=int, help="sampled requests: the draft samples from its N likeliest tokens, "
+                   "renormalised, and sends that support with each draft (default 256; 0 = all, 1 = the argmax)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
     p.add_argument("--session-ttl", type=float, help="seconds a session may sit idle before eviction (default 600)")
     add_service_args(p, "port (default 50052; 0 = any free port)")
