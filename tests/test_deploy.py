@@ -266,7 +266,8 @@ def test_gpu_file_environment_loads_as_valid_settings(tiny_dir, monkeypatch):
         settings = config.load_settings(SETTINGS[name])
         assert (settings.host, settings.port) == ("0.0.0.0", container_port(name, services[name]))
         if name != "coordinator":
-            assert settings.device == "cuda" and settings.dtype == "bfloat16"
+            # "cuda" in the file: the settings name the container's GPU (its current one, 0 without CUDA here)
+            assert settings.device.startswith("cuda:") and settings.dtype == "bfloat16"
     assert str(settings.target_addr) == "target:50051" and settings.draft_addr == "draft:50052"
 
 
