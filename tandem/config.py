@@ -222,7 +222,8 @@ class TargetSettings(EngineSettings):
     transport_max_inflight: int = Field(128, ge=1, le=4096)
     # Any wait on the fast path (rendezvous, a send, a draft waiting for a step's rows).
     transport_timeout: float = Field(10.0, gt=0)
-    # The KV cache of all sessions together (unset: 80% of the GPU memory free after loading, or half
+    # The KV cache of all sessions together (unset: on a GPU what is free after loading less a margin, the
+    # feature ring, a forward of the largest batch and the gather (target_server/engine.py), or half
     # the host's available memory on a CPU). A prefill reserves its generation's
     # share (prompt + max_new_tokens); while the budget is taken it queues for queue_timeout seconds,
     # then gets RESOURCE_EXHAUSTED.

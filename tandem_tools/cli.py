@@ -292,7 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport-timeout", type=float, help="seconds any fast-path wait may take (default 10)")
     p.add_argument("--max-batch-size", type=int, help="sessions' steps per batched forward (default 32)")
     p.add_argument("--max-batch-tokens", type=int, help="new tokens per batched forward (default 4096)")
-    p.add_argument("--kv-cache-gib", type=float, help="KV cache of all sessions (default: 80%% of free GPU memory, half the RAM on a CPU)")
+    p.add_argument("--kv-cache-gib", type=float,
+                   help="KV cache of all sessions (default: the GPU memory left after a forward, the ring and a "
+                        "margin; half the RAM on a CPU)")
     p.add_argument("--queue-timeout", type=float,
                    help="seconds a prefill waits for KV budget before RESOURCE_EXHAUSTED (default 30)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")

@@ -40,25 +40,39 @@ from target_server.loading import load_target
 
 
 class KVLayer(DynamicLayer):
-    """One layer's KV for one forward, in a buffer [B, kv_heads, capacity, head_dim] holding the batch's
-    past (the first `length` positions) with room for the new tokens, which the forward writes in place.
-    transformers' DynamicLayer concatenates, which copies the whole cache at every step."""
+    """One layer's KV for one forward: the batch's past [B, kv_heads, past, head_dim], gathered from the
+    pool only when the layer asks for it, with the new tokens after it. So one layer's padded copy exists
+    at a time (the allocator reuses it for the next layer), not every layer's at once: a second copy of
+    the batch's KV per forward was more memory than the budget counted. The new tokens' KV is kept for
+    the scatter. transformers' DynamicLayer concatenates, which copies the whole cache at every step."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+    def __init__(self, gather: Callable[[torch.Tensor, torch.Tensor], None] | None, shape: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.buffer_keys, self.buffer_values = keys, values
-        self.dtype, self.device = keys.dtype, keys.device
+        self._gather = gather  # fills keys, values [B, kv_heads, past, head_dim] from the pool
+        self.dtype, self.device = dtype, device
         self.is_initialized = True
-        self.length = length
-        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+        self.past = shape[2]
+        self._sized(shape)
+        self.new_keys = self.new_values = None  # [B, kv_heads, width, head_dim] after the forward
+
+    def _sized(self, shape: tuple[int, ...]) -> None:
+        """What transformers reads of keys and values between updates is their shape (the mask's size):
+        a zero-stride view, no memory."""
+        self.keys = self.values = torch.zeros((), dtype=self.dtype, device=self.device).expand(shape)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        end = self.length + key_states.shape[-2]
-        self.buffer_keys[:, :, self.length : end] = key_states
-        self.buffer_values[:, :, self.length : end] = value_states
-        self.length = end
-        self.keys, self.values = self.buffer_keys[:, :, :end], self.buffer_values[:, :, :end]
-        return self.keys, self.values
+        self.new_keys, self.new_values = key_states, value_states
+        b, heads, width, dim = key_states.shape
+        if not self.past:
+            keys, values = key_states, value_states
+        else:
+            keys = key_states.new_empty(b, heads, self.past + width, dim)
+            values = value_states.new_empty(b, heads, self.past + width, dim)
+            self._gather(keys[:, :, : self.past], values[:, :, : self.past])
+            keys[:, :, self.past :], values[:, :, self.past :] = key_states, value_states
+        self._sized(keys.shape)
+        return keys, values
 
 
 class KVPool:
@@ -67,13 +81,17 @@ class KVPool:
     of blocks and `rows`, the pool row of each of its positions. A batch's past is one gather per layer,
     and the tokens it commits one scatter per layer, whatever the number of sessions (per-session
     buffers cost two copies per session and layer each way: 30% of the target's time at 16 sessions).
-    The pool grows by doubling when its blocks run out; the KV budget bounds what the sessions hold."""
+    The KV budget sizes it (`max_blocks`): a GPU target's pool is preallocated there, so the memory is
+    claimed at start-up; a CPU's grows by doubling up to it. Without a budget it grows without bound."""
 
     BLOCK = 16
 
     def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 blocks: int = 64):
+                 blocks: int = 64, max_blocks: int | None = None):
         self.shape = (heads, head_dim)
+        self.max_blocks = max_blocks
+        if max_blocks is not None:
+            blocks = min(blocks, max_blocks)
         self.keys = [torch.zeros(blocks * self.BLOCK, heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self._free = list(range(blocks))
@@ -83,11 +101,19 @@ class KVPool:
     def blocks(self) -> int:
         return self.keys[0].shape[0] // self.BLOCK
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
     def allocate(self, n: int) -> list[int]:
         with self._lock:
             if len(self._free) < n:
                 old = self.blocks
                 grown = max(2 * old, old + n - len(self._free))
+                if self.max_blocks is not None:
+                    grown = min(grown, self.max_blocks)
+                if grown - old < n - len(self._free):  # reservations count whole blocks: not under the budget
+                    raise ResourceExhausted(f"the KV pool's {self.blocks} blocks are taken; {n} more asked for")
                 for table in (self.keys, self.values):
                     for i, t in enumerate(table):
                         table[i] = torch.cat([t, t.new_zeros((grown - old) * self.BLOCK, *self.shape)])
@@ -134,9 +160,13 @@ class KVBudget:
         self.used = 0
         self._changed = threading.Condition()
 
-    def reserve(self, n: int) -> None:
+    def reserve(self, n: int) -> int:
+        """Reserve n tokens, counted in whole pool blocks (so that the pool, sized to the budget, always
+        has a session's blocks); returns what was reserved, for free()."""
+        asked, n = n, -(-n // KVPool.BLOCK) * KVPool.BLOCK
         if self.tokens is not None and n > self.tokens:
-            raise ResourceExhausted(f"the request needs {n} KV tokens; the whole KV budget is {self.tokens}")
+            blocks = f" ({n} in whole blocks of {KVPool.BLOCK})" if n != asked else ""
+            raise ResourceExhausted(f"the request needs {asked} KV tokens{blocks}; the whole KV budget is {self.tokens}")
         deadline = time.monotonic() + self.timeout
         with self._changed:
             while self.tokens is not None and self.used + n > self.tokens:
@@ -148,11 +178,23 @@ class KVBudget:
                     )
                 self._changed.wait(left)
             self.used += n
+        return n
 
     def free(self, n: int) -> None:
         with self._changed:
             self.used -= n
             self._changed.notify_all()
+
+
+def kv_budget_tokens(free: int, total: int, bytes_per_token: int, layers: int, *, ring_bytes: int = 0,
+                     forward_bytes: int = 0, margin: float = 0.05) -> int:
+    """The KV tokens a GPU target can hold without running out of memory, of the `free` bytes left once
+    the model is loaded: less a margin (5% of the GPU's `total`: the CUDA context, NCCL's buffers,
+    fragmentation), the feature ring (cuda-ipc) or send queue (nccl), one forward of the largest batch
+    (measured), and per token of the pool the gather's one layer of padded past and its temporary
+    (2 / layers of it; batches are split so that their padded past stays within the budget)."""
+    usable = free - margin * total - ring_bytes - forward_bytes
+    return max(int(usable // (bytes_per_token * (1 + 2 / layers))), 0)
 
 
 def aux_layer_ids_from_draft(
@@ -195,7 +237,7 @@ class TargetEngine(SessionOwner):
         self.max_context = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
         self.sessions: SessionTable[_Session] = SessionTable("target")
         self.kv_budget = KVBudget(kv_cache_tokens, queue_timeout)
-        self.kv_pool = KVPool(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device)
+        self.kv_pool = self._pool(kv_cache_tokens)
         # One forward at a time (the model and the capture hooks are shared), batched across sessions.
         self.batcher: Batcher[_Step] = Batcher(self._run_batch, max_batch_size, max_batch_tokens)
 
@@ -203,6 +245,50 @@ class TargetEngine(SessionOwner):
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes one token takes over all layers (sizes --kv-cache-gib in tokens)."""
         return 2 * self.num_layers * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+
+    def set_kv_budget(self, tokens: int | None) -> None:
+        """The KV tokens all sessions together may hold (None: unbounded), and the pool sized to them;
+        before any session."""
+        if self.kv_budget.used:
+            raise RuntimeError("the KV budget is set before the first session")
+        self.kv_pool = None  # a GPU's old pool goes before the new one is allocated
+        self.kv_budget.tokens = tokens
+        self.kv_pool = self._pool(tokens)
+
+    def _pool(self, tokens: int | None) -> KVPool:
+        cap = None if tokens is None else max(tokens // KVPool.BLOCK, 1)
+        blocks = cap if cap is not None and self.device.type == "cuda" else 64  # a GPU's: all of it now
+        return KVPool(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device, blocks, cap)
+
+    @property
+    def gather_bytes_per_token(self) -> int:
+        """The gather's memory per token of a forward's padded past: one layer's copy and its temporary
+        (KVLayer gathers layer by layer)."""
+        return 2 * self.kv_bytes_per_token // self.num_layers
+
+    @torch.inference_mode()
+    def measure_forward_bytes(self) -> int:
+        """GPU memory one forward of the largest batch takes beyond the weights and the KV (activations,
+        captured features, the verify rows' logits), measured as vLLM's profile run measures it: a
+        prefill of max_batch_tokens tokens, then the logits of a full batch of verifies."""
+        device = self.device
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        n = max(min(self.batcher.max_tokens, self.max_context - 1), 1)
+        ids = torch.zeros(1, n, dtype=torch.long, device=device)
+        layers = [KVLayer(None, (1, self.kv_heads, 0, self.head_dim), self.dtype, device) for _ in range(self.num_layers)]
+        hidden = self.decoder(input_ids=ids, position_ids=torch.arange(n, device=device)[None],
+                              past_key_values=Cache(layers=layers), use_cache=True).last_hidden_state
+        self.capture.take()
+        rows = min(n, self.batcher.max_batch * (MAX_DRAFT_TOKENS + 1))
+        logits = self._logits(hidden[0, :rows]).float().log_softmax(-1)  # the acceptance rule's work, in float
+        del hidden, logits, layers
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        torch.cuda.empty_cache()
+        return peak
 
     def release(self, session_id: str) -> bool:
         session = self.sessions.pop(session_id)
@@ -264,7 +350,7 @@ class TargetEngine(SessionOwner):
         reserve = self.max_context
         if max_new_tokens is not None:
             reserve = min(reserve, len(prompt_ids) + max_new_tokens + MAX_DRAFT_TOKENS + 1)
-        self.kv_budget.reserve(reserve)
+        reserve = self.kv_budget.reserve(reserve)
         # Every layer keeps its full KV, so verify can always roll back (a config-built cache trims
         # sliding-window layers, Mistral's, and then cannot crop); blocks are taken as it grows.
         session = _Session(params=params, generator=generator, reserved=reserve)
@@ -305,7 +391,48 @@ class TargetEngine(SessionOwner):
     # -- one batched forward ------------------------------------------------------------------
 
     @torch.inference_mode()
-    def _run_batch(self, steps: list[_Step]) -> list[PrefillResult | VerifyResult]:
+    def _run_batch(self, steps: list[_Step]) -> list[PrefillResult | VerifyResult | Exception]:
+        """The batch in as few forwards as keep each one's padded KV within the budget; a forward that
+        runs out of memory fails its steps with ResourceExhausted (the server is full), not the process."""
+        results: dict[int, PrefillResult | VerifyResult | Exception] = {}
+        for part in self._parts(steps):
+            try:
+                results.update(zip(map(id, part), self._forward(part), strict=True))
+            except torch.OutOfMemoryError as exc:
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                refused = ResourceExhausted(f"the target ran out of memory in a forward of {len(part)} steps "
+                                            f"({str(exc).splitlines()[0][:200]}); lower --kv-cache-gib or "
+                                            f"--max-batch-tokens")
+                results.update((id(step), refused) for step in part)
+        ready = None
+        if self.device.type == "cuda":  # before the next batch can queue a forward behind these features
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        for step in steps:
+            step.session.ready = ready
+        return [results[id(step)] for step in steps]
+
+    def _parts(self, steps: list[_Step]) -> list[list[_Step]]:
+        """A forward gathers B x (longest past + widest new) tokens of KV: one long session among short
+        ones multiplies it. The batch as it is when that fits in the budget, else in parts that do (the
+        longest pasts first, each part as large as fits)."""
+        limit = self.kv_budget.tokens
+
+        def size(part: list[_Step]) -> int:
+            return len(part) * (max(s.session.length for s in part) + max(len(s.ids) for s in part))
+
+        if limit is None or size(steps) <= limit:
+            return [steps]
+        parts: list[list[_Step]] = []
+        for step in sorted(steps, key=lambda s: -s.session.length):
+            if parts and size([*parts[-1], step]) <= limit:
+                parts[-1].append(step)
+            else:
+                parts.append([step])
+        return parts
+
+    def _forward(self, steps: list[_Step]) -> list[PrefillResult | VerifyResult]:
         past = [step.session.length for step in steps]
         sizes = [len(step.ids) for step in steps]
         longest, width = max(past), max(sizes)
@@ -318,7 +445,7 @@ class TargetEngine(SessionOwner):
             ids[i, : sizes[i]] = torch.tensor(step.ids)
             mask[i, longest - past[i] : longest + sizes[i]] = 1  # padding before the past and after the new tokens
             positions[i] = torch.arange(past[i], past[i] + width)
-        batch = self._gather_kv(steps, longest, width)
+        batch = self._gather_kv(steps, longest)
         hidden = self.decoder(
             input_ids=ids.to(self.device),
             attention_mask=None if len(steps) == 1 else mask.to(self.device),
@@ -334,14 +461,9 @@ class TargetEngine(SessionOwner):
         kept = [0] * len(steps)
         results = [self._finish(step, logits[i], features[i, : sizes[i]], lambda n, i=i: kept.__setitem__(i, n))
                    for i, step in enumerate(steps)]
-        self._scatter_kv(steps, past, kept, batch, longest, width)
-        ready = None
-        if self.device.type == "cuda":  # before the next batch can queue a forward behind these features
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
+        self._scatter_kv(steps, past, kept, batch, width)
         for step, n in zip(steps, kept, strict=True):
             step.session.length += n
-            step.session.ready = ready
         return results
 
     def _grow(self, session: _Session, length: int) -> None:
@@ -353,33 +475,33 @@ class TargetEngine(SessionOwner):
             first = torch.tensor(blocks, device=self.device)[:, None] * KVPool.BLOCK
             session.rows = torch.cat([session.rows.to(self.device), (first + torch.arange(KVPool.BLOCK, device=self.device)).flatten()])
 
-    def _gather_kv(self, steps: list[_Step], longest: int, width: int) -> list[KVLayer]:
-        """The batch's KV, each sequence's past left-padded to `longest`, with room for `width` new tokens."""
-        shape = (len(steps), self.kv_heads, longest + width, self.head_dim)
+    def _gather_kv(self, steps: list[_Step], longest: int) -> list[KVLayer]:
+        """Each layer's view of the batch's past, each sequence left-padded to `longest`; gathered from the
+        pool when the layer runs."""
+        shape = (len(steps), self.kv_heads, longest, self.head_dim)
         if longest == 0:
-            return [KVLayer(torch.empty(shape, dtype=self.dtype, device=self.device),
-                            torch.empty(shape, dtype=self.dtype, device=self.device), 0)
-                    for _ in range(self.num_layers)]
+            return [KVLayer(None, shape, self.dtype, self.device) for _ in range(self.num_layers)]
         index = pad_sequence([step.session.rows[: step.session.length] for step in steps], batch_first=True,
                              padding_side="left")  # [B, longest]; padding reads row 0, masked out
-        batch = []
-        for pool_keys, pool_values in zip(self.kv_pool.keys, self.kv_pool.values, strict=True):
-            keys = torch.empty(shape, dtype=self.dtype, device=self.device)
-            values = torch.empty(shape, dtype=self.dtype, device=self.device)
-            keys[:, :, :longest] = pool_keys[index].transpose(1, 2)
-            values[:, :, :longest] = pool_values[index].transpose(1, 2)
-            batch.append(KVLayer(keys, values, longest))
-        return batch
+
+        def gather(layer: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
+            def fill(keys: torch.Tensor, values: torch.Tensor) -> None:  # [B, kv_heads, longest, head_dim]
+                keys.copy_(self.kv_pool.keys[layer][index].transpose(1, 2))
+                values.copy_(self.kv_pool.values[layer][index].transpose(1, 2))
+
+            return fill
+
+        return [KVLayer(gather(layer), shape, self.dtype, self.device) for layer in range(self.num_layers)]
 
     def _scatter_kv(self, steps: list[_Step], past: list[int], kept: list[int], batch: list[KVLayer],
-                    longest: int, width: int) -> None:
+                    width: int) -> None:
         """The KV of the tokens each session commits (its first `kept` new ones) into its pool rows."""
         rows = torch.cat([step.session.rows[p : p + n] for step, p, n in zip(steps, past, kept, strict=True)])
         chosen = torch.arange(width)[None] < torch.tensor(kept)[:, None]  # [B, width]
         chosen = chosen.to(self.device)
         for layer, pool_keys, pool_values in zip(batch, self.kv_pool.keys, self.kv_pool.values, strict=True):
-            pool_keys[rows] = layer.buffer_keys[:, :, longest:].transpose(1, 2)[chosen]
-            pool_values[rows] = layer.buffer_values[:, :, longest:].transpose(1, 2)[chosen]
+            pool_keys[rows] = layer.new_keys.transpose(1, 2)[chosen]
+            pool_values[rows] = layer.new_values.transpose(1, 2)[chosen]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

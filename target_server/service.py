@@ -18,14 +18,14 @@ from tandem.config import TargetSettings
 from tandem.convert import draft_probs_from_pb, logprobs_to_pb, sampling_from_pb
 from tandem.dtypes import name_of
 from tandem.errors import Abort
-from tandem.service import Service, run_service
+from tandem.service import Service, StartupError, run_service
 from tandem.servicer import EngineServicer
 from tandem.sessions import InvalidRequest
 from tandem.timing import StepClock
 from tandem.transports.endpoints import TargetTransport
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire import encode_features
-from target_server.engine import TargetEngine, aux_layer_ids_from_draft
+from target_server.engine import KVPool, TargetEngine, aux_layer_ids_from_draft, kv_budget_tokens
 
 log = logging.getLogger("tandem.target")
 
@@ -177,17 +177,36 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
             yield target_pb2.TargetResponse(features=chunk)
 
 
-def default_kv_bytes(device: torch.device) -> float | None:
-    """The KV budget without --kv-cache-gib: 80% of the GPU memory still free once the model is loaded
-    (vLLM keeps 10% back by default; activations of a batched forward need some), or half of the
-    memory available on a CPU host."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return 0.8 * free
+def kv_tokens(settings: TargetSettings, engine: TargetEngine) -> int | None:
+    """The KV budget in tokens. On a GPU everything else that takes memory is counted first (kv_budget_tokens:
+    the feature ring or queue, a measured forward of the largest batch, the gather, a margin), and a
+    --kv-cache-gib that does not fit is refused at start-up rather than run out of memory later. On a CPU:
+    --kv-cache-gib, or half the memory available."""
+    per_token = engine.kv_bytes_per_token
+    asked = None if settings.kv_cache_gib is None else int(settings.kv_cache_gib * (1 << 30)) // per_token
+    if engine.device.type != "cuda":
+        return asked if asked is not None else _half_the_host(per_token)
+    # the cuda-ipc ring or the nccl send queue lives on our GPU, and is allocated later, at the handshake
+    ring = int(settings.transport_ring_mib * (1 << 20)) if settings.transport in ("auto", "cuda-ipc", "nccl") else 0
+    forward = engine.measure_forward_bytes()
+    free, total = torch.cuda.mem_get_info(engine.device)
+    fits = kv_budget_tokens(free, total, per_token, engine.num_layers, ring_bytes=ring, forward_bytes=forward)
+    gib = 1 << 30
+    if (asked is not None and asked > fits) or fits < KVPool.BLOCK:
+        raise StartupError(
+            f"the KV cache does not fit: {free / gib:.2f} GiB free after loading; a forward takes {forward / gib:.2f}, "
+            f"the feature ring {ring / gib:.2f}, 5% is kept back, and each KV token {per_token} bytes plus the "
+            f"gather's {engine.gather_bytes_per_token}: room for {fits} tokens"
+            + (f", --kv-cache-gib asks for {asked}" if asked is not None else "")
+        )
+    return asked if asked is not None else fits
+
+
+def _half_the_host(per_token: int) -> int | None:
     try:
         with open("/proc/meminfo") as meminfo:
             available = next(line for line in meminfo if line.startswith("MemAvailable:"))
-        return 0.5 * int(available.split()[1]) * 1024
+        return int(0.5 * int(available.split()[1]) * 1024) // per_token
     except (OSError, StopIteration):
         return None
 
@@ -204,9 +223,10 @@ def load(settings: TargetSettings, service: Service, servicer: TargetServicer):
         max_batch_size=settings.max_batch_size, max_batch_tokens=settings.max_batch_tokens,
         queue_timeout=settings.queue_timeout,
     )
-    budget = settings.kv_cache_gib * (1 << 30) if settings.kv_cache_gib is not None else default_kv_bytes(engine.device)
-    if budget is not None:
-        engine.kv_budget.tokens = int(budget) // engine.kv_bytes_per_token
+    try:
+        engine.set_kv_budget(kv_tokens(settings, engine))  # a GPU's pool is allocated here, before the ring
+    except torch.OutOfMemoryError as exc:
+        raise StartupError(f"the KV pool does not fit on {engine.device}: {exc}") from None
     transport = TargetTransport(
         settings.transport, settings.device, settings.dtype, 3 * engine.hidden_size, host=settings.host,
         ring_bytes=int(settings.transport_ring_mib * (1 << 20)), max_inflight=settings.transport_max_inflight,

@@ -101,7 +101,7 @@ def test_the_kv_budget_queues_then_refuses(tiny_dir):
     greedy = SamplingParams()
     with pytest.raises(ResourceExhausted, match="whole KV budget is 100"):
         engine.prefill("huge", [5] * 10, greedy, max_new_tokens=200)
-    engine.prefill("a", [5] * 10, greedy, max_new_tokens=40)  # reserves 10 + 40 + 17 = 67
+    engine.prefill("a", [5] * 10, greedy, max_new_tokens=40)  # reserves 10 + 40 + 17 = 67: 80 in whole blocks
     started = time.monotonic()
     with pytest.raises(ResourceExhausted, match="budget is taken"):
         engine.prefill("b", [6] * 10, greedy, max_new_tokens=40)
@@ -109,7 +109,7 @@ def test_the_kv_budget_queues_then_refuses(tiny_dir):
     # a queued request gets in as soon as a session finishes
     threading.Timer(0.2, engine.release, args=("a",)).start()
     engine.prefill("b", [6] * 10, greedy, max_new_tokens=40)
-    assert engine.num_sessions == 1 and engine.kv_budget.used == 67
+    assert engine.num_sessions == 1 and engine.kv_budget.used == 80
     engine.verify("b", 7, [8] * 3)
     engine.release("b")
     assert engine.kv_budget.used == 0

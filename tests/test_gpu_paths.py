@@ -435,3 +435,115 @@ def test_a_steps_compute_time_is_its_batch_on_its_device_and_never_waits_for_the
     assert time.perf_counter() - start < 0.2
     assert clock.compute_ns < 0.2e9
     torch.cuda.synchronize(device)
+
+
+# -- 8. memory: the KV pool at its budget, every other buffer accounted for, RESOURCE_EXHAUSTED not OOM -------
+
+
+def _pool_tokens(engine) -> int:
+    return engine.kv_pool.blocks * engine.kv_pool.BLOCK
+
+
+def test_the_kv_pool_never_holds_more_than_the_kv_budget(tiny_dir):
+    """The pool took 64 blocks whatever the budget and doubled by torch.cat without a cap (3x its size at
+    the moment it grew). Now it never passes the budget: preallocated there on a GPU, grown up to it on
+    a CPU; reservations count whole blocks, so the budget's sessions always find theirs."""
+    from tandem.params import SamplingParams
+    from tandem.sessions import ResourceExhausted
+    from target_server.engine import TargetEngine
+
+    engine = TargetEngine(tiny_dir / "target", kv_cache_tokens=100, queue_timeout=0)
+    assert _pool_tokens(engine) <= 100
+    greedy = SamplingParams()
+    token = engine.prefill("a", [5] * 30, greedy, max_new_tokens=30).token  # 30 + 30 + 17 = 77: 80 in blocks
+    assert engine.kv_budget.used == 80
+    with pytest.raises(ResourceExhausted, match="budget is taken"):  # 3 + 1 + 17 = 21: 32 in blocks, 112 > 100
+        engine.prefill("b", [5] * 3, greedy, max_new_tokens=1)
+    for _ in range(6):
+        token = engine.verify("a", token, [8, 9, 10]).bonus
+    assert _pool_tokens(engine) <= 100
+    engine.release("a")
+    assert engine.kv_budget.used == 0 and _pool_tokens(engine) <= 100
+
+
+def test_a_forward_gathers_no_more_kv_than_the_budget_holds(tiny_dir):
+    """A batch gathers its sessions' KV, each padded to the longest: one long session among many short
+    ones made a copy many times what they hold. A batch whose padded copy would pass the budget runs in
+    several forwards, each within it, and the tokens are those of each session alone."""
+    from tandem.params import SamplingParams
+    from target_server.engine import TargetEngine, _Step
+
+    greedy = SamplingParams()
+    prompts = {"long": list(range(3, 103)), **{f"s{i}": [4 + i, 9, 2] for i in range(6)}}
+    alone = TargetEngine(tiny_dir / "target", kv_cache_tokens=320)
+    expected = {}
+    for sid, prompt in prompts.items():
+        token = alone.prefill(sid, prompt, greedy, max_new_tokens=4).token
+        expected[sid] = alone.verify(sid, token, [11, 12, 13]).accepted
+    engine = TargetEngine(tiny_dir / "target", kv_cache_tokens=320)
+    first = {sid: engine.prefill(sid, prompt, greedy, max_new_tokens=4).token for sid, prompt in prompts.items()}
+    gathered = []
+    hook = engine.decoder.register_forward_pre_hook(
+        lambda module, args, kwargs: gathered.append(
+            kwargs["input_ids"].shape[0] * (kwargs["past_key_values"].get_seq_length() + kwargs["input_ids"].shape[1])),
+        with_kwargs=True)
+    try:
+        steps = [_Step("verify", engine.sessions.get(sid), [first[sid], 11, 12, 13], False) for sid in prompts]
+        results = engine._run_batch(steps)
+    finally:
+        hook.remove()
+    assert {sid: r.accepted for sid, r in zip(prompts, results, strict=True)} == expected
+    assert max(gathered) <= 320, gathered  # 7 x (100 + 4) = 728 in one forward before
+
+
+def test_a_forward_that_runs_out_of_memory_is_refused_and_the_engine_goes_on(tiny_dir):
+    """The last line: an out-of-memory error in a forward fails that batch's steps with
+    RESOURCE_EXHAUSTED (a full server), not INTERNAL, and the next batch runs."""
+    from tandem.params import SamplingParams
+    from tandem.sessions import ResourceExhausted
+    from target_server.engine import TargetEngine
+
+    engine = TargetEngine(tiny_dir / "target", kv_cache_tokens=200)
+    token = engine.prefill("a", [5, 6, 7], SamplingParams(), max_new_tokens=20).token
+
+    def oom(module, args, kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    hook = engine.decoder.register_forward_pre_hook(oom, with_kwargs=True)
+    with pytest.raises(ResourceExhausted, match="out of memory"):
+        engine.verify("a", token, [8, 9])
+    hook.remove()
+    assert len(engine.verify("a", token, [8, 9]).accepted) <= 2
+
+
+def test_the_default_kv_budget_leaves_room_for_the_ring_a_forward_and_the_gather():
+    """The budget was 80% of the memory free after loading; the ring came after it, and a forward's
+    activations and its gathered KV were not counted. Now: pool + gather workspace + ring + the measured
+    forward + a margin fit in what is free."""
+    from target_server.engine import kv_budget_tokens
+
+    gib = 1 << 30
+    per_token, layers = 128 << 10, 32  # an 8B Llama in bf16: 2 * 32 layers * 8 heads * 128 * 2 bytes
+    free, total, ring, forward = 60 * gib, 80 * gib, 256 << 20, 3 * gib
+    tokens = kv_budget_tokens(free, total, per_token, layers, ring_bytes=ring, forward_bytes=forward)
+    gather = 2 * tokens * per_token // layers  # one layer's padded past and its gathered copy
+    assert tokens * per_token + gather + ring + forward <= free - 0.05 * total
+    assert tokens * per_token > 0.8 * (free - ring - forward - 0.05 * total)  # and not much less
+    assert kv_budget_tokens(2 * gib, total, per_token, layers, ring_bytes=ring, forward_bytes=forward) == 0
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_a_gpu_targets_kv_pool_is_preallocated_at_its_budget(tiny_dir):
+    from tandem.params import SamplingParams
+    from target_server.engine import TargetEngine
+
+    engine = TargetEngine(tiny_dir / "target", device="cuda", kv_cache_tokens=1000)
+    blocks = engine.kv_pool.blocks
+    assert blocks == 1000 // engine.kv_pool.BLOCK
+    before = torch.cuda.memory_reserved()
+    token = engine.prefill("a", list(range(3, 300)), SamplingParams(), max_new_tokens=100).token
+    for _ in range(20):
+        token = engine.verify("a", token, [8, 9, 10]).bonus
+    assert engine.kv_pool.blocks == blocks
+    assert torch.cuda.memory_reserved() - before < 64 << 20  # no growth of the pool, only activations
