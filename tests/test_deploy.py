@@ -323,6 +323,20 @@ def test_dockerfile_copies_only_paths_that_exist():
     assert re.search(r"^USER tandem$", text, re.MULTILINE)
 
 
+def test_model_images_pin_transformers_to_the_version_the_tests_ran_with():
+    """The target engine subclasses transformers' near-private cache classes (DynamicLayer; its API moved
+    in 5.x): the cpu and gpu images install the version these tests ran with, not whatever is newest."""
+    from importlib.metadata import version
+
+    text = (DEPLOY / "Dockerfile").read_text()
+    pinned = re.search(r"^ARG TRANSFORMERS_VERSION=(\S+)$", text, re.MULTILINE)
+    assert pinned and pinned.group(1) == version("transformers"), (pinned and pinned.group(1), version("transformers"))
+    for stage in ("cpu", "gpu"):
+        body = re.search(rf"^FROM \S+ AS {stage}$(.*?)(?=^FROM |\Z)", text, re.MULTILINE | re.DOTALL).group(1)
+        assert re.search(r"^ARG TRANSFORMERS_VERSION$", body, re.MULTILINE), stage
+        assert '"transformers==${TRANSFORMERS_VERSION}"' in body, stage
+
+
 def _coordinator_requirements() -> list[str]:
     """What the coordinator image installs besides tandem (--no-deps), computed as its Dockerfile does."""
     pytest.importorskip("tomllib")  # Python 3.11+, as in the images
