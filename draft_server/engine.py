@@ -26,10 +26,8 @@ alike, and returns the q it drew from with the drafts (draft_server/sampling.py)
 
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,43 +35,14 @@ import torch
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.model import DraftKV, Eagle3Draft
 from draft_server.sampling import DraftSampler, draft_q, draw
+from draft_server.steps import _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
 from tandem.batching import Batcher
 from tandem.config import DRAFT_Q_TOP_N
 from tandem.dtypes import TORCH_DTYPES
-from tandem.pairing import DraftShape, TargetShape, check_pair
+from tandem.pairing import DraftShape, check_pair
 from tandem.params import SamplingParams
 from tandem.protocol import Branch, DraftProbs, Drafts
 from tandem.sessions import InvalidRequest, SessionOwner, SessionTable
-
-
-@dataclass
-class _Session:
-    kv: DraftKV = field(default_factory=DraftKV)
-    length: int = 0  # committed pairs in the KV
-    last_used: float = field(default_factory=time.monotonic)
-    sampler: DraftSampler | None = None  # a sampled request: drafts are drawn from q, not the argmax
-    # the drafts of the last step (one list per branch after an ahead) with the hidden states whose
-    # logits proposed them, [K, H]: an ahead assuming those drafts feeds them as the drafts' inputs
-    proposed: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
-
-
-@dataclass
-class _Step:
-    session: _Session
-    features: torch.Tensor  # [m, 3Ht]
-    next_tokens: list[int]  # [m]
-    k: int
-
-
-@dataclass
-class _Ahead:
-    session: _Session
-    features: torch.Tensor  # [m, 3Ht], m may be 0: the pairs went with the propose before
-    next_tokens: list[int]  # [m]
-    assumed: list[int]  # [J]: the drafts under verification
-    rows: torch.Tensor  # [J, H]: the hidden states that proposed them
-    k: int
-    branches: int
 
 
 class DraftEngine(SessionOwner):
@@ -265,7 +234,7 @@ class DraftEngine(SessionOwner):
             valid[i, longest - past[i] : longest + m] = True
         kv = DraftKV()
         if longest:
-            kv.k, kv.v = self._stack_kv(steps, past, longest)
+            kv.k, kv.v = stack_kv(steps, past, longest)
         valid = valid.to(device)
         causal = torch.ones(width, longest + width, dtype=torch.bool, device=device).tril(diagonal=longest)
         a = model(hidden, tokens.to(device), positions.to(device), kv, (causal[None] & valid[:, None])[:, None])
@@ -418,33 +387,3 @@ class DraftEngine(SessionOwner):
         session.proposed = [(drafts[i], torch.stack(rows[i])) for i in range(b)]
         return [Branch(accepted=forks[i], bonus=bonus[i], drafts=drafts[i], q=_drafts(drafts[i], qs[i]).q)
                 for i in range(b)]
-
-    @staticmethod
-    def _stack_kv(steps: list[_Step], past: list[int], longest: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's committed KV, [B, kv_heads, longest, head_dim], each sequence left-padded."""
-        reference = next(step.session.kv for step, n in zip(steps, past, strict=True) if n)
-        k = reference.k.new_zeros(len(steps), reference.k.shape[1], longest, reference.k.shape[3])
-        v = torch.zeros_like(k)
-        for i, step in enumerate(steps):
-            if past[i]:
-                k[i, :, longest - past[i] :] = step.session.kv.k[0]
-                v[i, :, longest - past[i] :] = step.session.kv.v[0]
-        return k, v
-
-
-def _drafts(tokens: list[int], q: list[DraftProbs | None]) -> Drafts:
-    """The drafts of one session's rollout, with q when it sampled them."""
-    return Drafts(tokens, q if q and q[0] is not None else None)
-
-
-def read_target_shape(target_dir: str | Path) -> TargetShape:
-    """The target's vocabulary, width and depth from its config.json alone."""
-    config = json.loads((Path(target_dir) / "config.json").read_text())
-    config = config.get("text_config", config)
-    return TargetShape(
-        vocab_size=int(config["vocab_size"]),
-        hidden_size=int(config["hidden_size"]),
-        num_layers=int(config["num_hidden_layers"]),
-        # as TargetEngine.max_context reads it
-        max_context=int(config.get("max_position_embeddings") or 1 << 30),
-    )

@@ -30,7 +30,7 @@ from transformers.generation.logits_process import (
 )
 
 from tandem.params import SamplingParams
-from tandem.protocol import DraftProbs
+from tandem.protocol import DraftProbs, TokenLogprob
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -117,3 +117,14 @@ def accept(
     if q is not None:
         q = q.to(logits.device)
     return accept_sampled(target_probs(logits, params), drafts, generator, q)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """logits [n, V] at the positions of the n committed `tokens` -> each token's logprob under the
+    target's raw distribution (before temperature, top-k, top-p: vLLM's default `raw_logprobs`) and
+    the `top` likeliest alternatives. Only for requests that ask: one log_softmax over rows the
+    engine already has."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()  # [n]
+    values, ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())  # [n, top]
+    return [TokenLogprob(lp, i, v) for lp, i, v in zip(chosen, ids.tolist(), values.tolist(), strict=True)]

@@ -65,7 +65,8 @@ def test_a_draft_batch_takes_features_from_a_fast_path_and_an_inline_step_togeth
     """A fast path's step (features on the transport's device) and an inline fallback step (features
     decoded on the CPU) in one batch: each step's features go to the engine's device before the batch
     concatenates them, and the drafts are those of each session alone."""
-    from draft_server.engine import DraftEngine, _Step
+    from draft_server.engine import DraftEngine
+    from draft_server.steps import _Step
 
     alone = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
     expected = [list(alone.propose(sid, f, t, 3)) for sid, f, t in _two_sessions(alone, tiny_dir)]
@@ -80,7 +81,8 @@ def test_a_draft_batch_takes_features_from_a_fast_path_and_an_inline_step_togeth
 @requires_cuda
 def test_a_cuda_draft_batch_takes_cuda_and_cpu_features_together(tiny_dir):
     """The same on a GPU: one step's features from cuda-ipc or NCCL (on the GPU), one inline (on the CPU)."""
-    from draft_server.engine import DraftEngine, _Step
+    from draft_server.engine import DraftEngine
+    from draft_server.steps import _Step
 
     alone = DraftEngine(tiny_dir / "draft", tiny_dir / "target", device="cuda")
     expected = [list(alone.propose(sid, f, t, 3)) for sid, f, t in _two_sessions(alone, tiny_dir)]

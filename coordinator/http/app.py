@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -32,46 +31,23 @@ from starlette.routing import Route
 from coordinator.generation import Call, ClientRequest, Generations
 from coordinator.http.chat import render_chat
 from coordinator.http.protocol import (
-    HTTP_STATUS,
-    INTERNAL,
     ChatRequest,
     CompletionLogprobs,
     CompletionRequest,
+    HTTPError,
     TokenText,
     chat_logprobs,
-    describe,
-    error_body,
+    http_error,
     merge_completion_logprobs,
     spec_metrics,
     usage,
 )
 from coordinator.monitor import Pair
-from tandem.errors import Abort, status_of
+from tandem.errors import Abort
 from tandem.params import GenerationRequest, SamplingParams
 from tandem.text import TextDelta
 
 _END = object()
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, kind: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.body = error_body(status, kind, message, param)
-        self.status = status
-
-
-def http_error(exc: BaseException) -> HTTPError:
-    """A typed error (tandem/errors.py) as the OpenAI error object with the HTTP status of its gRPC code."""
-    if isinstance(exc, HTTPError):
-        return exc
-    if isinstance(exc, ValidationError):
-        message, param = describe(exc)
-        return HTTPError(400, "BadRequestError", message, param)
-    status = status_of(exc)
-    if status is None:
-        return HTTPError(*INTERNAL, f"{type(exc).__name__}: {exc}")
-    code, message = status
-    return HTTPError(*HTTP_STATUS.get(code, INTERNAL), message)
 
 
 class Choice:

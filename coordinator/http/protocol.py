@@ -18,6 +18,7 @@ from __future__ import annotations
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from tandem.errors import status_of
 from tandem.params import MAX_LOGPROBS
 from tandem.protocol import TokenLogprob
 from tandem.stats import GenerationStats, mean_acceptance_length
@@ -282,3 +283,24 @@ class CompletionLogprobs:
 def merge_completion_logprobs(parts: list[dict]) -> dict:
     return {key: [x for part in parts for x in part[key]]
             for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.body = error_body(status, kind, message, param)
+        self.status = status
+
+
+def http_error(exc: BaseException) -> HTTPError:
+    """A typed error (tandem/errors.py) as the OpenAI error object with the HTTP status of its gRPC code."""
+    if isinstance(exc, HTTPError):
+        return exc
+    if isinstance(exc, ValidationError):
+        message, param = describe(exc)
+        return HTTPError(400, "BadRequestError", message, param)
+    status = status_of(exc)
+    if status is None:
+        return HTTPError(*INTERNAL, f"{type(exc).__name__}: {exc}")
+    code, message = status
+    return HTTPError(*HTTP_STATUS.get(code, INTERNAL), message)

@@ -1,0 +1,75 @@
+"""The draft engine's per-session state and batch steps, and what it reads of the target's config."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from draft_server.model import DraftKV
+from draft_server.sampling import DraftSampler
+from tandem.pairing import TargetShape
+from tandem.protocol import DraftProbs, Drafts
+
+
+@dataclass
+class _Session:
+    kv: DraftKV = field(default_factory=DraftKV)
+    length: int = 0  # committed pairs in the KV
+    last_used: float = field(default_factory=time.monotonic)
+    sampler: DraftSampler | None = None  # a sampled request: drafts are drawn from q, not the argmax
+    # the drafts of the last step (one list per branch after an ahead) with the hidden states whose
+    # logits proposed them, [K, H]: an ahead assuming those drafts feeds them as the drafts' inputs
+    proposed: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class _Step:
+    session: _Session
+    features: torch.Tensor  # [m, 3Ht]
+    next_tokens: list[int]  # [m]
+    k: int
+
+
+@dataclass
+class _Ahead:
+    session: _Session
+    features: torch.Tensor  # [m, 3Ht], m may be 0: the pairs went with the propose before
+    next_tokens: list[int]  # [m]
+    assumed: list[int]  # [J]: the drafts under verification
+    rows: torch.Tensor  # [J, H]: the hidden states that proposed them
+    k: int
+    branches: int
+
+
+def stack_kv(steps: list[_Step], past: list[int], longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's committed KV, [B, kv_heads, longest, head_dim], each sequence left-padded."""
+    reference = next(step.session.kv for step, n in zip(steps, past, strict=True) if n)
+    k = reference.k.new_zeros(len(steps), reference.k.shape[1], longest, reference.k.shape[3])
+    v = torch.zeros_like(k)
+    for i, step in enumerate(steps):
+        if past[i]:
+            k[i, :, longest - past[i] :] = step.session.kv.k[0]
+            v[i, :, longest - past[i] :] = step.session.kv.v[0]
+    return k, v
+
+
+def _drafts(tokens: list[int], q: list[DraftProbs | None]) -> Drafts:
+    """The drafts of one session's rollout, with q when it sampled them."""
+    return Drafts(tokens, q if q and q[0] is not None else None)
+
+
+def read_target_shape(target_dir: str | Path) -> TargetShape:
+    """The target's vocabulary, width and depth from its config.json alone."""
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    return TargetShape(
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=int(config["hidden_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        # as TargetEngine.max_context reads it
+        max_context=int(config.get("max_position_embeddings") or 1 << 30),
+    )
