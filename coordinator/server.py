@@ -95,7 +95,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             return None
         monitor = self.generations.monitor
         pair = monitor.current if monitor is not None else None
-        return RequestProbe(request, pair.target_info if pair else None, pair.draft_info if pair else None)
+        return RequestProbe(request, pair.target_info if pair else None, pair.draft_info if pair else None,
+                            transport=monitor.transport if monitor is not None else "grpc")
 
 
 def connect(settings: CoordinatorSettings, service: Service, servicer: CoordinatorServicer) -> None:

@@ -196,6 +196,14 @@ def test_a_fast_path_leaves_the_coordinator_ids_and_descriptors(stacks, transpor
     received = feature_bytes(ports["draft"], "received", "target->draft", transport)
     # a generation's last step has features no draft step reads (the round loop stops first)
     assert 0 < received <= sent
+    from coordinator.client import build_request
+    from tandem.v1 import coordinator_pb2_grpc
+
+    request = build_request(prompt_ids=PROMPTS[0], max_new_tokens=4, num_draft_tokens=3)
+    request.profile = True  # and a request's profile names the path its features took
+    with grpc.insecure_channel(procs["coordinator"].address) as channel:
+        last = list(coordinator_pb2_grpc.CoordinatorStub(channel).GenerateStream(request, timeout=120))[-1]
+    assert last.profile.transport == transport
 
 
 def test_a_transport_mismatch_is_one_clear_error(stacks, tmp_path):
