@@ -31,6 +31,12 @@ from tandem.v1 import common_pb2
 STORAGE_DEVICE_ARG = 6  # rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, storage_device, ...)
 
 
+def _indexed(device: str) -> torch.device:
+    """cuda -> cuda:<current>: the streams and copies below are per device index."""
+    device = torch.device(device)
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def _index_of(device_uuid: str) -> int:
     for i in range(torch.cuda.device_count()):
         if str(torch.cuda.get_device_properties(i).uuid) == device_uuid:
@@ -44,7 +50,7 @@ class CudaIpcSender(RingSender):
     def __init__(self, plan: common_pb2.TransportPlan, device: str, traffic=None):
         plan.channel = plan.channel or uuidlib.uuid4().hex
         super().__init__(plan, traffic)
-        self.device = torch.device(device)
+        self.device = _indexed(device)
         with torch.cuda.device(self.device):
             self._bytes = torch.empty(plan.ring_bytes, dtype=torch.uint8, device=self.device)  # [ring_bytes]
             self._events = [torch.cuda.Event(interprocess=True) for _ in range(plan.max_inflight)]
@@ -80,7 +86,7 @@ class CudaIpcReceiver:
     def __init__(self, plan: common_pb2.TransportPlan, device: str, traffic=None):
         self.channel = plan.channel
         self.traffic = traffic
-        self.device = torch.device(device)
+        self.device = _indexed(device)
         ring_device = _index_of(plan.device_uuid)
         rebuild, args, event_handles = pickle.loads(plan.handle)  # the plan comes from our own target's handshake
         args = list(args)
@@ -110,7 +116,7 @@ class CudaIpcReceiver:
             out = torch.empty((ref.rows, ref.width), dtype=dtype, device=self.device)  # [n, 3H], ours
             out.copy_(rows)
             copied = torch.cuda.Event()
-            copied.record(self._streams[0])
+            copied.record(torch.cuda.current_stream(self.device))  # our side stream, which waited for the copy
         consumer.wait_event(copied)  # the draft's forward waits for this copy, nothing else
         out.record_stream(consumer)  # allocated on the side stream, read on the caller's
         count(self.traffic, "received", self.name, out)
