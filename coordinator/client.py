@@ -63,9 +63,12 @@ def build_request(
     stop: Sequence[str] | str = (),
     ignore_eos: bool = False,
     speculate: bool | None = None,
+    messages: Sequence[dict] | None = None,
 ) -> coordinator_pb2.GenerateRequest:
-    if (prompt is None) == (prompt_ids is None):
-        raise ValueError("give exactly one of prompt and prompt_ids")
+    """`messages`: a conversation ([{"role": "user", "content": ...}, ...]) in place of a prompt; the
+    coordinator renders it with the target's chat template."""
+    if sum(x is not None for x in (prompt, prompt_ids, messages)) != 1:
+        raise ValueError("give exactly one of prompt, prompt_ids and messages")
     sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k)
     if top_p is not None:
         sampling.top_p = top_p
@@ -78,6 +81,7 @@ def build_request(
         stop_token_ids=list(stop_token_ids),
         stop=[stop] if isinstance(stop, str) else list(stop),
         ignore_eos=ignore_eos,
+        messages=[coordinator_pb2.ChatMessage(role=m["role"], content=m.get("content") or "") for m in messages or ()],
     )
     if max_new_tokens is not None:
         request.max_new_tokens = max_new_tokens

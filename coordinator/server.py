@@ -14,6 +14,7 @@ import sys
 
 import grpc
 
+from coordinator.chat import render_chat
 from coordinator.generation import Call, ClientRequest, Generations
 from coordinator.monitor import Monitor, Pair
 from coordinator.probe import RequestProbe
@@ -28,9 +29,18 @@ from tandem.v1 import coordinator_pb2, coordinator_pb2_grpc
 log = logging.getLogger("tandem.coordinator")
 
 
-def client_request_from_pb(msg: coordinator_pb2.GenerateRequest, pair: Pair) -> ClientRequest:
+def client_request_from_pb(msg: coordinator_pb2.GenerateRequest, pair: Pair,
+                           chat_template: str | None = None) -> ClientRequest:
+    """`chat_template`: the coordinator's --chat-template, in place of the target checkpoint's."""
     tokenize = (lambda text: pair.tokenizer.encode(text).ids) if pair.tokenizer is not None else None
-    return ClientRequest(generation_request_from_pb(msg, tokenize), list(msg.stop), msg.HasField("max_new_tokens"))
+
+    def chat(messages: list[dict]) -> list[int]:  # the template writes the special tokens (BOS) itself
+        text = render_chat(chat_template or pair.target_info.chat_template, messages,
+                           dict(pair.target_info.special_tokens))
+        return pair.tokenizer.encode(text, add_special_tokens=False).ids
+
+    return ClientRequest(generation_request_from_pb(msg, tokenize, chat), list(msg.stop),
+                         msg.HasField("max_new_tokens"))
 
 
 def delta_to_pb(delta: TextDelta) -> coordinator_pb2.GenerateResponse:
@@ -88,7 +98,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             yield msg
 
     def _deltas(self, request, context, probe: RequestProbe | None):
-        return self.generations.stream(lambda pair: client_request_from_pb(request, pair), call_of(context), probe)
+        template = self.generations.settings.chat_template
+        return self.generations.stream(lambda pair: client_request_from_pb(request, pair, template),
+                                       call_of(context), probe)
 
     def _probe(self, request: coordinator_pb2.GenerateRequest) -> RequestProbe | None:
         if not request.profile:

@@ -174,6 +174,7 @@ def train_draft(
     draft_vocab_size: int | None = None,
     num_sequences: int = 1024,
     self_distill: bool | None = None,
+    chats: Sequence[Sequence[dict]] | None = None,
     init_from_target: bool = True,
     aux_layer_ids: Sequence[int] | None = None,
     decay: float = 0.8,
@@ -191,6 +192,8 @@ def train_draft(
       self_distill=True, the training sequences are `num_sequences` continuations the target writes itself
       from prompts cut from the texts (None: the standard library's sources); otherwise the data itself is
       used, with the target's distribution at every position as the label.
+    chats: conversations (OpenAI-style message lists) in place of data: each rendered with the target's chat
+      template and answered by the target (at most `num_sequences` of them, answers up to `seq_len` tokens).
     Training stops after `steps` optimizer steps (`epochs` passes over the data, when given) or once the whole
     call has run `seconds`, whichever comes first; the learning rate follows a cosine over that budget.
     draft_vocab_size: the head's vocabulary, the most frequent tokens of the data (default: the target's).
@@ -205,7 +208,8 @@ def train_draft(
     torch.manual_seed(seed)
     teacher = Teacher(target_dir, device=device, aux_layer_ids=aux_layer_ids, dtype=TORCH_DTYPES[target_dtype])
     sequences = training_sequences(
-        teacher, data, self_distill=self_distill, num_sequences=num_sequences, seq_len=seq_len, seed=seed
+        teacher, data, self_distill=self_distill, num_sequences=num_sequences, seq_len=seq_len, seed=seed,
+        chats=chats, progress=progress,
     )
     draft_vocab_size = min(draft_vocab_size or teacher.vocab_size, teacher.vocab_size)
     d2t, t2d = draft_vocabulary(sequences, teacher.vocab_size, draft_vocab_size, teacher.eos_token_ids)

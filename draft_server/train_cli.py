@@ -7,6 +7,7 @@ coordinator's image has none); the trainer is imported when the command runs.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from tandem.dtypes import DTYPE_NAMES
@@ -15,9 +16,11 @@ from tandem.dtypes import DTYPE_NAMES
 def cmd_train_draft(args: argparse.Namespace) -> int:
     from draft_server.train import train_draft
 
-    texts = None
+    texts = chats = None
     if args.data:
         texts = [Path(path).read_text(encoding="utf-8", errors="replace") for path in args.data]
+    if args.chats:
+        chats = read_chats(args.chats)
     out = train_draft(
         args.target,
         texts,
@@ -32,6 +35,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         draft_vocab_size=args.draft_vocab_size,
         num_sequences=args.num_sequences,
         self_distill=True if args.self_distill else None,
+        chats=chats,
         seed=args.seed,
         device=args.device,
         target_dtype=args.dtype,
@@ -41,11 +45,30 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_chats(path: str | Path) -> list[list[dict]]:
+    """A JSONL file of conversations: each line {"messages": [{"role": ..., "content": ...}, ...]} (the
+    OpenAI chat format) or the list itself; the last message is the one the target answers."""
+    chats = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        item = json.loads(line)
+        messages = item.get("messages") if isinstance(item, dict) else item
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError(f"{path}:{number}: expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}]}}")
+        chats.append(messages)
+    if not chats:
+        raise ValueError(f"{path} has no conversations")
+    return chats
+
+
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
     """Register `tandem train-draft` on an argparse subparsers object."""
     p = subparsers.add_parser("train-draft", help="train an EAGLE-3 head for a local target checkpoint")
     p.add_argument("--target", required=True, help="target checkpoint directory (HF format, with tokenizer)")
     p.add_argument("--data", nargs="+", metavar="FILE", help="text files (default: the target's own continuations)")
+    p.add_argument("--chats", metavar="JSONL",
+                   help='conversations ({"messages": [...]} a line): the target answers each, the head learns the answers')
     p.add_argument("--self-distill", action="store_true", help="cut prompts from --data, train on the continuations")
     p.add_argument("--out", required=True, help="directory to write the head to")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps")

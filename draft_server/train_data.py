@@ -66,6 +66,47 @@ class Teacher:
             ids = torch.cat([ids, step], dim=1)
         return ids.cpu()
 
+    @torch.inference_mode()
+    def answer(
+        self, prompts: Sequence[Sequence[int]], new_tokens: int, temperature: float = 0.0, generator=None
+    ) -> list[list[int]]:
+        """The target's own answers to prompts of any length (chat prompts): each prompt followed by up to
+        `new_tokens` tokens, cut after its first EOS. The batch is left-padded; the mask and the positions
+        keep the padding out of every real token's view."""
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.as_tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.config)
+        eos = torch.tensor(sorted(self.eos_token_ids), device=self.device)
+        done = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
+        out, step = [], ids
+        for _ in range(new_tokens):
+            logits = self.model(input_ids=step, attention_mask=mask, position_ids=positions,
+                                past_key_values=cache, use_cache=True).logits[:, -1]  # [B, V]
+            self.capture.take()
+            if temperature > 0:
+                step = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator)
+            else:
+                step = logits.argmax(-1, keepdim=True)  # [B, 1]
+            out.append(step)
+            done |= torch.isin(step[:, 0], eos)
+            if bool(done.all()):
+                break
+            mask = torch.cat([mask, torch.ones_like(step)], dim=1)
+            positions = positions[:, -1:] + 1
+        answers = torch.cat(out, dim=1).tolist()
+        sequences = []
+        for prompt, answer in zip(prompts, answers):
+            ends = [i for i, t in enumerate(answer) if t in self.eos_token_ids]
+            sequences.append(list(prompt) + answer[: ends[0] + 1 if ends else len(answer)])
+        return sequences
+
     def remove(self) -> None:
         self.capture.remove()
 
@@ -124,24 +165,62 @@ def self_distilled(
     *,
     prompt_len: int = 16,
     texts: Sequence[str] | None = None,
+    chats: Sequence[Sequence[int]] | None = None,
     sampled_fraction: float = 0.25,
     temperature: float = 0.8,
     seed: int = 0,
     batch_size: int = 256,
+    progress: bool = False,
 ) -> list[list[int]]:
-    """Sequences the target writes itself from text prompts (EAGLE-3 trains on the target's own answers):
-    greedy continuations, and a `sampled_fraction` of them sampled at `temperature` for variety."""
-    prompts = text_prompts(teacher.target_dir, num_sequences, prompt_len, seed, texts=texts)
+    """Sequences the target writes itself (EAGLE-3 trains on the target's own answers): greedy
+    continuations, and a `sampled_fraction` of them sampled at `temperature` for variety.
+
+    The prompts are `prompt_len` tokens cut from `texts`, or the rendered chat prompts `chats` (each
+    answered once, in their order, up to `num_sequences` of them; each sequence is its prompt and at most
+    seq_len tokens of answer, ending at EOS)."""
+    if chats is not None:
+        prompts = list(chats)[:num_sequences]
+        num_sequences, new_tokens, batch_size = len(prompts), seq_len, min(batch_size, 64)
+    else:
+        prompts = text_prompts(teacher.target_dir, num_sequences, prompt_len, seed, texts=texts)
+        new_tokens = seq_len - prompt_len
     generator = torch.Generator(device=teacher.device).manual_seed(seed)
     num_greedy = num_sequences - round(num_sequences * sampled_fraction)
     sequences: list[list[int]] = []
+    bar = _bar(num_sequences, "target answers", progress)
     for start in range(0, num_sequences, batch_size):
         stop = min(start + batch_size, num_sequences)
         for lo, hi, temp in ((start, min(stop, num_greedy), 0.0), (max(start, num_greedy), stop, temperature)):
             if lo < hi:
-                out = teacher.continue_sequences(prompts[lo:hi], seq_len - prompt_len, temp, generator)
-                sequences.extend(out.tolist())
+                if chats is not None:
+                    sequences.extend(teacher.answer(prompts[lo:hi], new_tokens, temp, generator))
+                else:
+                    sequences.extend(teacher.continue_sequences(prompts[lo:hi], new_tokens, temp, generator).tolist())
+                if bar is not None:
+                    bar.update(hi - lo)
+    if bar is not None:
+        bar.close()
     return sequences
+
+
+def _bar(total: int, desc: str, progress: bool):
+    if not progress:
+        return None
+    import sys
+
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="seq", file=sys.stderr, dynamic_ncols=True)
+
+
+def chat_prompts(target_dir: str | Path, conversations: Sequence[Sequence[dict]]) -> list[list[int]]:
+    """Conversations (OpenAI-style messages, the last one the user's) rendered with the target's chat
+    template, ready for the answer -> token ids."""
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    if not tokenizer.chat_template:
+        raise ValueError(f"{target_dir} has no chat template: train on texts instead of chats")
+    return [list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)) for messages in conversations]
 
 
 def training_sequences(
@@ -152,15 +231,22 @@ def training_sequences(
     num_sequences: int,
     seq_len: int,
     seed: int,
+    chats: Sequence[Sequence[dict]] | None = None,
+    progress: bool = False,
 ) -> list[list[int]]:
     """The sequences train_draft learns from (its docstring says which data gives which)."""
+    if chats is not None:
+        if data is not None:
+            raise ValueError("give chats or data, not both")
+        return self_distilled(teacher, num_sequences, seq_len, chats=chat_prompts(teacher.target_dir, chats),
+                              seed=seed, progress=progress)
     texts = list(data) if data is not None and len(data) and isinstance(data[0], str) else None
     if self_distill is None:
         self_distill = data is None
     if self_distill and data is not None and texts is None:
         raise ValueError("self_distill cuts prompts from texts: give texts, or no data")
     if self_distill:
-        sequences = self_distilled(teacher, num_sequences, seq_len, texts=texts, seed=seed)
+        sequences = self_distilled(teacher, num_sequences, seq_len, texts=texts, seed=seed, progress=progress)
     elif texts is not None:
         sequences = tokenize_texts(teacher.target_dir, texts, seq_len)
     else:

@@ -47,21 +47,31 @@ def logprobs_from_pb(msgs) -> list[TokenLogprob] | None:
 
 
 def generation_request_from_pb(
-    msg: coordinator_pb2.GenerateRequest, tokenize: Callable[[str], list[int]] | None
+    msg: coordinator_pb2.GenerateRequest,
+    tokenize: Callable[[str], list[int]] | None,
+    chat: Callable[[list[dict]], list[int]] | None = None,
 ) -> GenerationRequest:
     """The client's request as the round loop takes it; `tokenize` is None when the target has no
-    tokenizer. InvalidRequest or ValidationError naming what is wrong."""
-    if msg.prompt and msg.prompt_ids:
-        raise InvalidRequest("give either prompt (text) or prompt_ids, not both")
-    if not msg.prompt and not msg.prompt_ids:
-        raise InvalidRequest("the prompt is empty: give prompt (text) or prompt_ids")
-    if msg.prompt and tokenize is None:
-        raise InvalidRequest("the target has no tokenizer: send prompt_ids instead of prompt")
+    tokenizer; `chat` renders and tokenizes a conversation. InvalidRequest or ValidationError naming what
+    is wrong."""
+    given = [name for name in ("prompt", "prompt_ids", "messages") if getattr(msg, name)]
+    if len(given) > 1:
+        raise InvalidRequest(f"give one of prompt (text), prompt_ids and messages, not {' and '.join(given)}")
+    if not given:
+        raise InvalidRequest("the prompt is empty: give prompt (text), prompt_ids or messages")
+    if (msg.prompt or msg.messages) and tokenize is None:
+        raise InvalidRequest(f"the target has no tokenizer: send prompt_ids instead of {given[0]}")
+    if msg.messages and chat is None:
+        raise InvalidRequest("this server renders no chats: send prompt or prompt_ids")
     optional = {
         name: getattr(msg, name) for name in ("max_new_tokens", "num_draft_tokens", "speculate") if msg.HasField(name)
     }
+    if msg.messages:
+        prompt_ids = chat([{"role": m.role, "content": m.content} for m in msg.messages])
+    else:
+        prompt_ids = tokenize(msg.prompt) if msg.prompt else list(msg.prompt_ids)
     return GenerationRequest(
-        prompt_ids=tokenize(msg.prompt) if msg.prompt else list(msg.prompt_ids),
+        prompt_ids=prompt_ids,
         sampling=sampling_from_pb(msg.sampling),
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,

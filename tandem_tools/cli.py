@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from tandem.aux_layers import CONVENTION_HELP, CONVENTIONS
 from tandem.dtypes import DTYPE_NAMES
+from tandem_tools.demos import add_demo_arg
 
 DTYPE_HELP = " | ".join(DTYPE_NAMES) + " (default float32)"
 TRANSPORT_HELP = "feature path target -> draft: auto | grpc | shm | cuda-ipc | nccl (default grpc)"
@@ -27,6 +28,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenized with the target's tokenizer)")
     src.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma-separated")
+    src.add_argument("--chat", metavar="TEXT",
+                     help="a user message, rendered with the target's chat template (the model answers it)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="K, draft tokens per round")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -69,17 +72,16 @@ def print_result(result, as_json: bool) -> None:
         )
 
 
-def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from tandem_tools.tiny import make_tiny
-
-    out = make_tiny(args.dir, seed=args.seed)
-    print(f"wrote {out}/target, {out}/draft (reference layout), {out}/draft-speculators")
-    return 0
-
-
 def _resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
-    """Explicit paths, or the built-in tiny pair when none are given."""
+    """Explicit paths, a demo, or the built-in tiny pair when none are given."""
     target, draft = args.target, args.draft
+    if getattr(args, "demo", None):
+        if target or draft:
+            raise ValueError("--demo is a target and a draft: give it or --target/--draft, not both")
+        from tandem_tools.demos import ensure_named_demo
+
+        demo = ensure_named_demo(args.demo)
+        return str(demo / "target"), str(demo / "draft")
     if target is None:
         from tandem_tools.tiny import ensure_tiny
 
@@ -111,8 +113,9 @@ def print_deltas(deltas, as_json: bool) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.server:
         return _generate_remote(args)
-    if not args.in_process:
-        print("tandem generate: give --server HOST:PORT (a running coordinator) or --in-process", file=sys.stderr)
+    if not args.in_process and not args.demo:
+        print("tandem generate: give --server HOST:PORT (a running coordinator), --in-process or --demo",
+              file=sys.stderr)
         return 2
     from tandem_tools.inprocess import InProcessGenerator
 
@@ -122,9 +125,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         aux_layer_convention=args.aux_layer_convention,
     )
     prompt_ids = args.prompt_ids
-    if prompt_ids is None:
+    if args.chat is not None:
+        prompt_ids = list(generator.tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.chat}], add_generation_prompt=True, tokenize=True, return_dict=False))
+    elif prompt_ids is None:
         prompt_ids = generator.tokenizer(args.prompt)["input_ids"]
     request = build_request(args, prompt_ids)
+    if args.compare:
+        from tandem_tools.inprocess import compare
+
+        return compare(generator, request, args.json, overlap=args.overlap == "on")
     if args.stop or args.stream:  # the coordinator's text path: incremental detokenizer and stop strings
         from coordinator.client import GenerateDelta, GenerateResult
         from tandem.text import text_deltas
@@ -165,6 +175,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
         "ignore_eos": args.ignore_eos,
         "speculate": not args.no_speculation,
     }
+    if args.chat is not None:
+        params["messages"] = [{"role": "user", "content": args.chat}]
     try:
         with TandemClient(args.server, timeout=args.timeout) as client:
             if args.stream:
@@ -178,6 +190,18 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
 
 # -- the services -------------------------------------------------------------------------------
+
+
+def add_engine_args(p: argparse.ArgumentParser, batch_tokens: str) -> None:
+    """Flags of both engines (EngineSettings); `batch_tokens` names what --max-batch-tokens counts."""
+    p.add_argument("--aux-layer-convention", choices=CONVENTIONS, help=CONVENTION_HELP)
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument("--dtype", help=DTYPE_HELP)
+    p.add_argument("--transport", help=TRANSPORT_HELP)
+    p.add_argument("--max-batch-size", type=int, help="sessions' steps per batched forward (default 32)")
+    p.add_argument("--max-batch-tokens", type=int, help=f"{batch_tokens} per batched forward (default 4096)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
+    p.add_argument("--session-ttl", type=float, help="seconds a session may sit idle before eviction (default 600)")
 
 
 def add_service_args(p: argparse.ArgumentParser, port_help: str) -> None:
@@ -239,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-tiny", help="write a tiny target + EAGLE-3 draft pair in the real formats")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_make_tiny)
+    p.set_defaults(func=_later("tandem_tools.tiny", "cmd_make_tiny"))
 
     p = sub.add_parser("generate", help="generate once, against a running coordinator or in-process")
     where = p.add_mutually_exclusive_group()
@@ -248,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="--server: deadline in seconds")
     p.add_argument("--target", help="target checkpoint directory (default: the built-in tiny pair)")
     p.add_argument("--draft", help="EAGLE-3 head directory")
+    add_demo_arg(p)
+    p.add_argument("--compare", action="store_true",
+                   help="--in-process: run the request target-only too and print both speeds and the speed-up")
     p.add_argument("--aux-layer-convention", choices=CONVENTIONS, help="--in-process: " + CONVENTION_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
@@ -259,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start the target, draft and coordinator services (three processes)")
     p.add_argument("--target", help="target checkpoint directory (default: the built-in tiny pair)")
     p.add_argument("--draft", help="EAGLE-3 head directory (default with no --target: the tiny head)")
-    p.add_argument("--demo", action="store_true", help="the demo pair (built on first use: tandem demo build)")
+    add_demo_arg(p)
     p.add_argument("--aux-layer-convention", choices=CONVENTIONS, help=CONVENTION_HELP)
     p.add_argument("--target-device", help="device of the target process (default cpu)")
     p.add_argument("--draft-device", help="device of the draft process (default cpu)")
@@ -282,39 +309,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("target", help="run the target service (one process, one device)")
     p.add_argument("--model", help="target checkpoint directory (TANDEM_TARGET_MODEL)")
     p.add_argument("--draft", help="draft directory: only its config.json is read, for the capture layer ids")
-    p.add_argument("--aux-layer-convention", choices=CONVENTIONS, help=CONVENTION_HELP)
-    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
-    p.add_argument("--dtype", help=DTYPE_HELP)
+    add_engine_args(p, "new tokens")
     p.add_argument("--feature-chunk-mib", type=float, help="size of feature chunks on the wire (default 2)")
-    p.add_argument("--transport", help=TRANSPORT_HELP)
     p.add_argument("--transport-ring-mib", type=float, help="shm / cuda-ipc feature ring size (default 256)")
     p.add_argument("--transport-max-inflight", type=int, help="steps outstanding on a fast path (default 128)")
     p.add_argument("--transport-timeout", type=float, help="seconds any fast-path wait may take (default 10)")
-    p.add_argument("--max-batch-size", type=int, help="sessions' steps per batched forward (default 32)")
-    p.add_argument("--max-batch-tokens", type=int, help="new tokens per batched forward (default 4096)")
     p.add_argument("--kv-cache-gib", type=float,
                    help="KV cache of all sessions (default: the GPU memory left after a forward, the ring and a "
                         "margin; half the RAM on a CPU)")
     p.add_argument("--queue-timeout", type=float,
                    help="seconds a prefill waits for KV budget before RESOURCE_EXHAUSTED (default 30)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
-    p.add_argument("--session-ttl", type=float, help="seconds a session may sit idle before eviction (default 600)")
     add_service_args(p, "port (default 50051; 0 = any free port)")
     p.set_defaults(func=_service("TargetSettings", "target_server.service"))
 
     p = sub.add_parser("draft", help="run the draft service (one process, one device)")
     p.add_argument("--model", help="EAGLE-3 head directory (TANDEM_DRAFT_MODEL)")
     p.add_argument("--target", help="target checkpoint directory: its embed_tokens is read")
-    p.add_argument("--aux-layer-convention", choices=CONVENTIONS, help=CONVENTION_HELP)
-    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
-    p.add_argument("--dtype", help=DTYPE_HELP)
-    p.add_argument("--transport", help=TRANSPORT_HELP)
-    p.add_argument("--max-batch-size", type=int, help="sessions' steps per batched forward (default 32)")
-    p.add_argument("--max-batch-tokens", type=int, help="new pairs + drafts per batched forward (default 4096)")
+    add_engine_args(p, "new pairs + drafts")
     p.add_argument("--q-top-n", type=int, help="sampled requests: the draft samples from its N likeliest tokens, "
                    "renormalised, and sends that support with each draft (default 256; 0 = all, 1 = the argmax)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
-    p.add_argument("--session-ttl", type=float, help="seconds a session may sit idle before eviction (default 600)")
     add_service_args(p, "port (default 50052; 0 = any free port)")
     p.set_defaults(func=_service("DraftSettings", "draft_server.service"))
 
@@ -364,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     # torch-free registrations: the commands import their heavy modules when they run
     from draft_server.train_cli import add_train_parser
     from tandem_tools.bench import add_bench_parser
-    from tandem_tools.demo import add_demo_parser
+    from tandem_tools.demos import add_demo_parser
 
     add_train_parser(sub)
     add_demo_parser(sub)

@@ -16,7 +16,6 @@ are predictable; the target is sized so that one of its forwards costs several d
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -350,37 +349,3 @@ def _tail_mean(values: list[float], n: int = 20) -> float:
 def _say(progress: bool, message: str) -> None:
     if progress:
         print(message, file=sys.stderr, flush=True)
-
-
-# -- command line --------------------------------------------------------------------------------------------
-
-
-def cmd_demo_build(args: argparse.Namespace) -> int:
-    spec = DemoSpec()
-    for name in ("target_steps", "assistant_steps", "head_steps", "seed", "threads"):
-        if getattr(args, name) is not None:
-            setattr(spec, name, getattr(args, name))
-    out = Path(args.out) if args.out else default_demo_dir()
-    if is_built(out) and not args.force:
-        print(f"{out} is already built (--force rebuilds it)")
-        return 0
-    build_demo(out, spec, progress=not args.quiet)
-    print(f"wrote {out}: target/, draft/ (EAGLE-3, reference layout), assistant/, prompts.jsonl, build.json")
-    return 0
-
-
-def add_demo_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `tandem demo build` on an argparse subparsers object."""
-    p = subparsers.add_parser("demo", help="the demo pair: a target trained here on the Python stdlib + its head")
-    sub = p.add_subparsers(dest="demo_command", required=True)
-    b = sub.add_parser("build", help="train the demo target, its EAGLE-3 head and an assistant LM (minutes)")
-    b.add_argument("--out", help=f"where to write it (default {default_demo_dir()}, from $TANDEM_CACHE)")
-    b.add_argument("--force", action="store_true", help="rebuild even if it is there")
-    b.add_argument("--target-steps", type=int, help=f"target training steps (default {DemoSpec.target_steps})")
-    b.add_argument("--assistant-steps", type=int, help=f"assistant steps (default {DemoSpec.assistant_steps})")
-    b.add_argument("--head-steps", type=int, help=f"EAGLE-3 head steps (default {DemoSpec.head_steps})")
-    b.add_argument("--seed", type=int)
-    b.add_argument("--threads", type=int, help="torch threads (default: all cores, or 1 while the machine is busy)")
-    b.add_argument("--quiet", action="store_true", help="no progress output")
-    b.set_defaults(func=cmd_demo_build)
-    return p

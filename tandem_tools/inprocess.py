@@ -79,3 +79,41 @@ class InProcessGenerator:
         return GenerationResult(
             token_ids=tokens, text=text, finish_reason=event.finish_reason, stats=event.stats.as_dict()
         )
+
+
+def compare(generator: InProcessGenerator, request: GenerationRequest, as_json: bool, overlap: bool = False) -> int:
+    """`tandem generate --compare`: the request target-only, then with EAGLE-3 (after one short warm-up
+    of each); prints the answer, both speeds and the speed-up. Greedy output is the same both ways."""
+    import json
+    import sys
+    import time
+
+    if generator.draft is None:
+        raise ValueError("--compare needs a draft: give --draft (or --demo), without --no-speculation")
+    warm = request.model_copy(update={"max_new_tokens": min(8, request.max_new_tokens)})
+    runs = {}
+    for name, speculate in (("target-only", False), ("eagle3", True)):
+        generator.generate(warm.model_copy(update={"speculate": speculate}))
+        t0 = time.perf_counter()
+        result = generator.generate(request.model_copy(update={"speculate": speculate}), detokenize=True,
+                                    overlap=overlap)
+        seconds = time.perf_counter() - t0
+        runs[name] = {"result": result, "seconds": seconds, "tokens_per_s": len(result.token_ids) / seconds}
+    base, spec = runs["target-only"], runs["eagle3"]
+    speedup = spec["tokens_per_s"] / base["tokens_per_s"]
+    same = base["result"].token_ids == spec["result"].token_ids
+    if as_json:
+        print(json.dumps({"text": spec["result"].text, "token_ids": spec["result"].token_ids,
+                          "finish_reason": spec["result"].finish_reason, "stats": spec["result"].stats,
+                          "target_only_tokens_per_s": round(base["tokens_per_s"], 2),
+                          "eagle3_tokens_per_s": round(spec["tokens_per_s"], 2),
+                          "speedup": round(speedup, 3), "same_tokens": same}))
+        return 0
+    print(spec["result"].text)
+    stats = spec["result"].stats
+    print(f"[{len(spec['result'].token_ids)} tokens; target-only {base['tokens_per_s']:.1f} tokens/s, "
+          f"EAGLE-3 {spec['tokens_per_s']:.1f} tokens/s: {speedup:.2f}x; mean acceptance length "
+          f"{stats['mean_acceptance_length']:.2f}; "
+          f"{'the same tokens as target-only' if same else 'tokens differ from target-only (sampling)'}]",
+          file=sys.stderr)
+    return 0

@@ -73,9 +73,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.demo:
         if args.target or args.draft:
             raise ValueError("--demo is a target and a draft: give it or --target/--draft, not both")
-        from tandem_tools.demo import ensure_demo
+        from tandem_tools.demos import ensure_named_demo
 
-        demo = ensure_demo()
+        demo = ensure_named_demo(args.demo)
         args.target, args.draft = str(demo / "target"), str(demo / "draft")
     return serve(load_settings(ServeSettings, **vars(args)))
 

@@ -147,3 +147,10 @@ def add_chat_template(target: Path) -> None:
     tmp = config_path.with_name(f".{config_path.name}.{os.getpid()}")
     tmp.write_text(json.dumps(config, indent=2, ensure_ascii=False))
     tmp.replace(config_path)
+
+
+def cmd_make_tiny(args) -> int:
+    """`tandem make-tiny DIR`."""
+    out = make_tiny(args.dir, seed=args.seed)
+    print(f"wrote {out}/target, {out}/draft (reference layout), {out}/draft-speculators")
+    return 0

@@ -96,7 +96,7 @@ NAMESPACED = ("{% set ns = namespace(system='') %}{% for m in messages %}{% if m
 
 @pytest.mark.parametrize("template", [None, CHATML, NAMESPACED])
 def test_chat_templates_render_as_transformers_renders_them(tokenizer, template):
-    from coordinator.http.chat import render_chat
+    from coordinator.chat import render_chat
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo <b>\"x\"</b>  "},
                 {"role": "assistant", "content": "hi"}, {"role": "user", "content": [{"type": "text", "text": "and?"}]}]
@@ -167,6 +167,14 @@ def test_greedy_chat_is_the_grpc_paths_text_on_the_rendered_template(client, grp
     assert got.choices[0].message.content == expected.text
     assert got.choices[0].finish_reason == expected.finish_reason
     assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(ids), len(expected.token_ids))
+
+
+def test_grpc_messages_are_rendered_as_transformers_renders_them(grpc_client, tokenizer):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "import os\n"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = grpc_client.generate(prompt_ids=list(ids), max_new_tokens=16, temperature=0.0)
+    got = grpc_client.generate(messages=messages, max_new_tokens=16, temperature=0.0)
+    assert (got.token_ids, got.text) == (expected.token_ids, expected.text)
 
 
 def test_streamed_chat_concatenates_to_the_whole_answer_with_usage_and_spec_metrics(client):

@@ -81,7 +81,13 @@ BAD_INPUTS = [
     # (name, request, status, words the message must contain)
     ("empty prompt", coordinator_pb2.GenerateRequest(prompt=""), INVALID, "empty"),
     ("neither text nor ids", coordinator_pb2.GenerateRequest(max_new_tokens=4), INVALID, "empty"),
-    ("both text and ids", coordinator_pb2.GenerateRequest(prompt="x", prompt_ids=[5]), INVALID, "not both"),
+    ("both text and ids", coordinator_pb2.GenerateRequest(prompt="x", prompt_ids=[5]), INVALID,
+     "not prompt and prompt_ids"),
+    ("both text and messages", coordinator_pb2.GenerateRequest(
+        prompt="x", messages=[coordinator_pb2.ChatMessage(role="user", content="hi")]), INVALID,
+     "not prompt and messages"),
+    ("a role the chat template refuses", build_request(messages=[{"role": "robot", "content": "hi"}]), INVALID,
+     "chat template refused the messages: roles are system, user and assistant, got robot"),
     ("token id past the vocabulary", req(prompt_ids=[5, 10**6]), INVALID, "vocabulary"),
     ("negative token id", req(prompt_ids=[5, -1]), INVALID, "vocabulary"),
     ("max_new_tokens 0", req(max_new_tokens=0), INVALID, "max_new_tokens"),

@@ -180,3 +180,38 @@ def test_train_draft_command_on_text_files(tmp_path, pair):
     engine = DraftEngine(tmp_path / "head", pair.target)
     assert engine.config.draft_vocab_size == 128
     assert len(engine.propose("s", torch.zeros(3, engine.feature_size), [5, 6, 7], 3, create=True)) == 3
+
+
+def test_answers_to_chat_prompts_of_any_length_are_each_prompts_own_greedy_answer(pair):
+    """Teacher.answer left-pads a batch of prompts of different lengths: every answer is the one the prompt
+    gets alone, and stops after its first EOS."""
+    teacher = Teacher(pair.target)
+    prompts = [[5, 6, 7], list(range(10, 30)), [40, 41, 42, 43, 44, 45, 46]]
+    batched = teacher.answer(prompts, 12)
+    for prompt, sequence in zip(prompts, batched):
+        alone = teacher.continue_sequences(torch.tensor([prompt]), 12)[0].tolist()
+        assert sequence[: len(prompt)] == prompt
+        answer = sequence[len(prompt):]
+        ends = [i for i, t in enumerate(alone[len(prompt):]) if t in teacher.eos_token_ids]
+        assert answer == alone[len(prompt):][: ends[0] + 1 if ends else 12]
+    teacher.remove()
+
+
+def test_train_draft_command_on_chats(tmp_path, pair):
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"def f{i}("}]}) + "\n"
+                             for i in range(6)))
+    parser = argparse.ArgumentParser(prog="tandem")
+    add_train_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(
+        ["train-draft", "--target", str(pair.target), "--chats", str(chats), "--out", str(tmp_path / "head"),
+         "--steps", "2", "--ttt-steps", "2", "--seq-len", "16", "--draft-vocab-size", "128", "--quiet"]
+    )
+    assert args.func(args) == 0
+    assert DraftEngine(tmp_path / "head", pair.target).config.draft_vocab_size == 128
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "no messages here"}\n')
+    args = parser.parse_args(["train-draft", "--target", str(pair.target), "--chats", str(bad), "--out",
+                              str(tmp_path / "x")])
+    with pytest.raises(ValueError, match="bad.jsonl:1: expected"):
+        args.func(args)

@@ -2,7 +2,7 @@
 
     GET  /v1/models             the served model (--served-model-name, default the target's directory name)
     POST /v1/completions        prompt text or token ids (or a batch of them)
-    POST /v1/chat/completions   messages rendered with the target's chat template (coordinator/http/chat.py)
+    POST /v1/chat/completions   messages rendered with the target's chat template (coordinator/chat.py)
     GET  /health                200 while the coordinator serves, 503 while connecting, without its target, draining
     GET  /metrics               the coordinator's Prometheus registry
 
@@ -28,8 +28,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from coordinator.chat import render_chat
 from coordinator.generation import Call, ClientRequest, Generations
-from coordinator.http.chat import render_chat
 from coordinator.http.protocol import (
     ChatRequest,
     CompletionLogprobs,

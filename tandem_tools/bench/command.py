@@ -13,6 +13,7 @@ from tandem_tools.bench.plot import plot_runs
 from tandem_tools.bench.runners import STACKS
 from tandem_tools.bench.schedule import BenchConfig, run_bench
 from tandem_tools.bench.table import markdown_table
+from tandem_tools.demos import add_demo_arg
 
 
 def _list(cast):
@@ -62,10 +63,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_openai(args)
     demo = None
     if args.demo:
-        from tandem_tools.demo import ensure_demo
+        from tandem_tools.demos import ensure_named_demo
 
-        demo = ensure_demo()
-        target, draft, assistant = demo / "target", demo / "draft", demo / "assistant"
+        demo = ensure_named_demo(args.demo)
+        target, draft = demo / "target", demo / "draft"
+        assistant = demo / "assistant" if (demo / "assistant").is_dir() else None  # smollm2 has no assistant
     elif args.target and args.draft:
         target, draft, assistant = Path(args.target), Path(args.draft), args.assistant and Path(args.assistant)
     else:
@@ -89,7 +91,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(markdown_table(runs))
     plot = Path(args.json).with_suffix(".png") if args.json else out / "bench.png"
     plot.parent.mkdir(parents=True, exist_ok=True)
-    plot_runs(runs, plot, title=f"tandem bench: {'the demo pair' if demo else target}, {len(config.prompts)} prompts x "
+    plot_runs(runs, plot, title=f"tandem bench: {f'the {args.demo} demo' if demo else target}, {len(config.prompts)} prompts x "
                                  f"{config.max_new_tokens} tokens; labels: speedup over target-only, "
                                  f"τ = mean acceptance length")
     if args.json:
@@ -146,7 +148,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Register `tandem bench` on an argparse subparsers object."""
     p = subparsers.add_parser("bench", help="tokens/s: target-only vs EAGLE-3 at each K vs assisted generation")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--demo", action="store_true", help="the demo pair (built on first use: tandem demo build)")
+    add_demo_arg(which)
     which.add_argument("--target", help="target checkpoint directory")
     p.add_argument("--openai", metavar="URL", help="drive this OpenAI-compatible server (Tandem's front, vLLM, "
                    "SGLang) with streamed chat completions instead: tokens/s, TTFT, TPOT, ITL, latency")
