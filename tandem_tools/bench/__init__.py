@@ -9,7 +9,10 @@ Stacks: `services` starts the three processes (`tandem serve`; with `--overlap o
 setting, the coordinator's --overlap) and calls the coordinator with coordinator.client; `in-process`
 runs both engines in this process (tandem_tools.inprocess). The peer (mode `assisted-peer`) is
 `target.generate(..., assistant_model=assistant)` with num_assistant_tokens=K (constant schedule,
-transformers' default confidence threshold), in this process.
+transformers' default confidence threshold), in this process. With `--peer vllm`, vLLM's CPU backend (its
+own venv; tandem_tools/bench/vllm_peer.py) adds stack `vllm`: target-only and EAGLE-3 at each K on the same
+target, head, prompts and concurrency, its blocks taking turns with Tandem's; skipped with one line where
+vLLM is not installed.
 
 Every case decodes every prompt to exactly --max-new-tokens tokens (EOS does not stop it), after one
 warm-up generation. At concurrency c, c clients keep c requests in flight (a client starts its next
@@ -26,6 +29,7 @@ verify round (1 for target-only); latencies are percentiles of tandem.stats.perc
     schedule.py   the cases, their blocks and turns, and the run that times them
     table.py      the markdown table and the speedups over target-only
     plot.py       the PNG
+    vllm_peer.py  --peer vllm: vLLM engines in subprocesses of vLLM's venv (vllm_worker.py), one per mode and K
     command.py    the `tandem bench` flags and command
 """
 

@@ -58,6 +58,15 @@ def _prompts(args: argparse.Namespace, target: Path, demo: Path | None) -> list[
     return prompts[: args.num_prompts]
 
 
+def _vllm_python(args: argparse.Namespace) -> Path | None:
+    """--peer vllm: the vLLM venv's python (--vllm-python, else $TANDEM_VLLM_PYTHON, else the default venv)."""
+    if args.peer != "vllm":
+        return None
+    from tandem_tools.bench.vllm_peer import default_vllm_python
+
+    return Path(args.vllm_python).expanduser() if args.vllm_python else default_vllm_python()
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.openai:
         return cmd_bench_openai(args)
@@ -84,7 +93,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         target=target, draft=draft, assistant=assistant, prompts=_prompts(args, target, demo), stacks=args.stack,
         num_draft_tokens=args.num_draft_tokens, temperatures=args.temperature, concurrency=args.concurrency,
         max_new_tokens=args.max_new_tokens, seed=args.seed, threads=args.threads, overlap=args.overlap,
-        split_cpus=args.split_cpus,
+        split_cpus=args.split_cpus, vllm_python=_vllm_python(args),
     )
     out = Path(args.out)
     runs = run_bench(config, out, echo=lambda m: print(m, file=sys.stderr, flush=True))
@@ -158,6 +167,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--draft", help="with --target: the EAGLE-3 head")
     p.add_argument("--assistant", help="with --target: a small LM for the assisted-generation peer")
     p.add_argument("--no-peer", action="store_true", help="leave out the assisted-generation peer")
+    p.add_argument("--peer", choices=["vllm"], help="vllm: vLLM's CPU backend, target-only and EAGLE-3 at each K "
+                   "on the same target, head, prompts and concurrency, in the same run (skipped, with a line "
+                   "saying why, where vLLM is not installed; tandem_tools/bench/vllm_peer.py)")
+    p.add_argument("--vllm-python", metavar="PATH", help="with --peer vllm: the python of vLLM's venv (default "
+                   "$TANDEM_VLLM_PYTHON, else ~/.cache/tandem/vllm-venv/bin/python)")
     p.add_argument("--stack", type=_list(str), default=list(STACKS), help="services,in-process (default both)")
     p.add_argument("--num-draft-tokens", "-k", type=_list(int), default=[1, 3, 5], help="K values (default 1,3,5)")
     p.add_argument("--temperature", type=_list(float), default=[0.0, 1.0], help="default 0,1")

@@ -46,7 +46,7 @@ def plot_runs(runs: list[dict], path: Path, title: str = "") -> Path:
         ax.set_title(f"temperature {temperature:g}, concurrency {concurrency}")
         ax.margins(y=0.18)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    fig.legend(handles, ["target-only", "EAGLE-3 (tandem)", "assisted generation (transformers)"],
+    fig.legend(handles, ["target-only", "EAGLE-3", "assisted generation (transformers)"],
                loc="outside lower center", ncol=3, fontsize=9)
     fig.suptitle(title or "tandem bench")
     fig.savefig(path, dpi=110)

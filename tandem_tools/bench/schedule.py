@@ -24,6 +24,7 @@ from tandem_tools.bench.runners import (
     Outcome,
     ServicesRunner,
 )
+from tandem_tools.bench.vllm_peer import VLLM, start_vllm_peer
 
 # a case runs its requests in blocks of this many per client: the last requests of a block run with
 # fewer than `concurrency` in flight, so blocks are long enough for that tail to be small; and at
@@ -48,6 +49,8 @@ class BenchConfig:
     seed: int = 0
     threads: int = 1
     startup_timeout: float = 600.0
+    vllm_python: Path | None = None  # --peer vllm: the vLLM venv's python (tandem_tools/bench/vllm_peer.py)
+    vllm_eager: bool = False  # vLLM without torch.compile: a quick start for tests, not for measuring
 
 
 @dataclass
@@ -97,7 +100,7 @@ class Case:
         }
 
 
-def make_cases(config: BenchConfig, peer: bool) -> list[Case]:
+def make_cases(config: BenchConfig, peer: bool, vllm: bool = False) -> list[Case]:
     cases = []
     for temperature in config.temperatures:
         for concurrency in config.concurrency:
@@ -105,6 +108,9 @@ def make_cases(config: BenchConfig, peer: bool) -> list[Case]:
                 cases.append(Case(stack, TARGET_ONLY, 0, temperature, concurrency))
                 cases += [Case(stack, EAGLE3, k, temperature, concurrency, overlap)
                           for k in config.num_draft_tokens for overlap in config.overlap]
+            if vllm:  # vLLM's engines draft without overlap
+                cases.append(Case(VLLM, TARGET_ONLY, 0, temperature, concurrency))
+                cases += [Case(VLLM, EAGLE3, k, temperature, concurrency) for k in config.num_draft_tokens]
             if peer and concurrency == 1:  # generate() with an assistant takes one sequence at a time
                 cases += [Case("in-process", PEER, k, temperature, 1) for k in config.num_draft_tokens]
     return cases
@@ -125,7 +131,7 @@ def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = 
     runners: dict[tuple[str, str, bool], object] = {}  # (stack, mode, overlap)
     try:
         _start_runners(config, out_dir, runners, echo)
-        cases = make_cases(config, peer=config.assistant is not None)
+        cases = make_cases(config, peer=config.assistant is not None, vllm=(VLLM, TARGET_ONLY, False) in runners)
         echo(f"bench: {len(cases)} cases x {len(config.prompts)} prompts x {config.max_new_tokens} tokens")
         warm = config.prompts[0]
         for case in cases:  # one short generation each: first-call allocations are not measured
@@ -164,6 +170,12 @@ def _start_runners(config: BenchConfig, out_dir: Path, runners: dict, echo: Call
         runners["in-process", EAGLE3, True] = InProcessRunner(config.target, config.draft, True, inprocess.generator)
     if config.assistant is not None:
         runners["in-process", PEER, False] = AssistedRunner(config.target, config.assistant)
+    if config.vllm_python is not None:  # None back when vLLM cannot run here: it is skipped, with a line
+        vllm = start_vllm_peer(config.vllm_python, config.target, config.draft, config.num_draft_tokens,
+                               config.prompts, config.max_new_tokens, config.concurrency, out_dir, echo,
+                               config.vllm_eager)
+        if vllm is not None:
+            runners[VLLM, TARGET_ONLY, False] = runners[VLLM, EAGLE3, False] = vllm
 
 
 def _run_block(case: Case, runner, batch: list[list[int]], first: int, concurrency: int, config: BenchConfig) -> None:
@@ -177,13 +189,19 @@ def _run_block(case: Case, runner, batch: list[list[int]], first: int, concurren
         outcome.seconds = time.perf_counter() - started
         return outcome
 
-    started = time.perf_counter()
-    if concurrency == 1:
-        outcomes = [one(i) for i in range(len(batch))]
+    if hasattr(runner, "run_block"):  # vLLM: its worker keeps `concurrency` in flight and times the block
+        seconds, outcomes = runner.run_block(case.mode, case.K, case.temperature, batch,
+                                             [config.seed + first + i for i in range(len(batch))],
+                                             config.max_new_tokens, concurrency)
     else:
-        with ThreadPoolExecutor(concurrency) as pool:
-            outcomes = list(pool.map(one, range(len(batch))))
-    case.seconds += time.perf_counter() - started
+        started = time.perf_counter()
+        if concurrency == 1:
+            outcomes = [one(i) for i in range(len(batch))]
+        else:
+            with ThreadPoolExecutor(concurrency) as pool:
+                outcomes = list(pool.map(one, range(len(batch))))
+        seconds = time.perf_counter() - started
+    case.seconds += seconds
     case.outcomes += outcomes
     case.overlap_rounds += sum(o.overlap_rounds for o in outcomes)
     case.overlap_hits += sum(o.overlap_hits for o in outcomes)
