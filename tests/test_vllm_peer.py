@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem_tools.bench import add_bench_parser
+from tandem_tools.bench import add_bench_parser, vllm_peer
 from tandem_tools.bench.command import _vllm_python
 from tandem_tools.bench.runners import EAGLE3, TARGET_ONLY
 from tandem_tools.bench.schedule import BenchConfig, Case, run_bench
@@ -141,6 +141,7 @@ def fake_python(tmp_path: Path, worker: str = FAKE_WORKER) -> Path:
 
 def test_vllm_cases_run_block_by_block_in_the_bench_schedule(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "asked.jsonl"))
+    monkeypatch.setattr(vllm_peer, "SPIN_S", 0.0)  # the stand-in does not spin after a block
     config = BenchConfig(target=tmp_path / "target", draft=tmp_path / "head", prompts=[[1, 2, 3], [4, 5]], stacks=[],
                          num_draft_tokens=[2], temperatures=[0.0], concurrency=[1, 2], max_new_tokens=4,
                          vllm_python=fake_python(tmp_path))

@@ -45,6 +45,10 @@ INSTALL_HINT = ("python3 -m venv ~/.cache/tandem/vllm-venv && ~/.cache/tandem/vl
 # where tcmalloc may be: vllm's own bundle first (some wheels ship it), then the system's (libtcmalloc-minimal4)
 TCMALLOC_DIRS = ("{site}/vllm/libs", "{venv}/lib", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib",
                  "/usr/local/lib")
+# vLLM's executor spins on its shared-memory queue for 1 s after its last read (shm_broadcast's
+# SpinCondition, busy_loop_s=1; 0.7 CPU-s measured here): waited out after each block, untimed, so that
+# the case after a vLLM block does not share the cores with it
+SPIN_S = 1.2
 KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE unless set: the bench's requests need a few MB; vLLM's default is 4
 
 
@@ -195,6 +199,7 @@ class VllmPeer:
                  out_dir: Path, warm: list[int], concurrency: Sequence[int], echo: Callable[[str], None] = print,
                  eager: bool = False):
         self.engines: dict[tuple[str, int], VllmEngine] = {}
+        self.spin_s = SPIN_S
         try:
             for mode, k in [(TARGET_ONLY, 0)] + [(EAGLE3, k) for k in ks]:
                 name = "target-only" if mode == TARGET_ONLY else f"eagle3-k{k}"
@@ -222,6 +227,7 @@ class VllmPeer:
         """The prompts with `concurrency` in flight, timed inside the worker: (seconds, outcomes)."""
         reply = self.engines[mode, k if mode == EAGLE3 else 0].request(
             self._payload(prompts, concurrency, temperature, seeds, max_new))
+        time.sleep(self.spin_s)
         return block_outcomes(reply, mode, k)
 
     def run(self, prompt_ids: list[int], mode: str, k: int, temperature: float, seed: int, max_new: int) -> Outcome:
