@@ -34,14 +34,15 @@ import torch
 
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.model import DraftKV, Eagle3Draft
-from draft_server.sampling import DraftSampler, draft_q, draw
+from draft_server.rollout import q_support, read_back, rollout, uniforms_for
+from draft_server.sampling import DraftSampler
 from draft_server.steps import _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
 from tandem.batching import Batcher
 from tandem.config import DRAFT_Q_TOP_N
 from tandem.dtypes import TORCH_DTYPES
 from tandem.pairing import DraftShape, check_pair
 from tandem.params import SamplingParams
-from tandem.protocol import Branch, DraftProbs, Drafts
+from tandem.protocol import Branch, Drafts
 from tandem.sessions import InvalidRequest, SessionOwner, SessionTable
 
 
@@ -245,69 +246,37 @@ class DraftEngine(SessionOwner):
             step.session.length += m
         # the rollout: one token per session per step, on top of the batch KV (dropped afterwards)
         a = torch.stack([a[i, m - 1] for i, m in enumerate(sizes)])[:, None]  # [B, 1, H]
-        position = torch.tensor([[step.session.length] for step in steps], device=device)
-        drafts: list[list[int]] = [[] for _ in steps]
-        qs: list[list[DraftProbs | None]] = [[] for _ in steps]
-        rows: list[list[torch.Tensor]] = [[] for _ in steps]  # [k][H] per session: what proposed each draft
+        position = torch.tensor([[step.session.length] for step in steps], device=device)  # [B, 1]
         rounds = max(step.k for step in steps)
         samplers = [step.session.sampler for step in steps]
-        for n in range(rounds):
-            draft, q = self._pick(model.draft_logits(a[:, -1]), samplers, [s.session.length + n for s in steps])
-            for i, token in enumerate(draft.tolist()):
-                if n < steps[i].k:
-                    drafts[i].append(token)
-                    qs[i].append(q[i])
-                    rows[i].append(a[i, -1])
-            if n + 1 < rounds:
-                valid = torch.cat([valid, valid.new_ones(b, 1)], dim=1)
-                a = model(a, draft.view(b, 1), position, kv, valid[:, None, None])
-                position = position + 1
+        uniforms = uniforms_for(samplers, [step.session.length for step in steps], rounds, device)
+        drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, rounds, samplers, uniforms, valid)
+        drafts, *q = read_back(drafts, *(q or ()))  # [B][rounds]; q: [b][rounds][N] ids and probs, or none
+        out, j = [], 0
         for i, step in enumerate(steps):
-            step.session.proposed = [(drafts[i], torch.stack(rows[i]))] if rows[i] else []
-        return [_drafts(d, q) for d, q in zip(drafts, qs, strict=True)]
+            step.session.proposed = [(drafts[i][: step.k], rows[i, : step.k])]
+            qs = None
+            if samplers[i] is not None:  # the sampled rows come in batch order
+                qs, j = q_support(q[0][j][: step.k], q[1][j][: step.k]), j + 1
+            out.append(_drafts(drafts[i][: step.k], qs))
+        return out
 
     def _run_one(self, step: _Step) -> Drafts:
         """One session alone: its own KV, no padding."""
-        model, session, m = self.model, step.session, len(step.next_tokens)
+        model, session, m, device = self.model, step.session, len(step.next_tokens), self.device
         kv = session.kv
-        hidden = model.fuse(step.features.to(self.device, self.dtype))[None]  # [1, m, H]
-        tokens = torch.tensor([step.next_tokens], device=self.device)  # [1, m]
-        positions = torch.arange(session.length, session.length + m, device=self.device)[None]
+        hidden = model.fuse(step.features.to(device, self.dtype))[None]  # [1, m, H]
+        tokens = torch.tensor([step.next_tokens], device=device)  # [1, m]
+        positions = torch.arange(session.length, session.length + m, device=device)[None]
         a = model(hidden, tokens, positions, kv)[:, -1:]  # [1, 1, H]
         session.length += m
-        drafts: list[int] = []
-        qs: list[DraftProbs | None] = []
-        rows: list[torch.Tensor] = []  # [k][H]: the hidden state whose logits proposed each draft
-        position = session.length
-        for n in range(step.k):
-            draft, q = self._pick(model.draft_logits(a[0, -1])[None], [session.sampler], [position])  # [1]
-            drafts.append(int(draft))
-            qs.append(q[0])
-            rows.append(a[0, -1])
-            if n + 1 < step.k:
-                a = model(a, draft.view(1, 1), torch.tensor([[position]], device=self.device), kv)
-                position += 1
+        position = torch.tensor([[session.length]], device=device)  # [1, 1]
+        uniforms = uniforms_for([session.sampler], [session.length], step.k, device)
+        drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, step.k, [session.sampler], uniforms)
         kv.crop(session.length)  # the rollout's KV is dropped: exact target features replace it
-        session.proposed = [(drafts, torch.stack(rows))] if rows else []
-        return _drafts(drafts, qs)
-
-    def _pick(self, logits: torch.Tensor, samplers: list[DraftSampler | None], positions: list[int]
-              ) -> tuple[torch.Tensor, list[DraftProbs | None]]:
-        """logits [B, Vd] -> each row's draft as a target id [B]: the argmax for a greedy session, drawn
-        from q for a sampled one (the token at sequence `positions[i]`), with its q (None when greedy)."""
-        chosen = logits.argmax(-1)  # [B]
-        q: list[DraftProbs | None] = [None] * len(samplers)
-        rows = [i for i, s in enumerate(samplers) if s is not None]
-        if rows:
-            sampled = [samplers[i] for i in rows]
-            ids, probs = draft_q(logits[rows], sampled, self.q_top_n)  # [b, N]
-            column = draw(probs, [s.uniform(positions[i]) for s, i in zip(sampled, rows, strict=True)])  # [b]
-            chosen[rows] = ids.gather(1, column[:, None])[:, 0]
-            support = (probs > 0).sum(-1).tolist()
-            target_ids, probs = self.model.to_target_ids(ids).tolist(), probs.tolist()
-            for j, i in enumerate(rows):
-                q[i] = DraftProbs(target_ids[j][: support[j]], probs[j][: support[j]])
-        return self.model.to_target_ids(chosen), q
+        drafts, *q = read_back(drafts[0], *(q or ()))
+        session.proposed = [(drafts, rows[0])]
+        return _drafts(drafts, q_support(q[0][0], q[1][0]) if q else None)
 
     @torch.inference_mode()
     def _run_ahead(self, step: _Ahead) -> list[Branch]:
@@ -333,9 +302,10 @@ class DraftEngine(SessionOwner):
             positions = torch.arange(start, start + m, device=device)[None]
             a = model(hidden, tokens, positions, kv)[:, -1:]  # [1, 1, H]
             forks = [a[0, 0]]
-            for j, token in enumerate(step.assumed):
-                position = torch.tensor([[start + m + j]], device=device)
-                a = model(a, torch.tensor([[token]], device=device), position, kv)
+            assumed = torch.tensor(step.assumed, device=device)[:, None, None]  # [J, 1, 1]
+            position = torch.tensor([[start + m]], device=device)
+            for j in range(j_max):
+                a = model(a, assumed[j], position + j, kv)
                 forks.append(a[0, 0])
             fork = torch.stack(forks)  # [J+1, H]
         session.length = base = start + m  # the committed pairs are kept; the assumed drafts are not
@@ -346,44 +316,36 @@ class DraftEngine(SessionOwner):
         logp = logits.log_softmax(-1)
         # outcome (j, c): d_1..d_j accepted, then c; c != d_{j+1}, for that one was rejected.
         # log P(j) from the verifies so far, log P(c | j) from the draft's logits
-        for j, d in enumerate(self._draft_id[torch.tensor(step.assumed, device=device)].tolist()):
-            if d >= 0:
-                logp[j, d] = float("-inf")
-        logp = logp.log_softmax(-1)
+        rejected = self._draft_id[torch.tensor(step.assumed, device=device)]  # [J] draft ids, -1 outside
+        ruled_out = torch.zeros_like(logp, dtype=torch.bool)
+        ruled_out[torch.arange(j_max, device=device), rejected.clamp(min=0)] = rejected >= 0
+        logp = logp.masked_fill(ruled_out, float("-inf")).log_softmax(-1)
         prefix = self.outcome_logprobs(j_max, session.sampler is not None).to(device)  # [J+1]
         n = min(step.branches, logp.shape[-1])
         top = logp.topk(n, dim=-1)  # [J+1, n]
         score = (prefix[:, None] + top.values).flatten()
-        best = score.topk(min(step.branches, score.numel())).indices.tolist()
-        forks = [i // n for i in best]
-        bonus = [int(top.indices[j, i % n]) for j, i in zip(forks, best, strict=True)]
-        b = len(forks)
+        b = min(step.branches, score.numel())
+        best = score.topk(b).indices  # [B], all on the device until the one read at the end
+        forks = best // n  # [B]: how many drafts each branch accepts
+        bonus = model.to_target_ids(top.indices[forks, best % n])  # [B]
         # the branches' rollouts: one row each over the shared KV, masked to its accepted prefix
         branch_kv = DraftKV()
         branch_kv.k = kv.k.expand(b, -1, -1, -1)  # [B, kv_heads, base+J, hd]
         branch_kv.v = kv.v.expand(b, -1, -1, -1)
-        valid = torch.zeros(b, base + j_max, dtype=torch.bool, device=device)
-        for i, j in enumerate(forks):
-            valid[i, : base + j] = True
-        a = fork[forks][:, None]  # [B, 1, H]
-        token = model.to_target_ids(torch.tensor(bonus, device=device))[:, None]  # [B, 1]
-        bonus = token[:, 0].tolist()
-        position = torch.tensor([[base + j] for j in forks], device=device)
-        drafts: list[list[int]] = [[] for _ in range(b)]
-        qs: list[list[DraftProbs | None]] = [[] for _ in range(b)]
-        rows: list[list[torch.Tensor]] = [[] for _ in range(b)]
-        for _ in range(step.k):
-            valid = torch.cat([valid, valid.new_ones(b, 1)], dim=1)
-            a = model(a, token, position, branch_kv, valid[:, None, None])  # [B, 1, H]
-            # the token after the one at `position`: keyed as a propose after that outcome would key it
-            token, q = self._pick(model.draft_logits(a[:, -1]), [session.sampler] * b, (position[:, 0] + 1).tolist())
-            token = token[:, None]
-            for i, t in enumerate(token[:, 0].tolist()):
-                drafts[i].append(t)
-                qs[i].append(q[i])
-                rows[i].append(a[i, -1])
-            position = position + 1
+        valid = torch.arange(base + j_max, device=device)[None] < (base + forks)[:, None]  # [B, base+J]
+        valid = torch.cat([valid, valid.new_ones(b, 1)], dim=1)
+        position = (base + forks)[:, None]  # [B, 1]: where each branch's bonus goes
+        a = model(fork[forks][:, None], bonus[:, None], position, branch_kv, valid[:, None, None])  # [B, 1, H]
+        # the token after the one at `position`: keyed as a propose after that outcome would key it;
+        # branch i's uniforms start at table[forks[i]]
+        samplers = [session.sampler] * b
+        uniforms = None
+        if session.sampler is not None:
+            table = uniforms_for([session.sampler], [base + 1], j_max + step.k, device)[0]  # [J+K]
+            uniforms = table[forks[:, None] + torch.arange(step.k, device=device)]  # [B, K]
+        drafts, q, rows = rollout(self.model, self.q_top_n, a, branch_kv, position + 1, step.k, samplers, uniforms, valid)
         kv.crop(base)
-        session.proposed = [(drafts[i], torch.stack(rows[i])) for i in range(b)]
-        return [Branch(accepted=forks[i], bonus=bonus[i], drafts=drafts[i], q=_drafts(drafts[i], qs[i]).q)
-                for i in range(b)]
+        forks, bonus, drafts, *q = read_back(forks, bonus, drafts, *(q or ()))
+        session.proposed = [(drafts[i], rows[i]) for i in range(b)]
+        return [Branch(accepted=forks[i], bonus=bonus[i], drafts=drafts[i],
+                       q=q_support(q[0][i], q[1][i]) if q else None) for i in range(b)]

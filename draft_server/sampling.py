@@ -82,9 +82,10 @@ def draft_q(logits: torch.Tensor, samplers: list[DraftSampler], top_n: int) -> t
     return ids[:, :n], kept / kept.sum(-1, keepdim=True)
 
 
-def draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
-    """probs [B, N] (rows as draft_q gives them) -> the column each row draws with its uniform, [B]."""
+def draw(probs: torch.Tensor, uniforms: list[float] | torch.Tensor) -> torch.Tensor:
+    """probs [B, N] (rows as draft_q gives them) -> the column each row draws with its uniform, [B].
+    `uniforms` [B], a list or a tensor (float64 from DraftSampler.uniform: cast as the list would be)."""
     cdf = torch.cumsum(probs, dim=-1)  # [B, N]
-    u = torch.tensor(uniforms, dtype=cdf.dtype, device=cdf.device)[:, None] * cdf[:, -1:]
+    u = torch.as_tensor(uniforms, device=cdf.device).to(cdf.dtype)[:, None] * cdf[:, -1:]
     column = (cdf <= u).sum(-1)  # the first column whose cdf passes u
     return torch.minimum(column, (probs > 0).sum(-1) - 1)  # rounding never lands past the support

@@ -57,9 +57,9 @@ def stack_kv(steps: list[_Step], past: list[int], longest: int) -> tuple[torch.T
     return k, v
 
 
-def _drafts(tokens: list[int], q: list[DraftProbs | None]) -> Drafts:
+def _drafts(tokens: list[int], q: list[DraftProbs] | None) -> Drafts:
     """The drafts of one session's rollout, with q when it sampled them."""
-    return Drafts(tokens, q if q and q[0] is not None else None)
+    return Drafts(tokens, q or None)
 
 
 def read_target_shape(target_dir: str | Path) -> TargetShape:

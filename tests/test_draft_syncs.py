@@ -1,0 +1,85 @@
+"""The draft's rollout waits on the device at most once (issue 17): positions, argmax, sampling and the d2t
+mapping stay on the device, and the K drafts (with q for a sampled request) are read back in one copy.
+Counted with tandem_tools.opcount, which counts on a CPU the syncs a GPU would stall on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft_server.engine import DraftEngine
+from draft_server.steps import _Step
+from tandem.params import SamplingParams
+from tandem_tools.opcount import OpCounter
+
+K = 5
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir) -> DraftEngine:
+    return DraftEngine(tiny_dir / "draft", tiny_dir / "target")
+
+
+def _inputs(engine: DraftEngine, m: int, seed: int) -> tuple[torch.Tensor, list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, engine.feature_size, generator=g), torch.randint(0, 64, (m,), generator=g).tolist()
+
+
+def _open(engine: DraftEngine, name: str, sampling: SamplingParams | None, seed: int = 0) -> str:
+    engine.propose(name, *_inputs(engine, 6 + seed, seed), K, create=True, sampling=sampling)
+    return name
+
+
+def _check(drafts: list[int], q, sampled: bool, k: int = K) -> None:
+    assert len(drafts) == k
+    if sampled:
+        assert q is not None and len(q) == k
+        assert all(d in p.ids and abs(sum(p.probs) - 1) < 1e-5 for d, p in zip(drafts, q, strict=True))
+    else:
+        assert q is None
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_lone_propose_syncs_once(engine, sampled):
+    name = _open(engine, f"alone-{sampled}", SAMPLED if sampled else None)
+    features, tokens = _inputs(engine, 3, 10)
+    with OpCounter() as ops:
+        drafts = engine.propose(name, features, tokens, K)
+    assert ops.syncs <= 1, dict(ops.sync_ops)
+    _check(drafts, drafts.q, sampled)
+    engine.release(name)
+
+
+@pytest.mark.parametrize("mix", ["greedy", "sampled", "mixed"])
+def test_a_batched_rollout_syncs_once(engine, mix):
+    """16 sessions in one batch, each K its own; greedy, sampled, or both in the one batch."""
+    names = [_open(engine, f"{mix}-{i}", SAMPLED if mix == "sampled" or (mix == "mixed" and i % 2) else None, i)
+             for i in range(16)]
+    steps = [_Step(engine.sessions.get(name), *_inputs(engine, 1 + i % 3, 20 + i), K - i % 2)
+             for i, name in enumerate(names)]
+    with OpCounter() as ops:
+        results = engine._run_steps(steps)  # what the batcher runs for 16 concurrent proposes
+    assert ops.syncs <= 1, dict(ops.sync_ops)
+    for step, drafts in zip(steps, results, strict=True):
+        _check(drafts, drafts.q, step.session.sampler is not None, step.k)
+    for name in names:
+        engine.release(name)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("new_pairs", [0, 2])
+def test_an_ahead_syncs_once(engine, sampled, new_pairs):
+    """Speculating ahead of a verify: the outcomes ranked, the bonus picked and K drafts rolled out per
+    branch, all on the device, read back in one copy."""
+    name = _open(engine, f"ahead-{sampled}-{new_pairs}", SAMPLED if sampled else None)
+    assumed = engine.sessions.get(name).proposed[0][0][:3]
+    features, tokens = _inputs(engine, new_pairs, 30) if new_pairs else (None, [])
+    with OpCounter() as ops:
+        branches = engine.prepare(name, features, tokens, assumed, K, branches=4)
+    assert ops.syncs <= 1, dict(ops.sync_ops)
+    assert len(branches) == 4
+    for branch in branches:
+        assert 0 <= branch.accepted <= len(assumed)
+        _check(branch.drafts, branch.q, sampled)
+    engine.release(name)
