@@ -44,12 +44,18 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(scores, dim=-1)
 
 
+def accept_argmax(best: list[int], drafts: list[int]) -> tuple[int, int]:
+    """The target's argmax at each of K+1 positions (read from the device once, for a whole batch),
+    drafts [K] -> (accepted a, bonus b). Accept while d_k == argmax."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == best[accepted]:
+        accepted += 1
+    return accepted, best[accepted]
+
+
 def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]:
-    """logits [K+1, V], drafts [K] -> (accepted a, bonus b). Accept while d_k == argmax."""
-    best = logits.argmax(dim=-1)  # [K+1]
-    k = drafts.numel()
-    accepted = int((drafts == best[:k]).int().cumprod(0).sum()) if k else 0
-    return accepted, int(best[accepted])
+    """logits [K+1, V], drafts [K] -> (accepted a, bonus b), in one host sync."""
+    return accept_argmax(logits.argmax(dim=-1).tolist(), drafts.tolist())
 
 
 def dense_q(q: list[DraftProbs], drafts: list[int], vocab_size: int) -> torch.Tensor:

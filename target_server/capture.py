@@ -14,19 +14,24 @@ import torch
 from torch import nn
 
 
+def check_aux_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """Three hidden-states ids in 0..num_layers, or ValueError."""
+    if len(aux_layer_ids) != 3:
+        raise ValueError(f"EAGLE-3 needs exactly 3 capture layers, got {list(aux_layer_ids)}")
+    bad = [i for i in aux_layer_ids if not 0 <= i <= num_layers]
+    if bad:
+        raise ValueError(f"capture ids {bad} are outside the target's hidden states 0..{num_layers} "
+                         f"({num_layers} decoder layers)")
+    return tuple(int(i) for i in aux_layer_ids)
+
+
 class FeatureCapture:
     """Hooks that keep the three hidden states of the last forward: the input of layer k (a forward
     pre-hook) for an id k < L, the output of the last layer (a forward hook) for the id L."""
 
     def __init__(self, layers: nn.ModuleList, aux_layer_ids: Sequence[int]):
         num_layers = len(layers)
-        if len(aux_layer_ids) != 3:
-            raise ValueError(f"EAGLE-3 needs exactly 3 capture layers, got {list(aux_layer_ids)}")
-        bad = [i for i in aux_layer_ids if not 0 <= i <= num_layers]
-        if bad:
-            raise ValueError(f"capture ids {bad} are outside the target's hidden states 0..{num_layers} "
-                             f"({num_layers} decoder layers)")
-        self.aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
+        self.aux_layer_ids = check_aux_layer_ids(aux_layer_ids, num_layers)
         self._captured: list[torch.Tensor | None] = [None, None, None]
         self._handles = []
         for slot, layer_id in enumerate(self.aux_layer_ids):

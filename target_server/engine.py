@@ -8,15 +8,19 @@ The protocol per session (docs/architecture.md, 0-indexed positions):
 
 Concurrent sessions are batched (tandem/batching.py): the prefill steps queued while a forward runs
 share the next one, and so do the verify steps (a prefill padded among verifies is wasted work).
-Every session's KV lives in one paged pool (KVPool); a batch gathers the sessions' pasts left-padded
-(with an attention mask and per-sequence positions), runs one forward over the new tokens
-right-padded, and scatters back only the KV of the tokens each session commits. KV memory is bounded: a prefill reserves its whole
-generation's KV (prompt + max_new_tokens) and waits, then fails with ResourceExhausted, while the
-budget is taken.
+Every session's KV lives in one paged pool. A Llama-family target runs our own model
+(target_server/native.py): one forward over the batch's new tokens flattened, reading and writing the
+pool in place, compiled once per token bucket. Any other runs transformers' model over a padded batch,
+the pasts gathered out of the pool and the committed rows scattered back (target_server/runners.py).
+The acceptance rule reads the batch's argmax in one host sync (greedy); KV memory is bounded: a prefill
+reserves its whole generation's KV (prompt + max_new_tokens) and waits, then fails with
+ResourceExhausted, while the budget is taken.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -25,8 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
-from transformers.cache_utils import Cache
+from transformers import AutoConfig
 
 from tandem.aux_layers import capture_ids
 from tandem.batching import Batcher
@@ -34,9 +37,14 @@ from tandem.dtypes import TORCH_DTYPES
 from tandem.params import MAX_DRAFT_TOKENS, SamplingParams
 from tandem.protocol import DraftProbs, PrefillResult, VerifyResult
 from tandem.sessions import InvalidRequest, ResourceExhausted, SessionNotFound, SessionOwner, SessionTable
-from target_server.acceptance import accept, dense_q, pick, token_logprobs
+from target_server.acceptance import accept, accept_argmax, dense_q, pick, token_logprobs
 from target_server.kv import KVBudget, KVLayer, KVPool, kv_budget_tokens  # noqa: F401 (re-exported)
-from target_server.loading import load_target
+from target_server.loading import eos_token_ids, load_target
+from target_server.native import load_native, unsupported
+from target_server.runners import HFRunner, NativeRunner, compile_default
+
+log = logging.getLogger("tandem.target")
+_owners = itertools.count()  # a session's id in the native pool's row metadata
 
 
 @dataclass
@@ -46,7 +54,8 @@ class _Session:
     length: int = 0  # tokens whose KV is committed
     reserved: int = 0  # KV tokens this session may grow to (its share of the budget)
     blocks: list[int] = field(default_factory=list)  # its KVPool blocks
-    rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # pool row per position
+    rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # pool row per position (hf)
+    owner: int = field(default_factory=lambda: next(_owners))
     last_used: float = field(default_factory=time.monotonic)
     ready: torch.cuda.Event | None = None  # CUDA: recorded at the end of the batch that computed its last features
 
@@ -72,7 +81,10 @@ def aux_layer_ids_from_draft(
 
 
 class TargetEngine(SessionOwner):
-    """Loads a local HF checkpoint (config.json + safetensors, single or sharded) and serves sessions."""
+    """Loads a local HF checkpoint (config.json + safetensors, single or sharded) and serves sessions.
+
+    `engine`: "native" (our model: the Llama family), "hf" (transformers'), "auto" (native where it can).
+    `compile` (None: TANDEM_COMPILE, default on): torch.compile the native forward, once per bucket."""
 
     def __init__(
         self,
@@ -84,19 +96,37 @@ class TargetEngine(SessionOwner):
         max_batch_tokens: int = 4096,
         kv_cache_tokens: int | None = None,
         queue_timeout: float = 30.0,
+        engine: Literal["auto", "native", "hf"] = "auto",
+        compile: bool | None = None,
     ):
         self.model_dir = Path(model_dir)
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype!r}")
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
-        loaded = load_target(self.model_dir, self.device, self.dtype, aux_layer_ids)
-        self.model, self.capture, self.eos_token_ids = loaded.model, loaded.capture, loaded.eos_token_ids
-        self.config = config = loaded.config
-        self.aux_layer_ids, self.num_layers = loaded.aux_layer_ids, loaded.num_layers
-        self.hidden_size, self.vocab_size = loaded.hidden_size, loaded.vocab_size
-        self.decoder = self.model.get_decoder()
-        self.lm_head = self.model.get_output_embeddings()
+        native = None
+        if engine not in ("auto", "native", "hf"):
+            raise ValueError(f"engine must be auto, native or hf, got {engine!r}")
+        if engine != "hf":
+            native = load_native(self.model_dir, self.device, self.dtype, aux_layer_ids or ())
+        if native is not None:
+            self.model, self.config = native, native.config
+            self.num_layers, self.vocab_size = native.num_layers, int(native.lm_head.weight.shape[0])
+            self.aux_layer_ids = native.aux_layer_ids
+            self.eos_token_ids = eos_token_ids(self.model_dir, self.config)
+            self.runner = NativeRunner(native, self.device, compile_default() if compile is None else compile)
+        else:
+            if engine == "native":
+                config = AutoConfig.from_pretrained(self.model_dir)
+                raise ValueError(f"the native engine does not run {self.model_dir}: {unsupported(config)}")
+            loaded = load_target(self.model_dir, self.device, self.dtype, aux_layer_ids)
+            self.model, self.eos_token_ids, self.config = loaded.model, loaded.eos_token_ids, loaded.config
+            self.aux_layer_ids, self.num_layers = loaded.aux_layer_ids, loaded.num_layers
+            self.vocab_size = loaded.vocab_size
+            self.runner = HFRunner(loaded, self.device)
+        self.engine = "native" if native is not None else "hf"
+        config = self.config
+        self.hidden_size = int(config.hidden_size)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.max_context = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
@@ -121,39 +151,18 @@ class TargetEngine(SessionOwner):
         self.kv_pool = self._pool(tokens)
 
     def _pool(self, tokens: int | None) -> KVPool:
-        cap = None if tokens is None else max(tokens // KVPool.BLOCK, 1)
-        blocks = cap if cap is not None and self.device.type == "cuda" else 64  # a GPU's: all of it now
-        return KVPool(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device, blocks, cap)
+        """Sized to the budget: a GPU's preallocated there, a CPU's grown up to it (runners.py)."""
+        return self.runner.make_pool(self.num_layers, self.kv_heads, self.head_dim, self.dtype, tokens)
 
     @property
     def gather_bytes_per_token(self) -> int:
         """The gather's memory per token of a forward's padded past: one layer's copy and its temporary
-        (KVLayer gathers layer by layer)."""
-        return 2 * self.kv_bytes_per_token // self.num_layers
+        (KVLayer gathers layer by layer); none on the native path, which reads the pool in place."""
+        return 0 if self.engine == "native" else 2 * self.kv_bytes_per_token // self.num_layers
 
-    @torch.inference_mode()
     def measure_forward_bytes(self) -> int:
-        """GPU memory one forward of the largest batch takes beyond the weights and the KV (activations,
-        captured features, the verify rows' logits), measured as vLLM's profile run measures it: a
-        prefill of max_batch_tokens tokens, then the logits of a full batch of verifies."""
-        device = self.device
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        n = max(min(self.batcher.max_tokens, self.max_context - 1), 1)
-        ids = torch.zeros(1, n, dtype=torch.long, device=device)
-        layers = [KVLayer(None, (1, self.kv_heads, 0, self.head_dim), self.dtype, device) for _ in range(self.num_layers)]
-        hidden = self.decoder(input_ids=ids, position_ids=torch.arange(n, device=device)[None],
-                              past_key_values=Cache(layers=layers), use_cache=True).last_hidden_state
-        self.capture.take()
-        rows = min(n, self.batcher.max_batch * (MAX_DRAFT_TOKENS + 1))
-        logits = self._logits(hidden[0, :rows]).float().log_softmax(-1)  # the acceptance rule's work, in float
-        del hidden, logits, layers
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - base
-        torch.cuda.empty_cache()
-        return peak
+        """GPU memory one forward of the largest batch takes beyond the weights and the KV (runners.py)."""
+        return self.runner.measure_forward_bytes(self.kv_pool, self.batcher.max_tokens, self.batcher.max_batch, self.max_context)
 
     def release(self, session_id: str) -> bool:
         session = self.sessions.pop(session_id)
@@ -260,7 +269,7 @@ class TargetEngine(SessionOwner):
         """The batch in as few forwards as keep each one's padded KV within the budget; a forward that
         runs out of memory fails its steps with ResourceExhausted (the server is full), not the process."""
         results: dict[int, PrefillResult | VerifyResult | Exception] = {}
-        for part in self._parts(steps):
+        for part in self.runner.parts(steps, self.kv_budget.tokens):
             try:
                 results.update(zip(map(id, part), self._forward(part), strict=True))
             except torch.OutOfMemoryError as exc:
@@ -278,117 +287,57 @@ class TargetEngine(SessionOwner):
             step.session.ready = ready
         return [results[id(step)] for step in steps]
 
-    def _parts(self, steps: list[_Step]) -> list[list[_Step]]:
-        """A forward gathers B x (longest past + widest new) tokens of KV: one long session among short
-        ones multiplies it. The batch as it is when that fits in the budget, else in parts that do (the
-        longest pasts first, each part as large as fits)."""
-        limit = self.kv_budget.tokens
-
-        def size(part: list[_Step]) -> int:
-            return len(part) * (max(s.session.length for s in part) + max(len(s.ids) for s in part))
-
-        if limit is None or size(steps) <= limit:
-            return [steps]
-        parts: list[list[_Step]] = []
-        for step in sorted(steps, key=lambda s: -s.session.length):
-            if parts and size([*parts[-1], step]) <= limit:
-                parts[-1].append(step)
-            else:
-                parts.append([step])
-        return parts
-
     def _forward(self, steps: list[_Step]) -> list[PrefillResult | VerifyResult]:
         past = [step.session.length for step in steps]
-        sizes = [len(step.ids) for step in steps]
-        longest, width = max(past), max(sizes)
-        for step, n in zip(steps, sizes, strict=True):
-            self._grow(step.session, step.session.length + n)
-        ids = torch.zeros(len(steps), width, dtype=torch.long)
-        mask = torch.zeros(len(steps), longest + width, dtype=torch.long)
-        positions = torch.zeros(len(steps), width, dtype=torch.long)
-        for i, step in enumerate(steps):
-            ids[i, : sizes[i]] = torch.tensor(step.ids)
-            mask[i, longest - past[i] : longest + sizes[i]] = 1  # padding before the past and after the new tokens
-            positions[i] = torch.arange(past[i], past[i] + width)
-        batch = self._gather_kv(steps, longest)
-        hidden = self.decoder(
-            input_ids=ids.to(self.device),
-            attention_mask=None if len(steps) == 1 else mask.to(self.device),
-            position_ids=positions.to(self.device),
-            past_key_values=Cache(layers=batch),
-            use_cache=True,
-        ).last_hidden_state
-        features = self.capture.take()
-        # one lm_head call for the batch: the last prompt row of a prefill, every row of a verify
-        rows = [hidden[i, n - 1 : n] if step.kind == "prefill" else hidden[i, :n]
-                for i, (step, n) in enumerate(zip(steps, sizes, strict=True))]
-        logits = self._logits(torch.cat(rows)).split([len(r) for r in rows])
-        kept = [0] * len(steps)
-        results = [self._finish(step, logits[i], features[i, : sizes[i]], lambda n, i=i: kept.__setitem__(i, n))
-                   for i, step in enumerate(steps)]
-        self._scatter_kv(steps, past, kept, batch, width)
+        for step in steps:
+            self._grow(step.session, step.session.length + len(step.ids))
+        logits, features = self.runner.forward(steps, self.kv_pool)  # [N, V]: a prefill's last row, a verify's all
+        rows = [1 if step.kind == "prefill" else len(step.ids) for step in steps]
+        best = None
+        if any(step.session.params.greedy for step in steps):
+            best = logits.argmax(-1).tolist()  # the batch's one host sync (greedy)
+        kept, results, start = [], [], 0
+        for step, logit, feature, n in zip(steps, logits.split(rows), features, rows, strict=True):
+            argmax = best[start : start + n] if best is not None else None
+            results.append(self._finish(step, logit, feature, argmax, kept.append))
+            start += n
+        self.runner.commit(steps, past, kept, self.kv_pool)
         for step, n in zip(steps, kept, strict=True):
             step.session.length += n
         return results
 
     def _grow(self, session: _Session, length: int) -> None:
-        """Blocks for `length` positions."""
+        """Blocks for `length` positions (and, for the hf runner, their pool rows)."""
         need = -(-length // KVPool.BLOCK) - len(session.blocks)
         if need > 0:
             blocks = self.kv_pool.allocate(need)
             session.blocks += blocks
-            first = torch.tensor(blocks, device=self.device)[:, None] * KVPool.BLOCK
-            session.rows = torch.cat([session.rows.to(self.device), (first + torch.arange(KVPool.BLOCK, device=self.device)).flatten()])
-
-    def _gather_kv(self, steps: list[_Step], longest: int) -> list[KVLayer]:
-        """Each layer's view of the batch's past, each sequence left-padded to `longest`; gathered from the
-        pool when the layer runs."""
-        shape = (len(steps), self.kv_heads, longest, self.head_dim)
-        if longest == 0:
-            return [KVLayer(None, shape, self.dtype, self.device) for _ in range(self.num_layers)]
-        index = pad_sequence([step.session.rows[: step.session.length] for step in steps], batch_first=True,
-                             padding_side="left")  # [B, longest]; padding reads row 0, masked out
-
-        def gather(layer: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
-            def fill(keys: torch.Tensor, values: torch.Tensor) -> None:  # [B, kv_heads, longest, head_dim]
-                keys.copy_(self.kv_pool.keys[layer][index].transpose(1, 2))
-                values.copy_(self.kv_pool.values[layer][index].transpose(1, 2))
-
-            return fill
-
-        return [KVLayer(gather(layer), shape, self.dtype, self.device) for layer in range(self.num_layers)]
-
-    def _scatter_kv(self, steps: list[_Step], past: list[int], kept: list[int], batch: list[KVLayer],
-                    width: int) -> None:
-        """The KV of the tokens each session commits (its first `kept` new ones) into its pool rows."""
-        rows = torch.cat([step.session.rows[p : p + n] for step, p, n in zip(steps, past, kept, strict=True)])
-        chosen = torch.arange(width)[None] < torch.tensor(kept)[:, None]  # [B, width]
-        chosen = chosen.to(self.device)
-        for layer, pool_keys, pool_values in zip(batch, self.kv_pool.keys, self.kv_pool.values, strict=True):
-            pool_keys[rows] = layer.new_keys.transpose(1, 2)[chosen]
-            pool_values[rows] = layer.new_values.transpose(1, 2)[chosen]
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2/3
-        return torch.tanh(logits / cap) * cap if cap else logits
+            if self.engine == "hf":
+                first = torch.tensor(blocks, device=self.device)[:, None] * KVPool.BLOCK
+                rows = (first + torch.arange(KVPool.BLOCK, device=self.device)).flatten()
+                session.rows = torch.cat([session.rows.to(self.device), rows])
 
     def _finish(
-        self, step: _Step, logits: torch.Tensor, features: torch.Tensor, commit: Callable[[int], None]
+        self, step: _Step, logits: torch.Tensor, features: torch.Tensor, argmax: list[int] | None,
+        commit: Callable[[int], None],
     ) -> PrefillResult | VerifyResult:
-        """Sample or accept from one sequence's logits (prefill: [1, V], verify: [K+1, V]); `commit(n)`
-        is told how many of its new tokens it keeps."""
+        """Sample or accept from one sequence's logits (prefill: [1, V], verify: [K+1, V]), their argmax
+        already on the host for a greedy session; `commit(n)` is told how many of its new tokens it keeps."""
         session = step.session
+        greedy = session.params.greedy
         if step.kind == "prefill":
             keep = len(step.ids)
-            out = PrefillResult(token=pick(logits[-1], session.params, session.generator),
-                                features=features if step.want_features else None)
+            token = argmax[-1] if greedy else pick(logits[-1], session.params, session.generator)
+            out = PrefillResult(token=token, features=features if step.want_features else None)
             if session.params.logprobs is not None:
                 out.logprobs = token_logprobs(logits[-1:], [out.token], session.params.logprobs)
         else:
             drafts = step.ids[1:]
-            drafted = torch.tensor(drafts, dtype=torch.long, device=self.device)
-            accepted, bonus = accept(logits, drafted, session.params, session.generator, step.q)
+            if greedy:
+                accepted, bonus = accept_argmax(argmax, drafts)
+            else:
+                drafted = torch.tensor(drafts, dtype=torch.long, device=self.device)
+                accepted, bonus = accept(logits, drafted, session.params, session.generator, step.q)
             keep = 1 + accepted
             out = VerifyResult(
                 accepted=drafts[:accepted], bonus=bonus, features=features[:keep] if step.want_features else None

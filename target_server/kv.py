@@ -67,14 +67,32 @@ class KVPool:
         self.max_blocks = max_blocks
         if max_blocks is not None:
             blocks = min(blocks, max_blocks)
-        self.keys = [torch.zeros(blocks * self.BLOCK, heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.dtype, self.device = dtype, device
+        self.keys = [self._zeros(blocks * self.BLOCK) for _ in range(layers)]
+        self.values = [self._zeros(blocks * self.BLOCK) for _ in range(layers)]
         self._free = list(range(blocks))
         self._lock = threading.Lock()  # releases come from the service threads
 
+    ROW_DIM = 0  # the dimension of a layer's tensor that counts pool rows
+
+    def _zeros(self, rows: int) -> torch.Tensor:
+        """One layer's keys or values for `rows` rows: [rows, kv_heads, head_dim]."""
+        return torch.zeros(rows, *self.shape, dtype=self.dtype, device=self.device)
+
+    def _extend(self, rows: int) -> None:
+        """`rows` more rows at the end of every layer's tensors."""
+        for table in (self.keys, self.values):
+            for i, t in enumerate(table):
+                table[i] = torch.cat([t, self._zeros(rows)], dim=self.ROW_DIM)
+
     @property
     def blocks(self) -> int:
-        return self.keys[0].shape[0] // self.BLOCK
+        return self.keys[0].shape[self.ROW_DIM] // self.BLOCK
+
+    @property
+    def capacity(self) -> int:
+        """The KV tokens the pool holds for sessions now."""
+        return self.blocks * self.BLOCK
 
     @property
     def nbytes(self) -> int:
@@ -89,9 +107,7 @@ class KVPool:
                     grown = min(grown, self.max_blocks)
                 if grown - old < n - len(self._free):  # reservations count whole blocks: not under the budget
                     raise ResourceExhausted(f"the KV pool's {self.blocks} blocks are taken; {n} more asked for")
-                for table in (self.keys, self.values):
-                    for i, t in enumerate(table):
-                        table[i] = torch.cat([t, t.new_zeros((grown - old) * self.BLOCK, *self.shape)])
+                self._extend((grown - old) * self.BLOCK)
                 self._free += range(old, grown)
             taken, self._free = self._free[:n], self._free[n:]
             return taken

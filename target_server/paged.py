@@ -1,0 +1,161 @@
+"""Attention over the paged KV pool in place, for the native model (target_server/native.py).
+
+A forward's batch is flattened: the new tokens of every sequence one after another, padded to a bucket
+of T tokens (a static shape, so a compiled forward never recompiles). Each token comes with its
+position and its slot, the pool row its KV goes to. Each layer writes the new K/V into its slots
+(index_copy_: no gather, no padded copy of the past, nothing allocated per forward) and every query
+attends, in the pool itself, the rows of its own sequence at positions up to its own:
+
+  owner[row] == owner[query]  and  position[row] <= position[query]
+
+`owner` and `position` are kept per pool row and written with the KV. A rejected draft's row needs no
+clean-up: the next forward of its sequence starts at that position and writes the row again before
+anything reads it, and rows past every query's position are masked. Padding tokens write the scratch
+block 0 (never handed out) as the owner PAD and attend it only.
+
+Which pool blocks a query block may see (its sequences' blocks up to its last position, and the scratch
+block) is known on the host from the block tables: it becomes a flex_attention BlockMask (kv_num_blocks,
+kv_indices), so attention skips every other block of the pool; the rule above is its mask_mod inside
+the blocks. Grouped-query attention is flex's enable_gqa (no repeated KV). Without torch.compile flex
+materialises its scores (correct, slow); "dense" attention runs SDPA over the whole pool with the rule
+as a boolean mask (eager's faster choice on small pools).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from target_server.kv import KVPool
+
+BLOCK = KVPool.BLOCK
+PAD = -2  # the owner of padding tokens and of the scratch block
+FREE = -1  # the owner of rows never written
+Q_BLOCK = 16  # query rows per BlockMask block: smaller means fewer other sequences' blocks per query
+
+
+class PagedKVPool(KVPool):
+    """The pool in attention's layout, per layer [kv_heads, rows, head_dim], and per row its owner and
+    position. Block 0 is the scratch block."""
+
+    ROW_DIM = 1
+
+    def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 blocks: int = 64, max_blocks: int | None = None):
+        super().__init__(layers, heads, head_dim, dtype, device, blocks + 1,
+                         None if max_blocks is None else max_blocks + 1)
+        rows = self.blocks * BLOCK
+        self.owner = torch.full((rows,), FREE, dtype=torch.int32, device=device)
+        self.owner[:BLOCK] = PAD
+        self.position = torch.zeros(rows, dtype=torch.int32, device=device)
+        self._free.remove(0)
+
+    @property
+    def capacity(self) -> int:
+        return (self.blocks - 1) * BLOCK  # the scratch block holds no session's KV
+
+    def _zeros(self, rows: int) -> torch.Tensor:
+        return torch.zeros(self.shape[0], rows, self.shape[1], dtype=self.dtype, device=self.device)
+
+    def _extend(self, rows: int) -> None:
+        super()._extend(rows)
+        self.owner = torch.cat([self.owner, self.owner.new_full((rows,), FREE)])
+        self.position = torch.cat([self.position, self.position.new_zeros(rows)])
+
+
+class PagedBatch(NamedTuple):
+    """What a forward needs of the pool; tensors on the device, shapes static per bucket and pool size."""
+
+    slots: torch.Tensor  # [T] long: the pool row each new token's KV goes to
+    owner: torch.Tensor  # [T] int32: each token's sequence (PAD for padding)
+    kv_num: torch.Tensor  # [1, 1, T / q_block] int32: pool blocks each query block may see
+    kv_idx: torch.Tensor  # [1, 1, T / q_block, pool blocks] int32: which (the first kv_num of each row)
+    keys: list[torch.Tensor]  # per layer [kv_heads, R, head_dim], written in place
+    values: list[torch.Tensor]
+    row_owner: torch.Tensor  # [R] int32, written in place
+    row_position: torch.Tensor  # [R] int32, written in place
+    q_block: int
+    dense: bool  # SDPA over the whole pool instead of flex_attention
+    mask: BlockMask | torch.Tensor | None = None  # set by open_batch
+
+
+def open_batch(batch: PagedBatch, positions: torch.Tensor) -> PagedBatch:
+    """Marks the rows the new tokens write (owner, position) and builds the mask every layer uses."""
+    positions = positions.to(torch.int32)
+    batch.row_owner.index_copy_(0, batch.slots, batch.owner)
+    batch.row_position.index_copy_(0, batch.slots, positions)
+    row_owner, row_position, owner = batch.row_owner, batch.row_position, batch.owner
+    if batch.dense:
+        mask = (row_owner[None] == owner[:, None]) & (row_position[None] <= positions[:, None])  # [T, R]
+        return batch._replace(mask=mask)
+
+    def visible(b, h, q, kv):
+        return (row_owner[kv] == owner[q]) & (row_position[kv] <= positions[q])
+
+    mask = BlockMask.from_kv_blocks(batch.kv_num, batch.kv_idx, BLOCK_SIZE=(batch.q_block, BLOCK), mask_mod=visible,
+                                    seq_lengths=(owner.shape[0], row_owner.shape[0]))
+    return batch._replace(mask=mask)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: PagedBatch) -> torch.Tensor:
+    """q [T, Hq, D], the new k, v [T, Hkv, D] -> [T, Hq, D]; k and v go into the pool first."""
+    keys, values = batch.keys[layer], batch.values[layer]  # [Hkv, R, D]
+    keys.index_copy_(1, batch.slots, k.transpose(0, 1))
+    values.index_copy_(1, batch.slots, v.transpose(0, 1))
+    if batch.dense:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), keys, values, attn_mask=batch.mask, enable_gqa=True)  # [Hq, T, D]
+        return out.transpose(0, 1)
+    out = flex_attention(q.transpose(0, 1)[None], keys[None], values[None], block_mask=batch.mask, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+@dataclass
+class Span:
+    """One sequence's new tokens in a forward: `new` tokens at positions past.., in its pool blocks."""
+
+    owner: int
+    blocks: list[int]
+    past: int
+    new: int
+
+
+def bucket(n: int) -> int:
+    """The padded token count of a forward of n tokens: the next power of two."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def plan(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool) -> tuple[torch.Tensor, PagedBatch]:
+    """The positions [width] and the PagedBatch of a forward of `spans`' tokens padded to `width`, built
+    on the host from the block tables and copied to the device once."""
+    positions, slots, owner = [], [], []
+    q_block = min(width, Q_BLOCK)
+    seen: list[dict[int, None]] = [{0: None} for _ in range(width // q_block)]  # the scratch block for padding
+    for span in spans:
+        start = len(positions)
+        for i, p in enumerate(range(span.past, span.past + span.new)):
+            positions.append(p)
+            slots.append(span.blocks[p // BLOCK] * BLOCK + p % BLOCK)
+            last = (start + i) // q_block
+            if i + 1 == span.new or (start + i + 1) % q_block == 0:  # the last token of this span in its query block
+                seen[last].update(dict.fromkeys(span.blocks[: p // BLOCK + 1]))
+        owner += [span.owner] * span.new
+    pad = width - len(positions)
+    positions += [0] * pad
+    slots += [i % BLOCK for i in range(pad)]
+    owner += [PAD] * pad
+    kv_idx = torch.zeros(1, 1, len(seen), pool.blocks, dtype=torch.int32)
+    for j, blocks in enumerate(seen):
+        kv_idx[0, 0, j, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
+    kv_num = torch.tensor([[[len(b) for b in seen]]], dtype=torch.int32)
+    device = pool.device
+    batch = PagedBatch(
+        slots=torch.tensor(slots, dtype=torch.long).to(device), owner=torch.tensor(owner, dtype=torch.int32).to(device),
+        kv_num=kv_num.to(device), kv_idx=kv_idx.to(device), keys=pool.keys, values=pool.values,
+        row_owner=pool.owner, row_position=pool.position, q_block=q_block, dense=dense,
+    )
+    return torch.tensor(positions, dtype=torch.long).to(device), batch

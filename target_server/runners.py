@@ -1,0 +1,226 @@
+"""How the target engine turns a batch of steps into forwards: two runners with one contract.
+
+  forward(steps) -> logits [N, V] (a prefill's last row, every row of a verify, in step order) and
+                    each step's features [n, 3H]
+  commit(steps, past, kept)   after acceptance: each step keeps the KV of its first `kept` new tokens
+
+NativeRunner (target_server/native.py, the Llama family): the flattened batch padded to a bucket, one
+forward that writes the new KV into the paged pool in place and attends there (target_server/paged.py),
+compiled once per bucket; commit has nothing to do (rejected rows are written over by the next forward).
+
+HFRunner (any other architecture): transformers' forward over the batch right-padded, each sequence's past
+gathered out of the pool left-padded layer by layer (KVLayer), and the committed rows scattered back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+from transformers.cache_utils import Cache
+
+from tandem.params import MAX_DRAFT_TOKENS
+from target_server.kv import KVLayer, KVPool
+from target_server.loading import LoadedTarget
+from target_server.native import NativeCausalLM
+from target_server.paged import PAD, PagedKVPool, Span, bucket, plan
+
+if TYPE_CHECKING:
+    from target_server.engine import _Step
+
+log = logging.getLogger("tandem.target")
+
+
+def compile_default() -> bool:
+    """TANDEM_COMPILE=0 runs the native forward eagerly (tests; a compile costs ~20 s a bucket on a CPU)."""
+    return os.environ.get("TANDEM_COMPILE", "1") != "0"
+
+
+def _new_rows(steps: list[_Step]) -> list[int]:
+    """The rows of each step the acceptance rule reads: a prefill's last, a verify's all."""
+    return [1 if step.kind == "prefill" else len(step.ids) for step in steps]
+
+
+class NativeRunner:
+    CPU_BLOCKS = 256  # a CPU pool's first size (4096 tokens), grown up to the budget: each growth recompiles
+
+    def __init__(self, model: NativeCausalLM, device: torch.device, compile: bool):
+        self.model, self.device, self.compiled = model, device, compile
+        self.buckets: set[tuple[int, int]] = set()  # (tokens, pool rows) compiled so far
+        self._forward = model
+        if compile:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # one graph a bucket
+            self._forward = torch.compile(model, fullgraph=True, dynamic=False)
+
+    def make_pool(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, tokens: int | None) -> PagedKVPool:
+        cap = None if tokens is None else max(tokens // KVPool.BLOCK, 1)
+        blocks = cap if cap is not None and (self.device.type == "cuda" or cap <= self.CPU_BLOCKS) else self.CPU_BLOCKS
+        return PagedKVPool(layers, heads, head_dim, dtype, self.device, blocks, cap)
+
+    def parts(self, steps: list[_Step], budget: int | None) -> list[list[_Step]]:
+        return [steps]  # nothing is gathered: a batch is one forward whatever its sessions' pasts
+
+    def forward(self, steps: list[_Step], pool: PagedKVPool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        sizes = [len(step.ids) for step in steps]
+        n = sum(sizes)
+        width = bucket(n)
+        if (width, pool.owner.shape[0]) not in self.buckets:
+            self.buckets.add((width, pool.owner.shape[0]))
+            if self.compiled:
+                log.info("compiling the target's forward for %d tokens over a pool of %d rows (once)", width,
+                         pool.owner.shape[0])
+        spans = [Span(step.session.owner, step.session.blocks, step.session.length, size)
+                 for step, size in zip(steps, sizes, strict=True)]
+        ids = torch.tensor([i for step in steps for i in step.ids] + [0] * (width - n)).to(self.device)
+        positions, batch = plan(spans, width, pool, dense=not self.compiled)
+        hidden, features = self._forward(ids, positions, batch)  # [width, H], [width, 3H]
+        rows, end = [], 0
+        for step, size in zip(steps, sizes, strict=True):
+            end += size
+            rows += range(end - size, end) if step.kind == "verify" else [end - 1]
+        logits = self.model.lm_head(hidden.index_select(0, torch.tensor(rows).to(self.device)))  # [N, V]
+        return logits, list(features[:n].split(sizes))
+
+    @torch.inference_mode()
+    def measure_forward_bytes(self, pool: KVPool, max_tokens: int, max_batch: int, max_context: int) -> int:
+        """As HFRunner's: a forward of max_tokens tokens (written to the scratch block), then the logits
+        of a full batch of verifies."""
+        device = self.device
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        n = max(min(max_tokens, max_context - 1), 1)
+        width = bucket(n)
+        positions, batch = plan([Span(PAD, [0] * -(-n // KVPool.BLOCK), 0, n)], width, pool, not self.compiled)
+        hidden, _ = self._forward(torch.zeros(width, dtype=torch.long, device=device), positions, batch)
+        rows = min(n, max_batch * (MAX_DRAFT_TOKENS + 1))
+        logits = self.model.lm_head(hidden[:rows]).float().log_softmax(-1)
+        del hidden, logits
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        torch.cuda.empty_cache()
+        return peak
+
+    def commit(self, steps: list[_Step], past: list[int], kept: list[int], pool: PagedKVPool) -> None:
+        pass
+
+
+class HFRunner:
+    def __init__(self, loaded: LoadedTarget, device: torch.device):
+        self.model, self.capture, self.device = loaded.model, loaded.capture, device
+        self.decoder = self.model.get_decoder()
+        self.lm_head = self.model.get_output_embeddings()
+        self.config = loaded.config
+        self._batch: list[KVLayer] = []
+        self._width = 0
+
+    def make_pool(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, tokens: int | None) -> KVPool:
+        cap = None if tokens is None else max(tokens // KVPool.BLOCK, 1)
+        blocks = cap if cap is not None and self.device.type == "cuda" else 64  # a GPU's: all of it now
+        return KVPool(layers, heads, head_dim, dtype, self.device, blocks, cap)
+
+    def parts(self, steps: list[_Step], budget: int | None) -> list[list[_Step]]:
+        """A forward gathers B x (longest past + widest new) tokens of KV: one long session among short
+        ones multiplies it. The batch as it is when that fits in the budget, else in parts that do (the
+        longest pasts first, each part as large as fits)."""
+
+        def size(part: list[_Step]) -> int:
+            return len(part) * (max(s.session.length for s in part) + max(len(s.ids) for s in part))
+
+        if budget is None or size(steps) <= budget:
+            return [steps]
+        parts: list[list[_Step]] = []
+        for step in sorted(steps, key=lambda s: -s.session.length):
+            if parts and size([*parts[-1], step]) <= budget:
+                parts[-1].append(step)
+            else:
+                parts.append([step])
+        return parts
+
+    def forward(self, steps: list[_Step], pool: KVPool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        past = [step.session.length for step in steps]
+        sizes = [len(step.ids) for step in steps]
+        longest, width = max(past), max(sizes)
+        ids = torch.zeros(len(steps), width, dtype=torch.long)
+        mask = torch.zeros(len(steps), longest + width, dtype=torch.long)
+        positions = torch.zeros(len(steps), width, dtype=torch.long)
+        for i, step in enumerate(steps):
+            ids[i, : sizes[i]] = torch.tensor(step.ids)
+            mask[i, longest - past[i] : longest + sizes[i]] = 1  # padding before the past and after the new tokens
+            positions[i] = torch.arange(past[i], past[i] + width)
+        self._batch, self._width = self._gather_kv(steps, longest, pool), width
+        hidden = self.decoder(
+            input_ids=ids.to(self.device),
+            attention_mask=None if len(steps) == 1 else mask.to(self.device),
+            position_ids=positions.to(self.device),
+            past_key_values=Cache(layers=self._batch),
+            use_cache=True,
+        ).last_hidden_state
+        features = self.capture.take()
+        rows = [hidden[i, n - 1 : n] if step.kind == "prefill" else hidden[i, :n]
+                for i, (step, n) in enumerate(zip(steps, sizes, strict=True))]
+        return self.logits(torch.cat(rows)), [features[i, :n] for i, n in enumerate(sizes)]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2/3
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def _gather_kv(self, steps: list[_Step], longest: int, pool: KVPool) -> list[KVLayer]:
+        """Each layer's view of the batch's past, each sequence left-padded to `longest`; gathered from the
+        pool when the layer runs."""
+        heads, head_dim = pool.shape
+        shape = (len(steps), heads, longest, head_dim)
+        if longest == 0:
+            return [KVLayer(None, shape, pool.dtype, self.device) for _ in pool.keys]
+        index = pad_sequence([step.session.rows[: step.session.length] for step in steps], batch_first=True,
+                             padding_side="left")  # [B, longest]; padding reads row 0, masked out
+
+        def gather(layer: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
+            def fill(keys: torch.Tensor, values: torch.Tensor) -> None:  # [B, kv_heads, longest, head_dim]
+                keys.copy_(pool.keys[layer][index].transpose(1, 2))
+                values.copy_(pool.values[layer][index].transpose(1, 2))
+
+            return fill
+
+        return [KVLayer(gather(layer), shape, pool.dtype, self.device) for layer in range(len(pool.keys))]
+
+    def commit(self, steps: list[_Step], past: list[int], kept: list[int], pool: KVPool) -> None:
+        """The KV of the tokens each session commits (its first `kept` new ones) into its pool rows."""
+        rows = torch.cat([step.session.rows[p : p + n] for step, p, n in zip(steps, past, kept, strict=True)])
+        chosen = torch.arange(self._width)[None] < torch.tensor(kept)[:, None]  # [B, width]
+        chosen = chosen.to(self.device)
+        for layer, pool_keys, pool_values in zip(self._batch, pool.keys, pool.values, strict=True):
+            pool_keys[rows] = layer.new_keys.transpose(1, 2)[chosen]
+            pool_values[rows] = layer.new_values.transpose(1, 2)[chosen]
+        self._batch = []
+
+    @torch.inference_mode()
+    def measure_forward_bytes(self, pool: KVPool, max_tokens: int, max_batch: int, max_context: int) -> int:
+        """GPU memory one forward of the largest batch takes beyond the weights and the KV (activations,
+        captured features, the verify rows' logits), measured as vLLM's profile run measures it: a
+        prefill of max_tokens tokens, then the logits of a full batch of verifies."""
+        device = self.device
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        n = max(min(max_tokens, max_context - 1), 1)
+        ids = torch.zeros(1, n, dtype=torch.long, device=device)
+        layers = [KVLayer(None, (1, pool.shape[0], 0, pool.shape[1]), pool.dtype, device) for _ in pool.keys]
+        hidden = self.decoder(input_ids=ids, position_ids=torch.arange(n, device=device)[None],
+                              past_key_values=Cache(layers=layers), use_cache=True).last_hidden_state
+        self.capture.take()
+        rows = min(n, max_batch * (MAX_DRAFT_TOKENS + 1))
+        logits = self.logits(hidden[0, :rows]).float().log_softmax(-1)  # the acceptance rule's work, in float
+        del hidden, logits, layers
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        torch.cuda.empty_cache()
+        return peak
+
