@@ -34,7 +34,7 @@ import torch
 
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.model import DraftKV, Eagle3Draft
-from draft_server.rollout import q_support, read_back, rollout, uniforms_for
+from draft_server.rollout import read_rollout, rollout, uniforms_for
 from draft_server.sampling import DraftSampler
 from draft_server.steps import _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
 from tandem.batching import Batcher
@@ -251,14 +251,16 @@ class DraftEngine(SessionOwner):
         samplers = [step.session.sampler for step in steps]
         uniforms = uniforms_for(samplers, [step.session.length for step in steps], rounds, device)
         drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, rounds, samplers, uniforms, valid)
-        drafts, *q = read_back(drafts, *(q or ()))  # [B][rounds]; q: [b][rounds][N] ids and probs, or none
+        drafts, qs, _ = read_rollout(drafts, q)  # [B * rounds], [b * rounds]
         out, j = [], 0
         for i, step in enumerate(steps):
-            step.session.proposed = [(drafts[i][: step.k], rows[i, : step.k])]
-            qs = None
-            if samplers[i] is not None:  # the sampled rows come in batch order
-                qs, j = q_support(q[0][j][: step.k], q[1][j][: step.k]), j + 1
-            out.append(_drafts(drafts[i][: step.k], qs))
+            mine = drafts[i * rounds : i * rounds + step.k]
+            step.session.proposed = [(mine, rows[i, : step.k])]
+            if samplers[i] is None:
+                out.append(_drafts(mine, None))
+            else:  # the sampled rows come in batch order
+                out.append(_drafts(mine, qs[j * rounds : j * rounds + step.k]))
+                j += 1
         return out
 
     def _run_one(self, step: _Step) -> Drafts:
@@ -274,9 +276,9 @@ class DraftEngine(SessionOwner):
         uniforms = uniforms_for([session.sampler], [session.length], step.k, device)
         drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, step.k, [session.sampler], uniforms)
         kv.crop(session.length)  # the rollout's KV is dropped: exact target features replace it
-        drafts, *q = read_back(drafts[0], *(q or ()))
+        drafts, qs, _ = read_rollout(drafts, q)  # [K], [K]
         session.proposed = [(drafts, rows[0])]
-        return _drafts(drafts, q_support(q[0][0], q[1][0]) if q else None)
+        return _drafts(drafts, qs)
 
     @torch.inference_mode()
     def _run_ahead(self, step: _Ahead) -> list[Branch]:
@@ -345,7 +347,8 @@ class DraftEngine(SessionOwner):
             uniforms = table[forks[:, None] + torch.arange(step.k, device=device)]  # [B, K]
         drafts, q, rows = rollout(self.model, self.q_top_n, a, branch_kv, position + 1, step.k, samplers, uniforms, valid)
         kv.crop(base)
-        forks, bonus, drafts, *q = read_back(forks, bonus, drafts, *(q or ()))
-        session.proposed = [(drafts[i], rows[i]) for i in range(b)]
-        return [Branch(accepted=forks[i], bonus=bonus[i], drafts=drafts[i],
-                       q=q_support(q[0][i], q[1][i]) if q else None) for i in range(b)]
+        drafts, qs, (forks, bonus) = read_rollout(drafts, q, forks, bonus)  # [B * K], [B * K], [B] x2
+        k = step.k
+        session.proposed = [(drafts[i * k : (i + 1) * k], rows[i]) for i in range(b)]
+        return [Branch(accepted=forks[i], bonus=bonus[i], drafts=drafts[i * k : (i + 1) * k],
+                       q=qs[i * k : (i + 1) * k] if qs else None) for i in range(b)]

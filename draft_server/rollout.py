@@ -1,19 +1,21 @@
 """The K-step rollout, on the device from end to end: one host sync per rollout (issue 17).
 
-    rollout    K steps from the last output a: pick a draft from a's logits, feed it at the next position,
-               pick again... Positions are a device tensor advanced on the device; the argmax, the
-               sampled draw and the d2t mapping (draft id -> target id) run there too.
-    uniforms   a sampled draft is drawn with the uniform of its sequence position (sampling.py). The host
-               knows the positions (or, after an ahead, the few it can be): it computes the uniforms
-               before the rollout and sends them along, rather than reading positions back.
-    read_back  the one sync: the drafts (and the sampled rows' q) of every row, copied to the host at the
-               end in a single read.
+    rollout       K steps from the last output a: pick a draft from a's logits, feed it at the next
+                  position, pick again... Positions are a device tensor advanced on the device; the
+                  argmax, the sampled draw and the d2t mapping (draft id -> target id) run there too.
+    uniforms      a sampled draft is drawn with the uniform of its sequence position (sampling.py). The
+                  host knows the positions (or, after an ahead, the few they can be): it computes the
+                  uniforms before the rollout and sends them along, rather than reading positions back.
+    read_rollout  the one sync: the drafts (with the sampled rows' q, and an ahead's outcomes) of every
+                  row, copied to the host at the end in a single read.
 
 Greedy drafts are the argmax as before, and sampled ones the same draws from the same q; only when the
 host learns them has changed.
 """
 
 from __future__ import annotations
+
+from array import array
 
 import torch
 
@@ -24,12 +26,13 @@ from tandem.protocol import DraftProbs
 
 def rollout(model: Eagle3Draft, top_n: int, a: torch.Tensor, kv: DraftKV, position: torch.Tensor, rounds: int,
             samplers: list[DraftSampler | None], uniforms: torch.Tensor | None, valid: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor]:
+            ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, torch.Tensor]:
     """`rounds` drafts per row: each picked from the last output a [B, 1, H], then fed at `position` [B, 1]
     (the last one is not fed). uniforms [b, rounds]: the sampled rows' (uniforms_for). valid [B, S]: the
     keys each row of a padded batch KV attends to, grown by one a step (None: a lone session, causal).
     -> drafts [B, rounds] (target ids); the sampled rows' q, (ids [b, rounds, N] target ids,
-    probs [b, rounds, N]), or None; the outputs whose logits proposed the drafts [B, rounds, H]."""
+    probs [b, rounds, N], support [b, rounds]), or None; the outputs whose logits proposed the drafts
+    [B, rounds, H]."""
     drafts, ids, probs, rows = [], [], [], []
     for n in range(rounds):
         draft, q = pick(model, top_n, model.draft_logits(a[:, -1]), samplers,
@@ -48,8 +51,10 @@ def rollout(model: Eagle3Draft, top_n: int, a: torch.Tensor, kv: DraftKV, positi
             position = position + 1
     if not drafts:  # K = 0
         return position.new_zeros(len(samplers), 0), None, a[:, :0]
-    q = (torch.stack(ids, 1), torch.stack(probs, 1)) if ids else None
-    return torch.stack(drafts, 1), q, torch.stack(rows, 1)
+    if not ids:
+        return torch.stack(drafts, 1), None, torch.stack(rows, 1)
+    probs = torch.stack(probs, 1)  # [b, rounds, N]
+    return torch.stack(drafts, 1), (torch.stack(ids, 1), probs, (probs > 0).sum(-1)), torch.stack(rows, 1)
 
 
 def pick(model: Eagle3Draft, top_n: int, logits: torch.Tensor, samplers: list[DraftSampler | None],
@@ -82,35 +87,37 @@ def uniforms_for(samplers: list[DraftSampler | None], first: list[int], rounds: 
                         device=device)
 
 
-def read_back(*tensors: torch.Tensor) -> list[list]:
-    """The rollout's one host sync: device tensors -> nested lists, read in a single copy. Integer tensors
-    (token ids) come back as ints, the rest as floats; packed as float64 when they mix, which is exact
-    for ids below 2**53 and for float32 probabilities."""
-    if all(not t.is_floating_point() for t in tensors):
-        flat = torch.cat([t.reshape(-1).long() for t in tensors]).tolist()
-    else:
-        flat = torch.cat([t.reshape(-1).double() for t in tensors]).tolist()
+def read_rollout(drafts: torch.Tensor, q: tuple[torch.Tensor, ...] | None, *more: torch.Tensor
+                 ) -> tuple[list[int], list[DraftProbs] | None, list[list[int]]]:
+    """The rollout's one host sync: its drafts [B, rounds] and q (as rollout returns them), and any `more`
+    integer tensors, read in a single copy. -> the drafts [B * rounds] row-major, their q [b * rounds]
+    (None when no row sampled), each of `more` flat."""
+    width = q[0].shape[-1] if q else 0
+    drafts, *lists = read_back(drafts, *more, *(q or ()))
+    more_lists, q_lists = lists[: len(more)], lists[len(more) :]
+    return drafts, q_support(*q_lists, width) if q else None, more_lists
+
+
+def read_back(*tensors: torch.Tensor) -> list[list[int]]:
+    """The rollout's one host sync: device tensors -> one flat list of ints each, read in a single copy.
+    Float tensors (float32 probabilities) come back as their bits, for `floats` to decode: one int64
+    buffer, and no Python-level int() of every id as a float64 buffer would need."""
+    flat = torch.cat([t.reshape(-1).long() if not t.is_floating_point()
+                      else t.reshape(-1).float().view(torch.int32).long() for t in tensors]).tolist()
     out, start = [], 0
     for t in tensors:
-        part = flat[start : start + t.numel()]
+        out.append(flat[start : start + t.numel()])
         start += t.numel()
-        if not t.is_floating_point():
-            part = [int(x) for x in part]
-        out.append(_nest(part, list(t.shape)))
     return out
 
 
-def _nest(flat: list, shape: list[int]) -> list:
-    if len(shape) <= 1:
-        return flat
-    step = len(flat) // shape[0] if shape[0] else 0
-    return [_nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
+def floats(bits: list[int]) -> list[float]:
+    """float32 bits, as read_back reads them -> the floats."""
+    return array("f", array("i", bits).tobytes()).tolist()
 
 
-def q_support(ids: list[list[int]], probs: list[list[float]]) -> list[DraftProbs]:
-    """One row's q per draft, [K][N] each as draft_q left them, cut to the support (the non-zero prefix)."""
-    out = []
-    for row_ids, row_probs in zip(ids, probs, strict=True):
-        support = sum(p > 0 for p in row_probs)
-        out.append(DraftProbs(row_ids[:support], row_probs[:support]))
-    return out
+def q_support(ids: list[int], bits: list[int], support: list[int], width: int) -> list[DraftProbs]:
+    """The q of each draft, read back flat ([n_drafts * width] ids and probability bits, [n_drafts]
+    support), each cut to its support (the non-zero prefix that draft_q leaves)."""
+    return [DraftProbs(ids[at : at + n], floats(bits[at : at + n])) for at, n in zip(range(0, len(ids), width), support,
+                                                                                        strict=True)]
