@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.model import DraftKV, Eagle3Draft
-from draft_server.rollout import read_rollout, rollout, uniforms_for
+from draft_server.rollout import draws_for, read_rollout, rollout
 from draft_server.sampling import DraftSampler
 from draft_server.steps import _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
 from tandem.batching import Batcher
@@ -81,6 +82,7 @@ class DraftEngine(SessionOwner):
         self._ahead_pool: ThreadPoolExecutor | None = None  # in-process aheads run here, beside the verify
         self._max_batch_size = max_batch_size
         self.q_top_n = q_top_n  # sampled drafts: q is cut to this many likeliest tokens (0: not cut)
+        self.draft_vocab = self.config.draft_vocab_size
         # (K, sampled) -> how many verifies accepted 0..K drafts: acceptance runs in streaks (the draft's
         # own probabilities are flat even where it is right), so the outcomes are ranked by this
         self._outcomes: dict[tuple[int, bool], list[int]] = {}
@@ -220,6 +222,12 @@ class DraftEngine(SessionOwner):
         past = [step.session.length for step in steps]
         sizes = [len(step.next_tokens) for step in steps]
         longest, width = max(past), max(sizes)
+        # what the rollout reads from the host, uploaded before any forward: on a GPU an upload waits
+        # for the stream, so after the extend it would wait for it
+        rounds = max(step.k for step in steps)
+        samplers = [step.session.sampler for step in steps]
+        draws = draws_for(samplers, [p + m for p, m in zip(past, sizes, strict=True)], rounds, self.draft_vocab, device)
+        position = torch.tensor([[p + m] for p, m in zip(past, sizes, strict=True)], device=device)  # [B, 1]
         # the extend: every session's new pairs, right-padded, after its KV, left-padded
         # each step's features to our device first: a fast path's arrive on its device, an inline step's on the CPU
         fused = model.fuse(torch.cat([step.features.to(device, self.dtype) for step in steps]))  # [sum m, H]
@@ -246,11 +254,7 @@ class DraftEngine(SessionOwner):
             step.session.length += m
         # the rollout: one token per session per step, on top of the batch KV (dropped afterwards)
         a = torch.stack([a[i, m - 1] for i, m in enumerate(sizes)])[:, None]  # [B, 1, H]
-        position = torch.tensor([[step.session.length] for step in steps], device=device)  # [B, 1]
-        rounds = max(step.k for step in steps)
-        samplers = [step.session.sampler for step in steps]
-        uniforms = uniforms_for(samplers, [step.session.length for step in steps], rounds, device)
-        drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, rounds, samplers, uniforms, valid)
+        drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, rounds, draws, valid)
         drafts, qs, _ = read_rollout(drafts, q)  # [B * rounds], [b * rounds]
         out, j = [], 0
         for i, step in enumerate(steps):
@@ -267,14 +271,13 @@ class DraftEngine(SessionOwner):
         """One session alone: its own KV, no padding."""
         model, session, m, device = self.model, step.session, len(step.next_tokens), self.device
         kv = session.kv
+        draws = draws_for([session.sampler], [session.length + m], step.k, self.draft_vocab, device)
         hidden = model.fuse(step.features.to(device, self.dtype))[None]  # [1, m, H]
         tokens = torch.tensor([step.next_tokens], device=device)  # [1, m]
         positions = torch.arange(session.length, session.length + m, device=device)[None]
         a = model(hidden, tokens, positions, kv)[:, -1:]  # [1, 1, H]
         session.length += m
-        position = torch.tensor([[session.length]], device=device)  # [1, 1]
-        uniforms = uniforms_for([session.sampler], [session.length], step.k, device)
-        drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, step.k, [session.sampler], uniforms)
+        drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, positions[:, -1:] + 1, step.k, draws)
         kv.crop(session.length)  # the rollout's KV is dropped: exact target features replace it
         drafts, qs, _ = read_rollout(drafts, q)  # [K], [K]
         session.proposed = [(drafts, rows[0])]
@@ -286,6 +289,14 @@ class DraftEngine(SessionOwner):
         model, session, device = self.model, step.session, self.device
         m, j_max = len(step.next_tokens), len(step.assumed)
         kv, start = session.kv, session.length
+        base = start + m  # the committed pairs are kept; the assumed drafts are not
+        # what the host knows, uploaded before any forward (on a GPU an upload waits for the stream)
+        assumed = torch.tensor(step.assumed, device=device)  # [J]
+        prefix = self.outcome_logprobs(j_max, session.sampler is not None).to(device)  # [J+1]
+        n = min(step.branches, self.draft_vocab)
+        b = min(step.branches, (j_max + 1) * n)  # the branches: the best b of J+1 forks x n bonus tokens
+        # every uniform a branch may draw with: the one at base+1+t is column t (sliced per fork below)
+        draws = draws_for([session.sampler] * b, [base + 1] * b, j_max + step.k, self.draft_vocab, device)
         if m == 0:
             # after a propose the assumed drafts are fed with the hidden states that proposed them: exactly
             # what a rollout here computes. After a hit (m > 0) they are re-rolled from the exact new pairs
@@ -304,13 +315,11 @@ class DraftEngine(SessionOwner):
             positions = torch.arange(start, start + m, device=device)[None]
             a = model(hidden, tokens, positions, kv)[:, -1:]  # [1, 1, H]
             forks = [a[0, 0]]
-            assumed = torch.tensor(step.assumed, device=device)[:, None, None]  # [J, 1, 1]
-            position = torch.tensor([[start + m]], device=device)
             for j in range(j_max):
-                a = model(a, assumed[j], position + j, kv)
+                a = model(a, assumed[j].view(1, 1), positions[:, -1:] + 1 + j, kv)
                 forks.append(a[0, 0])
             fork = torch.stack(forks)  # [J+1, H]
-        session.length = base = start + m  # the committed pairs are kept; the assumed drafts are not
+        session.length = base
         # fork j (j drafts accepted): the hidden state whose logits pick the token after them
         logits = model.draft_logits(fork).float()  # [J+1, draft_vocab]
         if session.sampler is not None:  # what the bonus is drawn from is nearer the sampled distribution
@@ -318,15 +327,12 @@ class DraftEngine(SessionOwner):
         logp = logits.log_softmax(-1)
         # outcome (j, c): d_1..d_j accepted, then c; c != d_{j+1}, for that one was rejected.
         # log P(j) from the verifies so far, log P(c | j) from the draft's logits
-        rejected = self._draft_id[torch.tensor(step.assumed, device=device)]  # [J] draft ids, -1 outside
+        rejected = self._draft_id[assumed]  # [J] draft ids, -1 outside
         ruled_out = torch.zeros_like(logp, dtype=torch.bool)
         ruled_out[torch.arange(j_max, device=device), rejected.clamp(min=0)] = rejected >= 0
         logp = logp.masked_fill(ruled_out, float("-inf")).log_softmax(-1)
-        prefix = self.outcome_logprobs(j_max, session.sampler is not None).to(device)  # [J+1]
-        n = min(step.branches, logp.shape[-1])
         top = logp.topk(n, dim=-1)  # [J+1, n]
         score = (prefix[:, None] + top.values).flatten()
-        b = min(step.branches, score.numel())
         best = score.topk(b).indices  # [B], all on the device until the one read at the end
         forks = best // n  # [B]: how many drafts each branch accepts
         bonus = model.to_target_ids(top.indices[forks, best % n])  # [B]
@@ -338,14 +344,10 @@ class DraftEngine(SessionOwner):
         valid = torch.cat([valid, valid.new_ones(b, 1)], dim=1)
         position = (base + forks)[:, None]  # [B, 1]: where each branch's bonus goes
         a = model(fork[forks][:, None], bonus[:, None], position, branch_kv, valid[:, None, None])  # [B, 1, H]
-        # the token after the one at `position`: keyed as a propose after that outcome would key it;
-        # branch i's uniforms start at table[forks[i]]
-        samplers = [session.sampler] * b
-        uniforms = None
-        if session.sampler is not None:
-            table = uniforms_for([session.sampler], [base + 1], j_max + step.k, device)[0]  # [J+K]
-            uniforms = table[forks[:, None] + torch.arange(step.k, device=device)]  # [B, K]
-        drafts, q, rows = rollout(self.model, self.q_top_n, a, branch_kv, position + 1, step.k, samplers, uniforms, valid)
+        # the token after the one at `position`: keyed as a propose after that outcome would key it
+        if draws is not None:
+            draws = replace(draws, uniforms=draws.uniforms.gather(1, forks[:, None] + torch.arange(step.k, device=device)))
+        drafts, q, rows = rollout(self.model, self.q_top_n, a, branch_kv, position + 1, step.k, draws, valid)
         kv.crop(base)
         drafts, qs, (forks, bonus) = read_rollout(drafts, q, forks, bonus)  # [B * K], [B * K], [B] x2
         k = step.k

@@ -3,9 +3,10 @@
     rollout       K steps from the last output a: pick a draft from a's logits, feed it at the next
                   position, pick again... Positions are a device tensor advanced on the device; the
                   argmax, the sampled draw and the d2t mapping (draft id -> target id) run there too.
-    uniforms      a sampled draft is drawn with the uniform of its sequence position (sampling.py). The
+    draws         a sampled draft is drawn with the uniform of its sequence position (sampling.py). The
                   host knows the positions (or, after an ahead, the few they can be): it computes the
-                  uniforms before the rollout and sends them along, rather than reading positions back.
+                  uniforms before the rollout and uploads them with the rows' settings, once, rather than
+                  reading positions back or uploading at each step (on a GPU an upload syncs too).
     read_rollout  the one sync: the drafts (with the sampled rows' q, and an ahead's outcomes) of every
                   row, copied to the host at the end in a single read.
 
@@ -16,27 +17,54 @@ host learns them has changed.
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 
 import torch
 
 from draft_server.model import DraftKV, Eagle3Draft
-from draft_server.sampling import DraftSampler, draft_q, draw
+from draft_server.sampling import DraftSampler, QSettings, draft_q, draw
 from tandem.protocol import DraftProbs
 
 
+@dataclass(frozen=True)
+class Draws:
+    """What a rollout's sampled rows draw with, uploaded before it starts (draws_for): on a GPU a copy from
+    the host waits for the stream, so none happens between its steps."""
+
+    index: torch.Tensor | None  # [b]: the sampled rows of the batch; None when every row samples
+    settings: QSettings  # theirs, row by row
+    uniforms: torch.Tensor  # [b, rounds] float64: step n of row j draws with uniforms[j, n]
+
+
+def draws_for(samplers: list[DraftSampler | None], first: list[int], rounds: int, vocab: int,
+              device: torch.device) -> Draws | None:
+    """The Draws of a batch whose row i drafts sequence positions first[i], first[i] + 1, ... over a draft
+    vocabulary of `vocab`; None when no row samples."""
+    rows = [i for i, s in enumerate(samplers) if s is not None]
+    if not rows:
+        return None
+    sampled = [samplers[i] for i in rows]
+    return Draws(
+        index=None if len(rows) == len(samplers) else torch.tensor(rows, device=device),
+        settings=QSettings.of(sampled, vocab, device),
+        uniforms=torch.tensor([[s.uniform(first[i] + n) for n in range(rounds)] for s, i in zip(sampled, rows,
+                                                                                              strict=True)],
+                              dtype=torch.float64, device=device),
+    )
+
+
 def rollout(model: Eagle3Draft, top_n: int, a: torch.Tensor, kv: DraftKV, position: torch.Tensor, rounds: int,
-            samplers: list[DraftSampler | None], uniforms: torch.Tensor | None, valid: torch.Tensor | None = None
+            draws: Draws | None, valid: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, torch.Tensor]:
     """`rounds` drafts per row: each picked from the last output a [B, 1, H], then fed at `position` [B, 1]
-    (the last one is not fed). uniforms [b, rounds]: the sampled rows' (uniforms_for). valid [B, S]: the
-    keys each row of a padded batch KV attends to, grown by one a step (None: a lone session, causal).
+    (the last one is not fed). draws: the sampled rows' (None: all greedy). valid [B, S]: the keys each row
+    of a padded batch KV attends to, grown by one a step (None: a lone session, causal).
     -> drafts [B, rounds] (target ids); the sampled rows' q, (ids [b, rounds, N] target ids,
     probs [b, rounds, N], support [b, rounds]), or None; the outputs whose logits proposed the drafts
     [B, rounds, H]."""
     drafts, ids, probs, rows = [], [], [], []
     for n in range(rounds):
-        draft, q = pick(model, top_n, model.draft_logits(a[:, -1]), samplers,
-                        None if uniforms is None else uniforms[:, n])  # [B]
+        draft, q = pick(model, top_n, model.draft_logits(a[:, -1]), draws, n)  # [B]
         drafts.append(draft)
         rows.append(a[:, -1])
         if q is not None:
@@ -50,41 +78,26 @@ def rollout(model: Eagle3Draft, top_n: int, a: torch.Tensor, kv: DraftKV, positi
             a = model(a, draft[:, None], position, kv, mask)
             position = position + 1
     if not drafts:  # K = 0
-        return position.new_zeros(len(samplers), 0), None, a[:, :0]
+        return position.new_zeros(a.shape[0], 0), None, a[:, :0]
     if not ids:
         return torch.stack(drafts, 1), None, torch.stack(rows, 1)
     probs = torch.stack(probs, 1)  # [b, rounds, N]
     return torch.stack(drafts, 1), (torch.stack(ids, 1), probs, (probs > 0).sum(-1)), torch.stack(rows, 1)
 
 
-def pick(model: Eagle3Draft, top_n: int, logits: torch.Tensor, samplers: list[DraftSampler | None],
-         uniforms: torch.Tensor | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+def pick(model: Eagle3Draft, top_n: int, logits: torch.Tensor, draws: Draws | None, n: int
+         ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """logits [B, Vd] -> each row's draft as a target id [B]: the argmax for a greedy session, drawn from q
-    with its uniform (`uniforms` [b], the sampled rows') for a sampled one; with the sampled rows' q
-    (target ids [b, N], probs [b, N]), None when no row samples."""
-    rows = [i for i, s in enumerate(samplers) if s is not None]
-    if not rows:
+    with its uniform for step n for a sampled one; with the sampled rows' q (target ids [b, N],
+    probs [b, N]), None when no row samples."""
+    if draws is None:
         return model.to_target_ids(logits.argmax(-1)), None
-    every = len(rows) == len(samplers)
-    ids, probs = draft_q(logits if every else logits[rows], [samplers[i] for i in rows], top_n)  # [b, N]
-    picked = ids.gather(1, draw(probs, uniforms)[:, None])[:, 0]  # [b]
-    if every:
-        chosen = picked
-    else:
-        chosen = logits.argmax(-1)
-        chosen[rows] = picked
+    sampled = logits if draws.index is None else logits[draws.index]
+    ids, probs = draft_q(sampled, draws.settings, top_n)  # [b, N]
+    chosen = ids.gather(1, draw(probs, draws.uniforms[:, n])[:, None])[:, 0]  # [b]
+    if draws.index is not None:
+        chosen = logits.argmax(-1).index_copy_(0, draws.index, chosen)
     return model.to_target_ids(chosen), (model.to_target_ids(ids), probs)
-
-
-def uniforms_for(samplers: list[DraftSampler | None], first: list[int], rounds: int, device: torch.device
-                 ) -> torch.Tensor | None:
-    """[b, rounds] float64 on `device`: the uniforms that draw the sampled rows' drafts at sequence
-    positions first[i], first[i] + 1, ...; None when no row samples."""
-    rows = [(s, p) for s, p in zip(samplers, first, strict=True) if s is not None]
-    if not rows:
-        return None
-    return torch.tensor([[s.uniform(p + n) for n in range(rounds)] for s, p in rows], dtype=torch.float64,
-                        device=device)
 
 
 def read_rollout(drafts: torch.Tensor, q: tuple[torch.Tensor, ...] | None, *more: torch.Tensor

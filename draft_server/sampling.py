@@ -55,29 +55,51 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def draft_q(logits: torch.Tensor, samplers: list[DraftSampler], top_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class QSettings:
+    """Sampled rows' settings as device tensors, made once per rollout rather than at each step: on a GPU
+    a copy from the host waits for the stream, a host sync."""
+
+    temperature: torch.Tensor  # [B, 1]
+    top_k: list[int]  # each row's, min(top_k, vocab), the vocab when off
+    top_k_col: torch.Tensor  # [B, 1]: top_k on the device
+    top_p: torch.Tensor  # [B, 1]
+    cut_only: bool  # no row has top-k or top-p: q is the top_n cut alone
+
+    @classmethod
+    def of(cls, samplers: list[DraftSampler], vocab: int, device: torch.device) -> QSettings:
+        top_k = [min(s.top_k, vocab) or vocab for s in samplers]
+        return cls(
+            temperature=torch.tensor([s.temperature for s in samplers], device=device)[:, None],
+            top_k=top_k,
+            top_k_col=torch.tensor(top_k, device=device)[:, None],
+            top_p=torch.tensor([s.top_p for s in samplers], device=device)[:, None],
+            cut_only=all(k == vocab for k in top_k) and all(s.top_p >= 1.0 for s in samplers),
+        )
+
+
+def draft_q(logits: torch.Tensor, samplers: list[DraftSampler] | QSettings, top_n: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, Vd] over the draft vocabulary -> (ids [B, N] draft ids, likeliest first; probs [B, N]
-    fp32, each row summing to 1 over its support, a prefix of the row, and 0 after it)."""
-    device, vocab = logits.device, logits.shape[-1]
-    temperature = torch.tensor([s.temperature for s in samplers], device=device)[:, None]  # [B, 1]
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, Vd]
+    fp32, each row summing to 1 over its support, a prefix of the row, and 0 after it). `samplers`: one
+    per row, or their QSettings for the vocabulary Vd."""
+    vocab = logits.shape[-1]
+    s = samplers if isinstance(samplers, QSettings) else QSettings.of(samplers, vocab, logits.device)
+    probs = torch.softmax(logits.float() / s.temperature, dim=-1)  # [B, Vd]
     n = vocab if top_n <= 0 else min(top_n, vocab)
-    top_k = [min(s.top_k, vocab) or vocab for s in samplers]
-    width = max(n, *(k for k in top_k if k < vocab), 1)  # the columns the cut and the top-k mass need
+    width = max(n, *(k for k in s.top_k if k < vocab), 1)  # the columns the cut and the top-k mass need
     if width < vocab:
         sorted_p, ids = probs.topk(width, dim=-1)  # [B, width]
     else:
         sorted_p, ids = probs.sort(dim=-1, descending=True)
-    if all(k == vocab for k in top_k) and all(s.top_p >= 1.0 for s in samplers):  # the cut alone
+    if s.cut_only:
         kept = sorted_p[:, :n]
         return ids[:, :n], kept / kept.sum(-1, keepdim=True)
-    rank = torch.arange(width, device=device)[None]
-    top_k_col = torch.tensor(top_k, device=device)[:, None]  # [B, 1]
-    keep = rank < top_k_col
+    keep = torch.arange(width, device=logits.device)[None] < s.top_k_col  # [B, width]
     # top-p works on the top-k mass, renormalised: the mass of the likelier tokens over it
-    mass = torch.where(top_k_col < vocab, (sorted_p * keep).sum(-1, keepdim=True), 1.0)  # [B, 1]
+    mass = torch.where(s.top_k_col < vocab, (sorted_p * keep).sum(-1, keepdim=True), 1.0)  # [B, 1]
     before = (torch.cumsum(sorted_p, -1) - sorted_p) / mass  # [B, width]
-    keep = keep & (before < torch.tensor([s.top_p for s in samplers], device=device)[:, None])
+    keep = keep & (before < s.top_p)
     kept = (sorted_p * keep)[:, :n]
     return ids[:, :n], kept / kept.sum(-1, keepdim=True)
 

@@ -83,3 +83,27 @@ def test_an_ahead_syncs_once(engine, sampled, new_pairs):
         assert 0 <= branch.accepted <= len(assumed)
         _check(branch.drafts, branch.q, sampled)
     engine.release(name)
+
+
+def _uploads(ops: OpCounter) -> int:
+    """Tensors made from host data (torch.tensor(list, device=...)): each dispatches one detach_. On a GPU
+    such an upload waits for the stream like a sync, so none may happen between rollout steps."""
+    return ops.op_names.get("detach_", 0)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_uploads_do_not_grow_with_k(engine, sampled):
+    """What the rollout needs from the host (positions, uniforms, sampling settings) is uploaded once
+    before it, not at each step: a propose and an ahead at K=8 upload what they upload at K=2."""
+    uploads = {}
+    for k in (2, 8):
+        name = _open(engine, f"uploads-{sampled}-{k}", SAMPLED if sampled else None)
+        features, tokens = _inputs(engine, 3, 40)
+        with OpCounter() as propose:
+            engine.propose(name, features, tokens, k)
+        assumed = engine.sessions.get(name).proposed[0][0][:2]
+        with OpCounter() as ahead:
+            engine.prepare(name, None, [], assumed, k, branches=3)
+        uploads[k] = (_uploads(propose), _uploads(ahead))
+        engine.release(name)
+    assert uploads[2] == uploads[8], uploads
