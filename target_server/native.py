@@ -49,7 +49,7 @@ class RMSNorm(nn.Module):
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE, rotate-half layout. x [T, heads, D], cos/sin [T, 1, D]."""
+    """RoPE, rotate-half layout. x [1, heads, T, D], cos/sin [T, D]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -74,9 +74,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out = paged_attention(q, k, v, layer, batch)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, self.heads * self.head_dim))
+        # [1, heads, T, D], attention's layout, made by RoPE itself (inductor's CPU flex template reads the
+        # shape of its inputs' buffers: a view of a 3-d buffer fails it)
+        q, k = rotate(q.transpose(0, 1)[None], cos, sin), rotate(k.transpose(0, 1)[None], cos, sin)
+        out = paged_attention(q, k, v.transpose(0, 1)[None], layer, batch)  # [1, Hq, T, D]
+        return self.o_proj(out[0].transpose(0, 1).reshape(t, self.heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -135,7 +137,7 @@ class NativeCausalLM(nn.Module):
         batch = open_batch(batch, positions)
         x = self.model.embed_tokens(ids)  # [T, H]
         freqs = positions[:, None].float() * self.inv_freq[None]  # [T, D/2], as transformers: in float32
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [T, 1, D]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         cos = (emb.cos() * self.rope_scaling).to(x.dtype)
         sin = (emb.sin() * self.rope_scaling).to(x.dtype)
         captured: dict[int, torch.Tensor] = {}
@@ -203,8 +205,8 @@ def load_native(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
         model = NativeCausalLM(config, aux_layer_ids)
     tensors = checkpoint_tensors(model_dir)
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}  # older checkpoints
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
+    if config.tie_word_embeddings:  # one tensor under both names
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     model.load_state_dict(tensors, strict=True, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

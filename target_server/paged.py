@@ -18,7 +18,7 @@ block) is known on the host from the block tables: it becomes a flex_attention B
 kv_indices), so attention skips every other block of the pool; the rule above is its mask_mod inside
 the blocks. Grouped-query attention is flex's enable_gqa (no repeated KV). Without torch.compile flex
 materialises its scores (correct, slow); "dense" attention runs SDPA over the whole pool with the rule
-as a boolean mask (eager's faster choice on small pools).
+as a boolean mask (eager's faster choice), over the rows up to the batch's highest block.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ Q_BLOCK = 16  # query rows per BlockMask block: smaller means fewer other sequen
 
 
 class PagedKVPool(KVPool):
-    """The pool in attention's layout, per layer [kv_heads, rows, head_dim], and per row its owner and
+    """The pool in attention's layout, per layer [1, kv_heads, rows, head_dim], and per row its owner and
     position. Block 0 is the scratch block."""
 
-    ROW_DIM = 1
+    ROW_DIM = 2
 
     def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  blocks: int = 64, max_blocks: int | None = None):
@@ -59,7 +59,7 @@ class PagedKVPool(KVPool):
         return (self.blocks - 1) * BLOCK  # the scratch block holds no session's KV
 
     def _zeros(self, rows: int) -> torch.Tensor:
-        return torch.zeros(self.shape[0], rows, self.shape[1], dtype=self.dtype, device=self.device)
+        return torch.zeros(1, self.shape[0], rows, self.shape[1], dtype=self.dtype, device=self.device)
 
     def _extend(self, rows: int) -> None:
         super()._extend(rows)
@@ -74,23 +74,24 @@ class PagedBatch(NamedTuple):
     owner: torch.Tensor  # [T] int32: each token's sequence (PAD for padding)
     kv_num: torch.Tensor  # [1, 1, T / q_block] int32: pool blocks each query block may see
     kv_idx: torch.Tensor  # [1, 1, T / q_block, pool blocks] int32: which (the first kv_num of each row)
-    keys: list[torch.Tensor]  # per layer [kv_heads, R, head_dim], written in place
+    keys: list[torch.Tensor]  # per layer [1, kv_heads, R, head_dim], written in place
     values: list[torch.Tensor]
     row_owner: torch.Tensor  # [R] int32, written in place
     row_position: torch.Tensor  # [R] int32, written in place
     q_block: int
-    dense: bool  # SDPA over the whole pool instead of flex_attention
+    dense: int  # 0: flex_attention; else SDPA over the pool's first `dense` rows (those the batch's blocks are in)
     mask: BlockMask | torch.Tensor | None = None  # set by open_batch
 
 
 def open_batch(batch: PagedBatch, positions: torch.Tensor) -> PagedBatch:
-    """Marks the rows the new tokens write (owner, position) and builds the mask every layer uses."""
-    positions = positions.to(torch.int32)
+    """Marks the rows the new tokens write (owner, position; positions [T] int32) and builds the mask every
+    layer uses."""
     batch.row_owner.index_copy_(0, batch.slots, batch.owner)
     batch.row_position.index_copy_(0, batch.slots, positions)
     row_owner, row_position, owner = batch.row_owner, batch.row_position, batch.owner
     if batch.dense:
-        mask = (row_owner[None] == owner[:, None]) & (row_position[None] <= positions[:, None])  # [T, R]
+        row_owner, row_position = row_owner[: batch.dense], row_position[: batch.dense]
+        mask = (row_owner[None] == owner[:, None]) & (row_position[None] <= positions[:, None])  # [T, dense]
         return batch._replace(mask=mask)
 
     def visible(b, h, q, kv):
@@ -102,16 +103,14 @@ def open_batch(batch: PagedBatch, positions: torch.Tensor) -> PagedBatch:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: PagedBatch) -> torch.Tensor:
-    """q [T, Hq, D], the new k, v [T, Hkv, D] -> [T, Hq, D]; k and v go into the pool first."""
-    keys, values = batch.keys[layer], batch.values[layer]  # [Hkv, R, D]
-    keys.index_copy_(1, batch.slots, k.transpose(0, 1))
-    values.index_copy_(1, batch.slots, v.transpose(0, 1))
+    """q [1, Hq, T, D], the new k, v [1, Hkv, T, D] -> [1, Hq, T, D]; k and v go into the pool first."""
+    keys, values = batch.keys[layer], batch.values[layer]  # [1, Hkv, R, D]
+    keys.index_copy_(2, batch.slots, k)
+    values.index_copy_(2, batch.slots, v)
     if batch.dense:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), keys, values, attn_mask=batch.mask, enable_gqa=True)  # [Hq, T, D]
-        return out.transpose(0, 1)
-    out = flex_attention(q.transpose(0, 1)[None], keys[None], values[None], block_mask=batch.mask, enable_gqa=True)
-    return out[0].transpose(0, 1)
+        keys, values = keys[:, :, : batch.dense], values[:, :, : batch.dense]  # views
+        return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+    return flex_attention(q, keys, values, block_mask=batch.mask, enable_gqa=True)
 
 
 @dataclass
@@ -125,12 +124,13 @@ class Span:
 
 
 def bucket(n: int) -> int:
-    """The padded token count of a forward of n tokens: the next power of two."""
-    return 1 << max(n - 1, 0).bit_length()
+    """The padded token count of a forward of n tokens: the next power of two, at least 2 (inductor's CPU
+    flex template fails on one query row)."""
+    return max(1 << max(n - 1, 0).bit_length(), 2)
 
 
 def plan(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool) -> tuple[torch.Tensor, PagedBatch]:
-    """The positions [width] and the PagedBatch of a forward of `spans`' tokens padded to `width`, built
+    """The positions [width] (int32) and the PagedBatch of a forward of `spans`' tokens padded to `width`, built
     on the host from the block tables and copied to the device once."""
     positions, slots, owner = [], [], []
     q_block = min(width, Q_BLOCK)
@@ -156,6 +156,7 @@ def plan(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool) -> t
     batch = PagedBatch(
         slots=torch.tensor(slots, dtype=torch.long).to(device), owner=torch.tensor(owner, dtype=torch.int32).to(device),
         kv_num=kv_num.to(device), kv_idx=kv_idx.to(device), keys=pool.keys, values=pool.values,
-        row_owner=pool.owner, row_position=pool.position, q_block=q_block, dense=dense,
+        row_owner=pool.owner, row_position=pool.position, q_block=q_block,
+        dense=(1 + max((b for span in spans for b in span.blocks), default=0)) * BLOCK if dense else 0,
     )
-    return torch.tensor(positions, dtype=torch.long).to(device), batch
+    return torch.tensor(positions, dtype=torch.int32).to(device), batch

@@ -1,0 +1,204 @@
+"""The native target (target_server/native.py, paged.py): the Llama family of our own, reading the paged
+KV pool in place. Logits and features equal transformers' for every architecture of the family, greedy
+output equals `generate` alone and batched, and the compiled forward neither recompiles after warm-up
+nor syncs the host more than once per verify."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from helpers import OracleDraft
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import _disable_current_modes
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from tandem.params import GenerationRequest, SamplingParams
+from tandem.rounds import run_rounds
+from tandem_tools.opcount import OpCounter
+from target_server.capture import FeatureCapture
+from target_server.engine import TargetEngine
+from target_server.native import load_native
+from target_server.paged import PagedKVPool, Span, bucket, plan
+
+SHAPE = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.3, "max_position_embeddings": 512}
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+FAMILIES = {
+    "llama-gqa-llama3": (LlamaForCausalLM, LlamaConfig(**SHAPE, rope_parameters=LLAMA3_ROPE)),
+    "llama-tied-mha": (LlamaForCausalLM, LlamaConfig(**{**SHAPE, "num_key_value_heads": 4}, tie_word_embeddings=True)),
+    "mistral": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=None)),
+    "qwen2-bias": (Qwen2ForCausalLM, Qwen2Config(**SHAPE)),
+    "qwen3-qk-norm": (Qwen3ForCausalLM, Qwen3Config(**SHAPE, head_dim=32)),  # head_dim apart from hidden / heads
+}
+AUX = [1, 2, 4]  # the embeddings' next layer, a middle one, the last layer's output
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    saved = {}
+    for name, (cls, config) in FAMILIES.items():
+        torch.manual_seed(0)
+        model = cls(config).eval()
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        saved[name] = (path, model)
+    return saved
+
+
+def hf_reference(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' logits and the features FeatureCapture hooks out of it, [n, V] and [n, 3H]."""
+    capture = FeatureCapture(model.model.layers, AUX)
+    try:
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids])).logits[0]
+        return logits, capture.take()[0]
+    finally:
+        capture.remove()
+
+
+@pytest.mark.parametrize("attention", ["dense", "flex"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_and_features_equal_transformers(family, attention, checkpoints):
+    """A prefill of three sequences in one flattened forward, then a verify of each (3, 1 and 5 new tokens)
+    reading the prefill's KV in the pool: every row as transformers computes it alone."""
+    path, model = checkpoints[family]
+    native = load_native(path, torch.device("cpu"), torch.float32, AUX)
+    pool = PagedKVPool(native.num_layers, model.config.num_key_value_heads, native.head_dim, torch.float32,
+                       torch.device("cpu"), blocks=8)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (20, 5, 37)]
+    blocks = [pool.allocate(4) for _ in prompts]
+    for news in (prompts, [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (3, 1, 5)]):
+        past = [0] * 3 if news is prompts else [len(p) for p in prompts]
+        spans = [Span(i, blocks[i], past[i], len(new)) for i, new in enumerate(news)]
+        n = sum(len(new) for new in news)
+        ids = torch.tensor([t for new in news for t in new] + [0] * (bucket(n) - n))
+        positions, batch = plan(spans, bucket(n), pool, dense=attention == "dense")
+        with torch.inference_mode():
+            hidden, features = native(ids, positions, batch)
+            logits = native.lm_head(hidden)
+        start = 0
+        for i, new in enumerate(news):
+            whole = prompts[i] + new if news is not prompts else prompts[i]
+            ref_logits, ref_features = hf_reference(model, whole)
+            rows = slice(start, start + len(new))
+            torch.testing.assert_close(logits[rows], ref_logits[-len(new):], rtol=1e-3, atol=1e-3)
+            torch.testing.assert_close(features[rows], ref_features[-len(new):], rtol=1e-3, atol=1e-3)
+            start += len(new)
+
+
+def test_what_the_native_model_cannot_run_falls_back_to_transformers(tmp_path):
+    """Mistral with a sliding window shorter than the context runs on transformers' path; asked for
+    "native" it is refused with the reason."""
+    torch.manual_seed(0)
+    MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=8)).save_pretrained(tmp_path)
+    assert load_native(tmp_path, torch.device("cpu"), torch.float32, AUX) is None
+    assert TargetEngine(tmp_path).engine == "hf"
+    with pytest.raises(ValueError, match="sliding-window"):
+        TargetEngine(tmp_path, engine="native")
+
+
+def greedy_rounds(target: TargetEngine, oracle: OracleDraft, prompt: list[int], n: int, k: int) -> list[int]:
+    request = GenerationRequest(prompt_ids=prompt, max_new_tokens=n, num_draft_tokens=k, ignore_eos=True)
+    return [t for event in run_rounds(target, oracle, request) for t in event.new_tokens]
+
+
+def hf_generate(model, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_equals_generate_alone_and_batched(family, checkpoints):
+    """Prompts of different lengths, K from 0 to 6, one at a time and then all at once (their steps share
+    batches): the tokens are transformers' greedy generate's."""
+    path, model = checkpoints[family]
+    target = TargetEngine(path, engine="native", aux_layer_ids=AUX)
+    oracle = OracleDraft(model, corrupt=0.3)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [[7, *torch.randint(2, 300, (3 + 5 * i,), generator=gen).tolist()] for i in range(5)]  # one x_0
+    oracle.expect(7)
+    expected = [hf_generate(model, p, 16) for p in prompts]
+    assert [greedy_rounds(target, oracle, p, 16, i + 2) for i, p in enumerate(prompts)] == expected
+    start = threading.Barrier(len(prompts))
+
+    def one(i: int) -> list[int]:
+        start.wait()
+        return greedy_rounds(target, oracle, prompts[i], 16, [0, 1, 3, 4, 6][i])
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(one, range(len(prompts)))) == expected
+    assert target.batcher.steps > target.batcher.batches  # some steps did share a forward
+    assert target.num_sessions == 0 and target.kv_budget.used == 0
+
+
+def test_a_greedy_verify_syncs_the_host_once(checkpoints):
+    """The accept result is the verify's only host sync (the batch's argmax, read with one tolist)."""
+    path, _ = checkpoints["llama-gqa-llama3"]
+    target = TargetEngine(path, engine="native", aux_layer_ids=AUX)
+    token = target.prefill("a", [5, 6, 7, 8], SamplingParams()).token
+    for drafts in ([1, 2, 3, 4], [token, 9], []):
+        with OpCounter() as ops:
+            token = target.verify("a", token, drafts).bonus
+        assert ops.syncs <= 1, ops.sync_ops
+
+
+@pytest.fixture(scope="module")
+def compiled(checkpoints):
+    """One compiled engine for the module (a compile is ~20-50 s a bucket here): every step below fits the
+    8-token bucket, so it compiles once."""
+    path, model = checkpoints["llama-gqa-llama3"]
+    return TargetEngine(path, engine="native", aux_layer_ids=AUX, compile=True), model
+
+
+@pytest.mark.slow
+def test_the_compiled_engine_matches_generate_without_recompiling(compiled):
+    """Warm-up, then prefills and verifies alone and batched in the same bucket: transformers' tokens, no
+    new graph (dynamo's counters), at most one host sync per verify."""
+    target, model = compiled
+    oracle = OracleDraft(model, corrupt=0.3)
+    oracle.expect(7)
+    prompts = [[7, 3, 9, 11], [7, 20, 21, 22, 23, 24], [7, 40]]
+    assert greedy_rounds(target, oracle, prompts[0], 6, 4) == hf_generate(model, prompts[0], 6)  # the warm-up
+    graphs = counters["stats"]["unique_graphs"]
+    for p in prompts[1:]:
+        assert greedy_rounds(target, oracle, p, 10, 3) == hf_generate(model, p, 10)
+    start = threading.Barrier(2)
+
+    def one(p: list[int]) -> list[int]:
+        start.wait()
+        return greedy_rounds(target, oracle, p, 8, 2)  # 2 x 3 tokens: the same bucket batched
+
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(one, prompts[1:])) == [hf_generate(model, p, 8) for p in prompts[1:]]
+    token = target.prefill("s", [7, 1, 2], SamplingParams()).token
+    forward = target.runner._forward
+
+    def compiled_outside_the_counter(*args):
+        """Dynamo would trace the counter's dispatch mode into the graph: the compiled forward runs
+        without it (it cannot sync the host: a fullgraph has no .item()), the rest of the verify with it."""
+        with _disable_current_modes():
+            return forward(*args)
+
+    target.runner._forward = compiled_outside_the_counter
+    try:
+        with OpCounter() as ops:
+            target.verify("s", token, [1, 2, 3, 4, 5])
+    finally:
+        target.runner._forward = forward
+    assert ops.syncs <= 1, ops.sync_ops
+    target.release("s")
+    assert counters["stats"]["unique_graphs"] == graphs, "a graph was compiled after the warm-up"
