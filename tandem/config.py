@@ -229,6 +229,9 @@ class TargetSettings(EngineSettings):
     # then gets RESOURCE_EXHAUSTED.
     kv_cache_gib: float | None = Field(None, gt=0)
     queue_timeout: float = Field(30.0, ge=0)
+    # The model code: native (target_server/native.py, the Llama family over the paged pool in place),
+    # hf (transformers'), auto (native where the architecture is supported).
+    engine: Literal["auto", "native", "hf"] = "auto"
 
     @model_validator(mode="after")
     def _chunk_fits(self) -> TargetSettings:

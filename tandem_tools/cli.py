@@ -319,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "margin; half the RAM on a CPU)")
     p.add_argument("--queue-timeout", type=float,
                    help="seconds a prefill waits for KV budget before RESOURCE_EXHAUSTED (default 30)")
+    p.add_argument("--engine", choices=["auto", "native", "hf"],
+                   help="the target's model code: native (ours, the Llama family, over the paged KV pool in place; "
+                        "compiled once per token bucket unless TANDEM_COMPILE=0), hf (transformers'), auto (native "
+                        "where the architecture is supported; the default)")
     add_service_args(p, "port (default 50051; 0 = any free port)")
     p.set_defaults(func=_service("TargetSettings", "target_server.service"))
 

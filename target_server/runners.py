@@ -53,7 +53,8 @@ class NativeRunner:
         self.buckets: set[tuple[int, int]] = set()  # (tokens, pool rows) compiled so far
         self._forward = model
         if compile:
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # one graph a bucket
+            # one graph a bucket (34 up to 4096 tokens), again for each size the pool grows to
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
             self._forward = torch.compile(model, fullgraph=True, dynamic=False)
 
     def make_pool(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, tokens: int | None) -> PagedKVPool:

@@ -221,7 +221,7 @@ def load(settings: TargetSettings, service: Service, servicer: TargetServicer):
     engine = TargetEngine(
         settings.model, device=settings.device, dtype=settings.dtype, aux_layer_ids=layer_ids,
         max_batch_size=settings.max_batch_size, max_batch_tokens=settings.max_batch_tokens,
-        queue_timeout=settings.queue_timeout,
+        queue_timeout=settings.queue_timeout, engine=settings.engine,
     )
     try:
         engine.set_kv_budget(kv_tokens(settings, engine))  # a GPU's pool is allocated here, before the ring
@@ -235,8 +235,9 @@ def load(settings: TargetSettings, service: Service, servicer: TargetServicer):
     servicer.tokenizer_json, servicer.chat_template, servicer.special_tokens = load_tokenizer_json(settings.model)
     servicer.attach(engine, settings.session_ttl, transport)
     log.info(
-        "target %s on %s (%s): vocab %d, hidden %d, capture layers %s; batches of <= %d steps, KV budget %s tokens",
-        settings.model, settings.device, settings.dtype, engine.vocab_size, engine.hidden_size, engine.aux_layer_ids,
+        "target %s on %s (%s, %s engine): vocab %d, hidden %d, capture layers %s; batches of <= %d steps, KV budget "
+        "%s tokens", settings.model, settings.device, settings.dtype, engine.engine, engine.vocab_size,
+        engine.hidden_size, engine.aux_layer_ids,
         settings.max_batch_size, engine.kv_budget.tokens or "unbounded",
     )
     return transport.close  # unlinks a shared memory ring
