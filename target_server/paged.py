@@ -62,6 +62,12 @@ class PagedKVPool(KVPool):
     def capacity(self) -> int:
         return (self.blocks - 1) * BLOCK  # the scratch block holds no session's KV
 
+    def free(self, blocks: list[int]) -> None:
+        """Handed out lowest first, so the rows in use stay at the front (eager attention reads up to the
+        highest block of its batch)."""
+        with self._lock:
+            self._free = sorted(self._free + blocks)
+
     def _zeros(self, rows: int) -> torch.Tensor:
         return torch.zeros(1, self.shape[0], rows, self.shape[1], dtype=self.dtype, device=self.device)
 
