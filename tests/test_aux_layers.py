@@ -105,7 +105,9 @@ def test_outputs_and_the_last_layers_output_are_captured(tiny_dir, tmp_path, hf_
     for head in (specforge, speculators):
         generator = InProcessGenerator(tiny_dir / "target", head, draft_cost=0)
         assert generator.target.aux_layer_ids == (2, 4, LAYERS)
-        torch.testing.assert_close(generator.target.prefill("p", prompt, SamplingParams()).features, expected)
+        features = generator.target.prefill("p", prompt, SamplingParams()).features
+        # the native target (target_server/native.py) rounds in another order than transformers: ~2e-5 apart
+        torch.testing.assert_close(features, expected, rtol=1e-4, atol=1e-4)
         request = GenerationRequest(prompt_ids=prompt, max_new_tokens=20, num_draft_tokens=3, ignore_eos=True)
         results.append(generator.generate(request))
     reference = hf_target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, eos_token_id=None)
