@@ -149,7 +149,7 @@ def plan(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool) -> t
     on the host from the block tables and copied to the device once."""
     positions, slots, owner = [], [], []
     q_block = min(width, Q_BLOCK.get(pool.device.type, 16))
-    seen: list[dict[int, None]] = [{0: None} for _ in range(width // q_block)]  # the scratch block for padding
+    seen: list[dict[int, None]] = [{0: None} for _ in range(-(-width // q_block))]  # the scratch block for padding
     for span in spans:
         start = len(positions)
         for i, p in enumerate(range(span.past, span.past + span.new)):

@@ -68,7 +68,7 @@ class NativeRunner:
     def forward(self, steps: list[_Step], pool: PagedKVPool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         sizes = [len(step.ids) for step in steps]
         n = sum(sizes)
-        width = bucket(n)
+        width = bucket(n) if self.compiled else n  # static shapes are for the compiler; eager pads nothing
         if (width, pool.owner.shape[0]) not in self.buckets:
             self.buckets.add((width, pool.owner.shape[0]))
             if self.compiled:
@@ -96,7 +96,7 @@ class NativeRunner:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         n = max(min(max_tokens, max_context - 1), 1)
-        width = bucket(n)
+        width = bucket(n) if self.compiled else n  # static shapes are for the compiler; eager pads nothing
         positions, batch = plan([Span(PAD, [0] * -(-n // KVPool.BLOCK), 0, n)], width, pool, not self.compiled)
         hidden, _ = self._forward(torch.zeros(width, dtype=torch.long, device=device), positions, batch)
         rows = min(n, max_batch * (MAX_DRAFT_TOKENS + 1))
