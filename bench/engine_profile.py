@@ -138,7 +138,8 @@ def profile(name: str, target: TargetEngine, draft: DraftEngine, prompts: list[l
         "kv_bytes_copied_per_forward": copied, "kv_bytes_written_per_forward": written,
         "recompiles_after_warmup": counters["stats"]["unique_graphs"] - graphs,
         "target_ms": round(statistics.median(target_ms), 2), "draft_ms": round(statistics.median(draft_ms), 2),
-        "sync_ops": dict(target_ops.sync_ops), "graph_kernels_compiled_after_warmup": graph_kernels() - kernels,
+        "target_ops": target_ops.ops, "graph_kernels_per_forward": in_graph, "sync_ops": dict(target_ops.sync_ops),
+        "graph_kernels_compiled_after_warmup": graph_kernels() - kernels,
     }
     pair.close()
     return row
