@@ -194,11 +194,11 @@ class HFRunner:
     def commit(self, steps: list[_Step], past: list[int], kept: list[int], pool: KVPool) -> None:
         """The KV of the tokens each session commits (its first `kept` new ones) into its pool rows."""
         rows = torch.cat([step.session.rows[p : p + n] for step, p, n in zip(steps, past, kept, strict=True)])
-        chosen = torch.arange(self._width)[None] < torch.tensor(kept)[:, None]  # [B, width]
-        chosen = chosen.to(self.device)
+        # which of the batch's B x width new tokens: an index built on the host (a boolean mask syncs)
+        chosen = torch.tensor([i * self._width + j for i, n in enumerate(kept) for j in range(n)], device=self.device)
         for layer, pool_keys, pool_values in zip(self._batch, pool.keys, pool.values, strict=True):
-            pool_keys[rows] = layer.new_keys.transpose(1, 2)[chosen]
-            pool_values[rows] = layer.new_values.transpose(1, 2)[chosen]
+            pool_keys[rows] = layer.new_keys.transpose(1, 2).flatten(0, 1)[chosen]  # [B * width, heads, D] rows
+            pool_values[rows] = layer.new_values.transpose(1, 2).flatten(0, 1)[chosen]
         self._batch = []
 
     @torch.inference_mode()

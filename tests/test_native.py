@@ -145,10 +145,12 @@ def test_greedy_equals_generate_alone_and_batched(family, checkpoints):
     assert target.num_sessions == 0 and target.kv_budget.used == 0
 
 
-def test_a_greedy_verify_syncs_the_host_once(checkpoints):
-    """The accept result is the verify's only host sync (the batch's argmax, read with one tolist)."""
+@pytest.mark.parametrize("engine", ["native", "hf"])
+def test_a_greedy_verify_syncs_the_host_once(checkpoints, engine):
+    """The accept result is the verify's only host sync (the batch's argmax, read with one tolist); on
+    transformers' path too (its committed rows are picked with an index, not a boolean mask)."""
     path, _ = checkpoints["llama-gqa-llama3"]
-    target = TargetEngine(path, engine="native", aux_layer_ids=AUX)
+    target = TargetEngine(path, engine=engine, aux_layer_ids=AUX)
     token = target.prefill("a", [5, 6, 7, 8], SamplingParams()).token
     for drafts in ([1, 2, 3, 4], [token, 9], []):
         with OpCounter() as ops:
