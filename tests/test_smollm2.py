@@ -2,8 +2,9 @@
 converted by transformers as `tandem demo build --model smollm2` converts it, served by the three
 services with an EAGLE-3 head the trainer writes for it, against transformers' own `generate`.
 
-Any head is lossless, so the head here is trained for two steps only (the demo's is trained ~40 minutes);
-what is checked is the real model's loading, its chat template and the greedy tokens."""
+Any head is lossless, so the head here is trained for two steps only; where the demo's trained head is
+built (~45 minutes), the same checks run with it too, so that accepted drafts are checked as well as
+rejected ones. What is checked: the real model's loading, its chat template and the greedy tokens."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ pytest.importorskip("gguf", reason="the real-model tests need the `real` extra: 
 pytest.importorskip("accelerate", reason="the real-model tests need the `real` extra: pip install -e '.[real]'")
 
 from coordinator.client import TandemClient
-from tandem_tools.smollm2 import convert, fetch_gguf
+from tandem_tools.smollm2 import convert, default_smollm2_dir, fetch_gguf, is_built
 from tests.processes import start_stack, stop_stack
 
 pytestmark = pytest.mark.slow
@@ -57,9 +58,19 @@ def hf(smol):
     return model, AutoTokenizer.from_pretrained(smol / "target")
 
 
-@pytest.fixture(scope="module")
-def client(smol, tmp_path_factory):
-    procs = start_stack(smol, tmp_path_factory.mktemp("run"))
+@pytest.fixture(scope="module", params=["two-step head", "demo head"])
+def client(request, smol, tmp_path_factory):
+    """The services with the two-step head (drafts almost always rejected), and with the demo's trained
+    head where `tandem demo build --model smollm2` has built it (drafts mostly accepted)."""
+    pair = smol
+    if request.param == "demo head":
+        demo = default_smollm2_dir()
+        if not is_built(demo):
+            pytest.skip(f"the smollm2 demo is not built in {demo} (tandem demo build --model smollm2)")
+        pair = tmp_path_factory.mktemp("demo-pair")
+        (pair / "target").symlink_to(smol / "target")
+        (pair / "draft").symlink_to(demo / "draft")
+    procs = start_stack(pair, tmp_path_factory.mktemp("run"))
     try:
         with TandemClient(procs["coordinator"].address, timeout=300) as client:
             yield client
