@@ -53,9 +53,9 @@ class NativeRunner:
         self.buckets: set[tuple[int, int]] = set()  # (tokens, pool rows) compiled so far
         self._forward = model
         if compile:
-            # one graph a bucket (34 up to 4096 tokens), again for each size the pool grows to
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-            self._forward = torch.compile(model, fullgraph=True, dynamic=False)
+            # one graph a bucket (34 up to 4096 tokens), again for each size the pool grows to; the limit is
+            # the compile's own (dynamo's config is per thread, and the batcher's thread is not this one)
+            self._forward = torch.compile(model, fullgraph=True, dynamic=False, recompile_limit=256)
 
     def make_pool(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, tokens: int | None) -> PagedKVPool:
         cap = None if tokens is None else max(tokens // KVPool.BLOCK, 1)

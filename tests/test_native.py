@@ -204,3 +204,23 @@ def test_the_compiled_engine_matches_generate_without_recompiling(compiled):
     assert ops.syncs <= 1, ops.sync_ops
     target.release("s")
     assert counters["stats"]["unique_graphs"] == graphs, "a graph was compiled after the warm-up"
+
+
+def test_a_compiled_engine_takes_more_buckets_than_dynamos_default_from_the_batchers_thread(checkpoints, monkeypatch):
+    """Dynamo's settings are per thread: a recompile limit set where the engine is built did not reach the
+    batcher's thread, and a service's ninth bucket failed (FailOnRecompileLimitHit). Twelve buckets from
+    another thread; the compile is dynamo's alone (backend "eager": the test is about its guards, and an
+    inductor compile costs ~20 s a bucket here)."""
+    compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: compile(model, **{**kw, "backend": "eager"}))
+    path, model = checkpoints["llama-gqa-llama3"]
+    target = TargetEngine(path, engine="native", aux_layer_ids=AUX, compile=True)
+    sizes = [1, 3, 5, 9, 17, 33, 49, 65, 81, 97, 113, 129]
+    assert len({bucket(n) for n in sizes}) == 12
+
+    def prefills() -> list[int]:
+        return [target.prefill(f"s{n}", list(range(1, n + 1)), SamplingParams()).token for n in sizes]
+
+    with ThreadPoolExecutor(1) as pool:
+        tokens = pool.submit(prefills).result()
+    assert tokens == [hf_generate(model, list(range(1, n + 1)), 1)[0] for n in sizes]
