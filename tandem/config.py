@@ -23,7 +23,7 @@ Dtype = Literal[DTYPE_NAMES]  # the table's names, in its order (tandem/dtypes.p
 # The feature path target -> draft (tandem/transports/). grpc, the default, works anywhere; auto
 # takes the fastest both ends support; the coordinator's handshake settles what each end asked for.
 Transport = Literal["auto", "grpc", "shm", "cuda-ipc", "nccl"]
-TRANSPORT_HELP = "feature path to the draft: auto | grpc | shm | cuda-ipc | nccl (default grpc)"
+TRANSPORT_HELP = "feature path to the draft: auto | grpc | shm | cuda-ipc | nccl (default auto)"
 # How a head's eagle_aux_hidden_state_layer_ids count (tandem/aux_layers.py); None: from the head's layout.
 AuxLayerConvention = Literal["hidden-states", "outputs"]
 
@@ -192,7 +192,7 @@ class EngineSettings(ServiceSettings):
     dtype: Dtype = "float32"
     threads: int | None = Field(None, ge=1, description=THREADS_HELP)
     session_ttl: float = Field(DEFAULT_SESSION_TTL, gt=0, description=SESSION_TTL_HELP)
-    transport: Transport = Field("grpc", description=TRANSPORT_HELP)
+    transport: Transport = Field("auto", description=TRANSPORT_HELP)
     # Continuous batching: at most this many sessions' steps, and tokens (new ones, + K on the
     # draft), per batch.
     max_batch_size: int = Field(32, ge=1, le=1024)
@@ -314,7 +314,7 @@ class ServeSettings(BaseSettings):
     target_device: Device = "cpu"
     draft_device: Device = "cpu"
     dtype: Dtype = "float32"
-    transport: Transport = Field("grpc", description=TRANSPORT_HELP)
+    transport: Transport = Field("auto", description=TRANSPORT_HELP)
     host: str = "127.0.0.1"
     port: int = Field(DEFAULT_COORDINATOR_PORT, ge=0, le=65535)
     startup_timeout: float = Field(600.0, gt=0)

@@ -13,7 +13,7 @@ from tandem.dtypes import DTYPE_NAMES
 from tandem_tools.demos import add_demo_arg
 
 DTYPE_HELP = " | ".join(DTYPE_NAMES) + " (default float32)"
-TRANSPORT_HELP = "feature path target -> draft: auto | grpc | shm | cuda-ipc | nccl (default grpc)"
+TRANSPORT_HELP = "feature path target -> draft: auto | grpc | shm | cuda-ipc | nccl (default auto: cuda-ipc on one GPU node, nccl across GPUs, shm on one host, else grpc)"
 OVERLAP_HELP = "on: the draft prepares the next round while the target verifies (default off)"
 
 
@@ -365,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-device", default="cpu", help="with --target: the draft's device")
     p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     p.add_argument("--overlap", choices=["on", "off"], default="off", help="with --target: " + OVERLAP_HELP)
+    p.add_argument("--transport", default="auto", help="with --target: " + TRANSPORT_HELP)
     p.add_argument("--prompts", metavar="FILE", help="one prompt per line, or .jsonl with prompt / prompt_ids")
     p.add_argument("--num-requests", "-n", type=int, default=16)
     p.add_argument("--concurrency", "-c", type=int, default=4)

@@ -66,6 +66,7 @@ class ProfileConfig:
     draft_device: str = "cpu"
     dtype: str = "float32"
     overlap: bool = False  # a launched stack: the coordinator's --overlap
+    transport: str = "auto"  # a launched stack: the feature path target -> draft
 
 
 def load_prompts(path: Path | None) -> list[str | list[int]]:
@@ -108,7 +109,7 @@ class LaunchedStack:
         self.metrics = {name: f"127.0.0.1:{free_port()}" for name in names}
         args = ["--port", "0", "--target-device", config.target_device,
                 "--draft-device", config.draft_device, "--dtype", config.dtype,
-                "--overlap", "on" if config.overlap else "off"]
+                "--overlap", "on" if config.overlap else "off", "--transport", config.transport]
         if config.target is not None:
             args += ["--target", config.target]
         if config.draft is not None:
@@ -243,7 +244,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         concurrency=args.concurrency, max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
         temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos, timeout=args.timeout,
         target_device=args.target_device, draft_device=args.draft_device, dtype=args.dtype,
-        overlap=args.overlap == "on",
+        overlap=args.overlap == "on", transport=args.transport,
     )
     report = profile(config)
     return 1 if report["totals"]["completed"] == 0 else 0

@@ -36,7 +36,7 @@ def stack(tiny_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("metrics") / "serve.log"
     metrics = {name: f"127.0.0.1:{free_port()}" for name in SERVICES}
     args = [sys.executable, "-m", "tandem_tools.cli", "serve", "--target", str(tiny_dir / "target"),
-            "--draft", str(tiny_dir / "draft"), "--port", "0"]
+            "--draft", str(tiny_dir / "draft"), "--port", "0", "--transport", "grpc"]  # features relayed: counted per link
     for name, address in metrics.items():
         args += [f"--{name}-metrics-port", address.rsplit(":", 1)[1]]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)

@@ -33,7 +33,8 @@ def run(tiny_dir, tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "tandem_tools.cli", "profile", "--target", str(tiny_dir / "target"),
          "--draft", str(tiny_dir / "draft"), "--prompts", str(prompts), "--num-requests", "4", "--concurrency", "2",
-         "--max-new-tokens", str(MAX_NEW), "--num-draft-tokens", str(K), "--ignore-eos", "--out", str(out / "run")],
+         "--max-new-tokens", str(MAX_NEW), "--num-draft-tokens", str(K), "--ignore-eos", "--transport", "grpc",
+         "--out", str(out / "run")],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
