@@ -15,7 +15,8 @@ target, head, prompts and concurrency, its blocks taking turns with Tandem's; sk
 vLLM is not installed.
 
 Every case decodes every prompt to exactly --max-new-tokens tokens (EOS does not stop it), after one
-warm-up generation. At concurrency c, c clients keep c requests in flight (a client starts its next
+short warm-up generation, and at each concurrency after one untimed block of c requests (a compiled
+target meets the token buckets of that concurrency there, as vLLM's engine does in its warm-up). At concurrency c, c clients keep c requests in flight (a client starts its next
 request as soon as one ends, vLLM's benchmark_serving --max-concurrency); the prompts repeat until
 there are 8 requests per client. The cases take turns block by block (4c requests at a time), each
 block in a rotated order, so that a change in the machine's load touches all of them alike.

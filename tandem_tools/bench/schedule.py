@@ -140,6 +140,10 @@ def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = 
             group = [case for case in cases if case.concurrency == c]
             requests = concurrency_requests(config.prompts, c)
             size = BLOCK_PER_CLIENT * c
+            for case in group:  # untimed, as vLLM's own warm-up: a compiled target meets this concurrency's buckets
+                runner = runners[case.stack, case.mode, case.overlap]
+                if not hasattr(runner, "run_block"):  # vLLM's worker warms up at every concurrency itself
+                    _run_block(case, runner, requests[:c], 0, c, config, timed=False)
             for first in range(0, len(requests), size):
                 offset = (first // size) % len(group)
                 for case in group[offset:] + group[:offset]:  # rotated: no case always runs first
@@ -178,7 +182,8 @@ def _start_runners(config: BenchConfig, out_dir: Path, runners: dict, echo: Call
             runners[VLLM, TARGET_ONLY, False] = runners[VLLM, EAGLE3, False] = vllm
 
 
-def _run_block(case: Case, runner, batch: list[list[int]], first: int, concurrency: int, config: BenchConfig) -> None:
+def _run_block(case: Case, runner, batch: list[list[int]], first: int, concurrency: int, config: BenchConfig,
+               timed: bool = True) -> None:
     """`concurrency` clients take the block's requests one after another: a client that finishes
     starts the next request at once, so `concurrency` are in flight until the block runs out
     (vLLM's benchmark_serving --max-concurrency)."""
@@ -201,6 +206,8 @@ def _run_block(case: Case, runner, batch: list[list[int]], first: int, concurren
             with ThreadPoolExecutor(concurrency) as pool:
                 outcomes = list(pool.map(one, range(len(batch))))
         seconds = time.perf_counter() - started
+    if not timed:
+        return
     case.seconds += seconds
     case.outcomes += outcomes
     case.overlap_rounds += sum(o.overlap_rounds for o in outcomes)
