@@ -321,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a prefill waits for KV budget before RESOURCE_EXHAUSTED (default 30)")
     p.add_argument("--engine", choices=["auto", "native", "hf"],
                    help="the target's model code: native (ours, the Llama family, over the paged KV pool in place; "
-                        "compiled once per token bucket unless TANDEM_COMPILE=0), hf (transformers'), auto (native "
+                        "compiled once per token bucket on a GPU, on a CPU with TANDEM_COMPILE=1), hf (transformers'), auto (native "
                         "where the architecture is supported; the default)")
     add_service_args(p, "port (default 50051; 0 = any free port)")
     p.set_defaults(func=_service("TargetSettings", "target_server.service"))

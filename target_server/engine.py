@@ -84,7 +84,7 @@ class TargetEngine(SessionOwner):
     """Loads a local HF checkpoint (config.json + safetensors, single or sharded) and serves sessions.
 
     `engine`: "native" (our model: the Llama family), "hf" (transformers'), "auto" (native where it can).
-    `compile` (None: TANDEM_COMPILE, default on): torch.compile the native forward, once per bucket."""
+    `compile` (None: TANDEM_COMPILE, else on a GPU only): torch.compile the native forward, once per bucket."""
 
     def __init__(
         self,
@@ -114,7 +114,7 @@ class TargetEngine(SessionOwner):
             self.num_layers, self.vocab_size = native.num_layers, int(native.lm_head.weight.shape[0])
             self.aux_layer_ids = native.aux_layer_ids
             self.eos_token_ids = eos_token_ids(self.model_dir, self.config)
-            self.runner = NativeRunner(native, self.device, compile_default() if compile is None else compile)
+            self.runner = NativeRunner(native, self.device, compile_default(self.device) if compile is None else compile)
         else:
             if engine == "native":
                 config = AutoConfig.from_pretrained(self.model_dir)
