@@ -43,7 +43,9 @@ RECONNECT_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-CHECK_TIMEOUT = 1.0  # a health check that takes longer means a hung service
+CHECK_TIMEOUT = 1.0  # a health check that takes longer is a slow answer...
+SLOW_CHECKS = 3  # ...and this many in a row (each re-checked at once) a hung service: one busy second of a
+# loaded host (a big batch, another engine spinning on the same cores) must not take a serving service down
 RETRY_MIN, RETRY_MAX = 0.1, 2.0
 # Statuses of a failed step that mean the service itself is gone (or, for the draft, stuck past its
 # step deadline, or without the feature channel the target sends on), not that this request went
@@ -85,6 +87,7 @@ class Link:
         self._health = health_pb2_grpc.HealthStub(self.channel)  # unwrapped: checks are not traffic
         self.info = None
         self.up = False
+        self.slow = 0  # health checks in a row that timed out while up
         self.reason = "not connected yet"
         self.retry_in = RETRY_MIN
         self.next_check = 0.0
@@ -199,10 +202,13 @@ class Monitor:
     def _check(self, link: Link) -> None:
         problem = link.problem()
         if link.up:
-            if problem is not None:
+            slow = problem is not None and problem.startswith(grpc.StatusCode.DEADLINE_EXCEEDED.name)
+            link.slow = link.slow + 1 if slow else 0
+            if problem is not None and not 0 < link.slow < SLOW_CHECKS:
+                link.slow = 0
                 self._down(link, problem)
             else:
-                link.next_check = time.monotonic() + self.interval
+                link.next_check = time.monotonic() + (0.0 if slow else self.interval)
             return
         if problem is None:
             try:

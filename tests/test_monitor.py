@@ -1,0 +1,48 @@
+"""The coordinator's health checks (coordinator/monitor.py): a service that answers one check late on a busy
+host stays up; one that stops answering, or refuses, goes down."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from coordinator.monitor import SLOW_CHECKS, Monitor
+from tandem.config import CoordinatorSettings
+
+LATE = "DEADLINE_EXCEEDED: Deadline Exceeded"
+GONE = "UNAVAILABLE: failed to connect to all addresses"
+
+
+@pytest.fixture
+def monitor(monkeypatch):
+    monitor = Monitor(CoordinatorSettings(target_addr="127.0.0.1:9"))
+    monkeypatch.setattr(monitor, "_publish", lambda: None)
+    monitor.target.up = True
+    yield monitor
+    monitor.target.channel.close()
+
+
+def check(monitor: Monitor, monkeypatch, answer: str | None) -> bool:
+    monkeypatch.setattr(monitor.target, "problem", lambda: answer)
+    monitor._check(monitor.target)
+    return monitor.target.up
+
+
+def test_a_late_answer_now_and_then_keeps_the_service_up(monitor, monkeypatch):
+    """A check that times out is re-checked at once; a service down only after SLOW_CHECKS of them in a row
+    (at 16 concurrent requests beside vLLM's engine one 1-s check had failed every request in flight)."""
+    for _ in range(3):
+        assert all(check(monitor, monkeypatch, LATE) for _ in range(SLOW_CHECKS - 1))
+        assert monitor.target.next_check <= time.monotonic()  # checked again at once
+        assert check(monitor, monkeypatch, None)  # it answered: the count starts over
+    assert all(check(monitor, monkeypatch, LATE) for _ in range(SLOW_CHECKS - 1))
+    assert not check(monitor, monkeypatch, LATE)
+    assert monitor.target.reason == LATE
+
+
+def test_a_service_that_refuses_goes_down_at_once(monitor, monkeypatch):
+    assert check(monitor, monkeypatch, LATE)
+    assert not check(monitor, monkeypatch, GONE) and monitor.target.reason == GONE
+    monitor.target.up = True
+    assert not check(monitor, monkeypatch, "health NOT_SERVING")  # draining
