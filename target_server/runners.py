@@ -26,7 +26,7 @@ from transformers.cache_utils import Cache
 from tandem.params import MAX_DRAFT_TOKENS
 from target_server.kv import KVLayer, KVPool
 from target_server.loading import LoadedTarget
-from target_server.native import NativeCausalLM
+from target_server.native import NativeCausalLM, can_pack, pack_linears
 from target_server.paged import PAD, PagedKVPool, Span, bucket, plan
 
 if TYPE_CHECKING:
@@ -56,6 +56,8 @@ class NativeRunner:
         self.model, self.device, self.compiled = model, device, compile
         self.buckets: set[tuple[int, int]] = set()  # (tokens, pool rows) compiled so far
         self._forward = model
+        if not compile and can_pack(device, model.model.embed_tokens.weight.dtype):
+            pack_linears(model)
         if compile:
             # one graph a bucket (34 up to 4096 tokens), again for each size the pool grows to; the limit is
             # the compile's own (dynamo's config is per thread, and the batcher's thread is not this one)

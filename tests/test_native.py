@@ -29,7 +29,7 @@ from tandem.rounds import run_rounds
 from tandem_tools.opcount import OpCounter
 from target_server.capture import FeatureCapture
 from target_server.engine import TargetEngine
-from target_server.native import load_native
+from target_server.native import PackedLinear, load_native
 from target_server.paged import PagedKVPool, Span, bucket, plan
 
 SHAPE = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
@@ -224,3 +224,20 @@ def test_a_compiled_engine_takes_more_buckets_than_dynamos_default_from_the_batc
     with ThreadPoolExecutor(1) as pool:
         tokens = pool.submit(prefills).result()
     assert tokens == [hf_generate(model, list(range(1, n + 1)), 1)[0] for n in sizes]
+
+
+def test_an_eager_cpu_engine_packs_its_linears_and_they_compute_what_nn_linear_does(checkpoints):
+    """oneDNN's prepacked weights (PackedLinear) for every projection and lm_head of an eager float32 CPU
+    target: the same products as nn.Linear within float32 rounding, for any row count, with and without
+    bias; the greedy tests above run through them."""
+    for bias in (False, True):
+        linear = torch.nn.Linear(48, 80, bias=bias)
+        packed = PackedLinear(linear)
+        for rows in (1, 2, 5, 8, 9, 33):
+            x = torch.randn(rows, 48)
+            torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    path, _ = checkpoints["qwen2-bias"]
+    model = TargetEngine(path, engine="native", aux_layer_ids=AUX).runner.model
+    assert isinstance(model.lm_head, PackedLinear)
+    assert all(isinstance(m, PackedLinear) for layer in model.model.layers
+               for m in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj))
