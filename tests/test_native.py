@@ -27,6 +27,7 @@ from transformers import (
 from tandem.params import GenerationRequest, SamplingParams
 from tandem.rounds import run_rounds
 from tandem_tools.opcount import OpCounter
+from target_server import native
 from target_server.capture import FeatureCapture
 from target_server.engine import TargetEngine
 from target_server.native import PackedLinear, load_native
@@ -226,18 +227,25 @@ def test_a_compiled_engine_takes_more_buckets_than_dynamos_default_from_the_batc
     assert tokens == [hf_generate(model, list(range(1, n + 1)), 1)[0] for n in sizes]
 
 
-def test_an_eager_cpu_engine_packs_its_linears_and_they_compute_what_nn_linear_does(checkpoints):
-    """oneDNN's prepacked weights (PackedLinear) for every projection and lm_head of an eager float32 CPU
-    target: the same products as nn.Linear within float32 rounding, for any row count, with and without
-    bias; the greedy tests above run through them."""
+def test_an_eager_cpu_engine_packs_its_linears_and_they_compute_what_nn_linear_does(checkpoints, monkeypatch):
+    """oneDNN's prepacked weights (PackedLinear) for the projections and lm_head of an eager float32 CPU
+    target (those of at least PACK_MIN_WEIGHTS weights; here all, the threshold lowered): the same products as
+    nn.Linear within float32 rounding, for any row count, with and without bias, and generate's tokens."""
     for bias in (False, True):
         linear = torch.nn.Linear(48, 80, bias=bias)
         packed = PackedLinear(linear)
         for rows in (1, 2, 5, 8, 9, 33):
             x = torch.randn(rows, 48)
             torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
-    path, _ = checkpoints["qwen2-bias"]
-    model = TargetEngine(path, engine="native", aux_layer_ids=AUX).runner.model
-    assert isinstance(model.lm_head, PackedLinear)
-    assert all(isinstance(m, PackedLinear) for layer in model.model.layers
-               for m in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj))
+    path, model = checkpoints["qwen2-bias"]
+    assert not isinstance(TargetEngine(path, engine="native", aux_layer_ids=AUX).runner.model.lm_head, PackedLinear)
+    monkeypatch.setattr(native, "PACK_MIN_WEIGHTS", 1)
+    target = TargetEngine(path, engine="native", aux_layer_ids=AUX)
+    packed_model = target.runner.model
+    assert isinstance(packed_model.lm_head, PackedLinear)
+    assert all(isinstance(m, PackedLinear) for layer in packed_model.model.layers
+               for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.o_proj, layer.mlp.down_proj))
+    oracle = OracleDraft(model, corrupt=0.3)
+    oracle.expect(7)
+    for prompt in ([7, 3, 9, 11], [7, *range(20, 60)]):
+        assert greedy_rounds(target, oracle, prompt, 12, 4) == hf_generate(model, prompt, 12)
