@@ -163,18 +163,9 @@ def _generate_remote(args: argparse.Namespace) -> int:
     """`generate --server`: the gRPC client only (no torch in this process)."""
     from coordinator.client import TandemClient, TandemError
 
-    params = {
-        "max_new_tokens": args.max_new_tokens,
-        "num_draft_tokens": args.num_draft_tokens,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "seed": args.seed,
-        "stop_token_ids": args.stop_token_ids,
-        "stop": args.stop,
-        "ignore_eos": args.ignore_eos,
-        "speculate": not args.no_speculation,
-    }
+    names = ("max_new_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids",
+             "stop", "ignore_eos")
+    params = {name: getattr(args, name) for name in names} | {"speculate": not args.no_speculation}
     if args.chat is not None:
         params["messages"] = [{"role": "user", "content": args.chat}]
     try:
