@@ -41,6 +41,7 @@ from draft_server.steps import _Ahead, _drafts, _Session, _Step, read_target_sha
 from tandem.batching import Batcher
 from tandem.config import DRAFT_Q_TOP_N
 from tandem.dtypes import TORCH_DTYPES
+from tandem.packed import can_pack, pack_linears
 from tandem.pairing import DraftShape, check_pair
 from tandem.params import SamplingParams
 from tandem.protocol import Branch, Drafts
@@ -75,6 +76,8 @@ class DraftEngine(SessionOwner):
                                              aux_layer_convention=aux_layer_convention)
         if target_dir is not None:
             check_pair(read_target_shape(target_dir), self.shape())
+        if can_pack(self.device, self.dtype):  # a CPU in float32: big projections over prepacked weights
+            pack_linears(self.model)
         self.feature_size = 3 * self.config.target_hidden_size
         self.sessions: SessionTable[_Session] = SessionTable("draft")
         # one forward at a time, batched across sessions

@@ -151,46 +151,6 @@ class NativeCausalLM(nn.Module):
         return self.model.norm(x), features
 
 
-class PackedLinear(nn.Module):
-    """nn.Linear over oneDNN's prepacked weight, for a CPU in float32. The default CPU GEMM costs a few rows
-    nearly as many times one row (a verify of K+1 tokens is a few rows at batch 1); with the weight packed
-    once it reads it about once. Measured here, one thread: lm_head 49152x576 at 2 / 6 rows 22.7 / 19.6 ms
-    -> 9.5 / 5.9 (one row 10.4 -> 7.8); a 1536x576 layer 0.14 / 0.24 -> 0.07 / 0.12 ms. What inductor's
-    freezing and vLLM's CPU backend do; only eager (the compiler packs its own)."""
-
-    def __init__(self, linear: nn.Linear, rows: int = 8):
-        super().__init__()
-        self.out_features = linear.out_features
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
-        self.register_buffer("packed", packed, persistent=False)
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-PACK_MIN_WEIGHTS = 1 << 18  # below, oneDNN's call costs more than the GEMM saves: the demo target (hidden 192)
-# decoded in 4.1 ms a token with all its projections packed, 3.3-3.7 without
-
-
-def pack_linears(model: NativeCausalLM) -> None:
-    """The model's projections of at least PACK_MIN_WEIGHTS weights, and lm_head, as PackedLinear (a CPU model
-    in float32, eager)."""
-    for layer in model.model.layers:
-        for module, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
-            for name in names:
-                linear = getattr(module, name)
-                if linear.weight.numel() >= PACK_MIN_WEIGHTS:
-                    setattr(module, name, PackedLinear(linear))
-    if model.lm_head.weight.numel() >= PACK_MIN_WEIGHTS:
-        model.lm_head = PackedLinear(model.lm_head)
-
-
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-
-
 def rope_frequencies(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
     """RoPE's inverse frequencies [D/2] (float32, on the CPU) and its attention scaling, as transformers
     computes them for the config's rope_parameters."""

@@ -23,10 +23,11 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers.cache_utils import Cache
 
+from tandem.packed import can_pack, pack_linears
 from tandem.params import MAX_DRAFT_TOKENS
 from target_server.kv import KVLayer, KVPool
 from target_server.loading import LoadedTarget
-from target_server.native import NativeCausalLM, can_pack, pack_linears
+from target_server.native import NativeCausalLM
 from target_server.paged import PAD, PagedKVPool, Span, bucket, plan
 
 if TYPE_CHECKING:

@@ -107,3 +107,25 @@ def test_uploads_do_not_grow_with_k(engine, sampled):
         uploads[k] = (_uploads(propose), _uploads(ahead))
         engine.release(name)
     assert uploads[2] == uploads[8], uploads
+
+
+def test_a_packed_cpu_draft_proposes_what_the_unpacked_one_does(tiny_dir, monkeypatch):
+    """On a CPU in float32 the draft's big projections run over oneDNN's prepacked weights (tandem/packed.py;
+    every one here, the threshold lowered): greedy drafts as the unpacked engine's, and q within rounding."""
+    from tandem import packed
+
+    plain = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
+    monkeypatch.setattr(packed, "PACK_MIN_WEIGHTS", 1)
+    packed_engine = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
+    assert isinstance(packed_engine.model.lm_head, packed.PackedLinear)
+    assert isinstance(packed_engine.model.fc, packed.PackedLinear)
+    for engine in (plain, packed_engine):
+        _open(engine, "g", None)
+        _open(engine, "s", SAMPLED)
+    for step in range(3):
+        features, tokens = _inputs(plain, 2, 10 + step)
+        assert list(packed_engine.propose("g", features, tokens, K)) == list(plain.propose("g", features, tokens, K))
+        a, b = packed_engine.propose("s", features, tokens, K), plain.propose("s", features, tokens, K)
+        assert list(a) == list(b)
+        for pa, pb in zip(a.q, b.q, strict=True):
+            assert pa.ids == pb.ids and max(abs(x - y) for x, y in zip(pa.probs, pb.probs, strict=True)) < 1e-4

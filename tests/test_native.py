@@ -24,13 +24,14 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from tandem import packed
+from tandem.packed import PackedLinear
 from tandem.params import GenerationRequest, SamplingParams
 from tandem.rounds import run_rounds
 from tandem_tools.opcount import OpCounter
-from target_server import native
 from target_server.capture import FeatureCapture
 from target_server.engine import TargetEngine
-from target_server.native import PackedLinear, load_native
+from target_server.native import load_native
 from target_server.paged import PagedKVPool, Span, bucket, plan
 
 SHAPE = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
@@ -233,13 +234,13 @@ def test_an_eager_cpu_engine_packs_its_linears_and_they_compute_what_nn_linear_d
     nn.Linear within float32 rounding, for any row count, with and without bias, and generate's tokens."""
     for bias in (False, True):
         linear = torch.nn.Linear(48, 80, bias=bias)
-        packed = PackedLinear(linear)
-        for rows in (1, 2, 5, 8, 9, 33):
-            x = torch.randn(rows, 48)
-            torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+        packed_linear = PackedLinear(linear)
+        for shape in ((1, 48), (2, 48), (5, 48), (8, 48), (9, 48), (33, 48), (3, 4, 48)):
+            x = torch.randn(*shape)
+            torch.testing.assert_close(packed_linear(x), linear(x), rtol=1e-5, atol=1e-5)
     path, model = checkpoints["qwen2-bias"]
     assert not isinstance(TargetEngine(path, engine="native", aux_layer_ids=AUX).runner.model.lm_head, PackedLinear)
-    monkeypatch.setattr(native, "PACK_MIN_WEIGHTS", 1)
+    monkeypatch.setattr(packed, "PACK_MIN_WEIGHTS", 1)
     target = TargetEngine(path, engine="native", aux_layer_ids=AUX)
     packed_model = target.runner.model
     assert isinstance(packed_model.lm_head, PackedLinear)
