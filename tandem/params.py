@@ -10,6 +10,10 @@ from pydantic import BaseModel, Field, field_validator
 # negligible and the verify forward only gets longer.
 MAX_DRAFT_TOKENS = 16
 
+# Draft tree nodes (EAGLE-2 dynamic trees): one bit each in the target's tree mask (target_server/paged.py),
+# with the root, in an int64.
+MAX_TREE_NODES = 62
+
 # Below this a temperature divides the logits into inf/NaN; vLLM treats it as greedy, and so do we.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
@@ -66,6 +70,38 @@ class SamplingParams(BaseModel):
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
+class TreeParams(BaseModel):
+    """An EAGLE-2 dynamic draft tree (draft_server/tree.py): `depth` expansions, each of the `top_k` likeliest
+    nodes of the last depth expanded into its `top_k` likeliest children, ranked by cumulative draft
+    log-probability; then the best `nodes` of all of them go to the target, verified in one forward.
+    Defaults as the EAGLE-3 reference's (ea_model.py: total_token 60, depth 7, top_k 10)."""
+
+    nodes: int = 60
+    depth: int = 7
+    top_k: int = 10
+
+    @field_validator("nodes")
+    @classmethod
+    def _nodes(cls, v: int) -> int:
+        if not 1 <= v <= MAX_TREE_NODES:
+            raise ValueError(f"tree nodes must be in [1, {MAX_TREE_NODES}], got {v}")
+        return v
+
+    @field_validator("depth")
+    @classmethod
+    def _depth(cls, v: int) -> int:
+        if not 1 <= v <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"tree depth must be in [1, {MAX_DRAFT_TOKENS}], got {v}")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if not 1 <= v <= MAX_TREE_NODES:
+            raise ValueError(f"tree top_k must be in [1, {MAX_TREE_NODES}], got {v}")
+        return v
+
+
 class GenerationRequest(BaseModel):
     """One generation, as the round loop sees it: token ids in, token ids out."""
 
@@ -76,6 +112,9 @@ class GenerationRequest(BaseModel):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     speculate: bool = True
+    # a draft tree instead of a chain of num_draft_tokens (None: a chain); the K policy may still run a
+    # round as a chain or target-only where that pays (tandem/policy.py)
+    tree: TreeParams | None = None
 
     @field_validator("prompt_ids")
     @classmethod

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from tandem.params import SamplingParams
+from tandem.params import SamplingParams, TreeParams
 
 Features = Any
 
@@ -39,7 +39,7 @@ class PrefillResult:
 
 @dataclass
 class VerifyResult:
-    accepted: list[int]  # d_1..d_a
+    accepted: list[int]  # d_1..d_a (a tree's: the tokens of the accepted path)
     bonus: int  # b, from the logits after d_a
     features: Features  # features of t, d_1..d_a [a+1, 3H]
     logprobs: list[TokenLogprob] | None = None  # [d_1..d_a, b], when the sampling asked for logprobs
@@ -58,14 +58,39 @@ class Drafts(list):
     """d_1..d_K (target ids), and `q`: for each, the DraftProbs it was sampled from (a sampled request,
     speculative sampling), or None when the drafts are the draft's argmax (greedy, or a draft that does
     not sample): the target then counts q as one-hot on each draft, which is lossless too. Like features,
-    q is opaque to the round loop: DraftProbs in-process, the wire messages the coordinator relays."""
+    q is opaque to the round loop: DraftProbs in-process, the wire messages the coordinator relays.
 
-    def __init__(self, tokens=(), q: list[DraftProbs] | None = None):
+    `parents`: a draft tree (EAGLE-2) instead of a chain: parents[i] is the index of d_{i+1}'s parent
+    among the drafts, -1 for a child of the root t, and every parent comes before its children (so a
+    chain is parents [-1, 0, 1, ...]). None: a chain. A tree's siblings are distinct tokens, chosen by
+    the draft's ranking (no q): the target accepts among them by recursive rejection, lossless for
+    candidates chosen independently of its own randomness (target_server/acceptance.py)."""
+
+    def __init__(self, tokens=(), q: list[DraftProbs] | None = None, parents: list[int] | None = None):
         super().__init__(tokens)
         self.q = q
+        self.parents = parents
 
     def head(self, k: int) -> Drafts:
         return Drafts(self[:k], self.q[:k] if self.q is not None else None)
+
+
+def check_tree(parents: list[int], n: int) -> str | None:
+    """What is wrong with `parents` as the tree of n drafts (None: nothing)."""
+    if len(parents) != n:
+        return f"the tree has {len(parents)} parents for {n} drafts"
+    bad = [i for i, p in enumerate(parents) if not -1 <= p < i]
+    if bad:
+        return f"tree parents must each name an earlier draft or -1 (the root); draft {bad[0]} has {parents[bad[0]]}"
+    return None
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Each draft's depth in its tree: 1 for a child of the root."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
 
 
 @dataclass
@@ -101,6 +126,7 @@ class TargetBackend(Protocol):
     def verify(
         self, session_id: str, token: int, drafts: list[int], want_features: bool = True,
         q: list[DraftProbs] | None = None,  # what each draft was sampled from; None: the drafts are argmax
+        parents: list[int] | None = None,  # a draft tree (Drafts.parents); None: a chain
     ) -> VerifyResult: ...
 
     def release(self, session_id: str) -> bool: ...
@@ -110,9 +136,10 @@ class TargetBackend(Protocol):
 class DraftBackend(Protocol):
     # may raise DraftUnavailable. `sampling` (with create, for a sampled request): the draft samples its
     # drafts from its own distribution at these settings and returns Drafts with q; else its argmax.
+    # `tree`: a draft tree of that shape instead of a chain of num_draft_tokens (Drafts with parents).
     def propose(
         self, session_id: str, features: Features, next_tokens: list[int], num_draft_tokens: int,
-        create: bool = False, sampling: SamplingParams | None = None,
+        create: bool = False, sampling: SamplingParams | None = None, tree: TreeParams | None = None,
     ) -> list[int]: ...
 
     def release(self, session_id: str) -> bool: ...

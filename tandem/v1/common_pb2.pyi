@@ -52,6 +52,16 @@ class DraftProbs(_message.Message):
     probs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class TreeParams(_message.Message):
+    __slots__ = ("nodes", "depth", "top_k")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    nodes: int
+    depth: int
+    top_k: int
+    def __init__(self, nodes: _Optional[int] = ..., depth: _Optional[int] = ..., top_k: _Optional[int] = ...) -> None: ...
+
 class Cohort(_message.Message):
     __slots__ = ("id", "size")
     ID_FIELD_NUMBER: _ClassVar[int]

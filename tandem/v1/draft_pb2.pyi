@@ -41,7 +41,7 @@ class DraftInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_hidden_size: _Optional[int] = ..., max_target_id: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., target_max_context: _Optional[int] = ..., transport: _Optional[_Union[_common_pb2.TransportCaps, _Mapping]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "next_tokens", "num_draft_tokens", "features", "want_timing", "ahead", "cohort", "sampling")
+    __slots__ = ("session_id", "next_tokens", "num_draft_tokens", "features", "want_timing", "ahead", "cohort", "sampling", "tree")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class DraftRequest(_message.Message):
     AHEAD_FIELD_NUMBER: _ClassVar[int]
     COHORT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     next_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
@@ -58,7 +59,8 @@ class DraftRequest(_message.Message):
     ahead: Ahead
     cohort: _common_pb2.Cohort
     sampling: _common_pb2.SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., next_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., want_timing: _Optional[bool] = ..., ahead: _Optional[_Union[Ahead, _Mapping]] = ..., cohort: _Optional[_Union[_common_pb2.Cohort, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    tree: _common_pb2.TreeParams
+    def __init__(self, session_id: _Optional[str] = ..., next_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., want_timing: _Optional[bool] = ..., ahead: _Optional[_Union[Ahead, _Mapping]] = ..., cohort: _Optional[_Union[_common_pb2.Cohort, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
 
 class Ahead(_message.Message):
     __slots__ = ("assumed", "branches")
@@ -81,15 +83,17 @@ class Branch(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.DraftProbs, _Mapping]]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("drafts", "timing", "branches", "batch", "q")
+    __slots__ = ("drafts", "timing", "branches", "batch", "q", "parents")
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     drafts: _containers.RepeatedScalarFieldContainer[int]
     timing: _profile_pb2.StepTiming
     branches: _containers.RepeatedCompositeFieldContainer[Branch]
     batch: _common_pb2.Cohort
     q: _containers.RepeatedCompositeFieldContainer[_common_pb2.DraftProbs]
-    def __init__(self, drafts: _Optional[_Iterable[int]] = ..., timing: _Optional[_Union[_profile_pb2.StepTiming, _Mapping]] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ..., batch: _Optional[_Union[_common_pb2.Cohort, _Mapping]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.DraftProbs, _Mapping]]] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, drafts: _Optional[_Iterable[int]] = ..., timing: _Optional[_Union[_profile_pb2.StepTiming, _Mapping]] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ..., batch: _Optional[_Union[_common_pb2.Cohort, _Mapping]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.DraftProbs, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
