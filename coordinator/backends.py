@@ -29,8 +29,9 @@ from tandem.convert import (
     draft_probs_to_pb,
     logprobs_from_pb,
     sampling_to_pb,
+    tree_to_pb,
 )
-from tandem.params import SamplingParams
+from tandem.params import SamplingParams, TreeParams
 from tandem.protocol import Branch, DraftProbs, Drafts, DraftUnavailable, PrefillResult, VerifyResult
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire import is_last_chunk
@@ -254,11 +255,11 @@ class GrpcTarget:
                              logprobs=logprobs_from_pb(response.prefilled.logprobs))
 
     def verify(self, session_id: str, token: int, drafts: list[int], want_features: bool = True,
-               q: list[DraftProbs] | None = None) -> VerifyResult:
+               q: list[DraftProbs] | None = None, parents: list[int] | None = None) -> VerifyResult:
         self._drain()
         request = target_pb2.TargetRequest(verify=target_pb2.Verify(token=token, drafts=drafts,
                                                                     want_features=want_features,
-                                                                    q=draft_probs_to_pb(q)))
+                                                                    q=draft_probs_to_pb(q), parents=parents))
         if self._cohorts is not None:
             self._cohorts.leave()  # a round without a propose first: this step did not go to the draft
             cohort = self._cohorts.to_target()
@@ -312,6 +313,7 @@ class GrpcDraft:
         num_draft_tokens: int,
         create: bool = False,
         sampling: SamplingParams | None = None,
+        tree: TreeParams | None = None,
     ) -> Drafts:
         cohort = self._cohorts.to_draft() if self._cohorts is not None else None
         first = True
@@ -327,12 +329,15 @@ class GrpcDraft:
                         request.sampling.CopyFrom(sampling_to_pb(sampling))
                 if cohort is not None:
                     request.cohort.id, request.cohort.size = cohort
+                if tree is not None:
+                    request.tree.CopyFrom(tree_to_pb(tree))
                 first = False
             self._stream.send(request)
         response = self._answer()
         if self._cohorts is not None and response.HasField("batch"):
             self._cohorts.from_draft(response.batch.id, response.batch.size)
-        return Drafts(response.drafts, list(response.q) or None)  # q is relayed to the target as it came
+        # q and a tree's parents (wire values: tandem/convert.py) are relayed to the target as they came
+        return Drafts(response.drafts, list(response.q) or None, list(response.parents) or None)
 
     def ahead(
         self,

@@ -7,8 +7,8 @@
             print(delta.text, end="", flush=True)
 
 Generation parameters: max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed,
-stop_token_ids, stop (strings), ignore_eos, speculate. Errors raise TandemError with the gRPC
-status code (INVALID_ARGUMENT for bad parameters, UNAVAILABLE while the server drains, ...).
+stop_token_ids, stop (strings), ignore_eos, speculate, tree (an EAGLE-2 draft tree). Errors raise
+TandemError with the gRPC status code (INVALID_ARGUMENT for bad parameters, UNAVAILABLE while the server drains, ...).
 """
 
 from __future__ import annotations
@@ -64,9 +64,11 @@ def build_request(
     ignore_eos: bool = False,
     speculate: bool | None = None,
     messages: Sequence[dict] | None = None,
+    tree: dict | object | None = None,
 ) -> coordinator_pb2.GenerateRequest:
     """`messages`: a conversation ([{"role": "user", "content": ...}, ...]) in place of a prompt; the
-    coordinator renders it with the target's chat template."""
+    coordinator renders it with the target's chat template. `tree`: an EAGLE-2 draft tree instead of a
+    chain, as {"nodes": N, "depth": D, "top_k": K} (or a TreeParams); a key left out takes the default."""
     if sum(x is not None for x in (prompt, prompt_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt, prompt_ids and messages")
     sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k)
@@ -89,6 +91,9 @@ def build_request(
         request.num_draft_tokens = num_draft_tokens
     if speculate is not None:
         request.speculate = speculate
+    if tree is not None:
+        fields = tree if isinstance(tree, dict) else tree.model_dump()
+        request.tree.CopyFrom(common_pb2.TreeParams(**fields))
     return request
 
 

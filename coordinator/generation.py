@@ -20,8 +20,8 @@ from coordinator.probe import RequestObserver, RequestProbe
 from tandem.config import CoordinatorSettings
 from tandem.errors import Abort, InvalidRequest, OutOfRange
 from tandem.metrics import CoordinatorMetrics
-from tandem.params import MAX_STOP_LENGTH, MAX_STOP_STRINGS, GenerationRequest
-from tandem.policy import AcceptanceGate, Speculation, adaptive_k
+from tandem.params import MAX_STOP_LENGTH, MAX_STOP_STRINGS, GenerationRequest, parse_tree
+from tandem.policy import AcceptanceGate, Speculation, TreeGate, adaptive_k
 from tandem.rounds import run_rounds
 from tandem.service import Service
 from tandem.text import TextDelta, text_deltas
@@ -108,6 +108,8 @@ class Generations:
             overlap=settings.overlap,
             branches=settings.overlap_branches,
             overlap_while=lambda: running.active <= settings.overlap_max_running,
+            trees=TreeGate() if settings.tree_policy else None,
+            default_tree=parse_tree(settings.tree) if settings.tree else None,
         )
 
     def attach(self, monitor: Monitor) -> None:

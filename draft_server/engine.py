@@ -22,6 +22,10 @@ its exact target features.
 Sampled requests (speculative sampling): a session opened with sampling parameters draws each draft
 from its own distribution q at those settings instead of taking the argmax, in proposes and aheads
 alike, and returns the q it drew from with the drafts (draft_server/sampling.py).
+
+Draft trees (EAGLE-2, draft_server/tree.py): a propose with `tree` extends as any propose does, then grows
+a tree of drafts instead of a chain, one session at a time; its KV is dropped as a rollout's is. Aheads
+assume chains: after a tree the session's next ahead is refused.
 """
 
 from __future__ import annotations
@@ -35,15 +39,16 @@ import torch
 
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.model import DraftKV, Eagle3Draft
-from draft_server.rollout import draws_for, read_rollout, rollout
+from draft_server.rollout import draws_for, read_back, read_rollout, rollout
 from draft_server.sampling import DraftSampler
 from draft_server.steps import _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
+from draft_server.tree import grow_tree
 from tandem.batching import Batcher
 from tandem.config import DRAFT_Q_TOP_N
 from tandem.dtypes import TORCH_DTYPES
 from tandem.packed import can_pack, pack_linears
 from tandem.pairing import DraftShape, check_pair
-from tandem.params import SamplingParams
+from tandem.params import SamplingParams, TreeParams
 from tandem.protocol import Branch, Drafts
 from tandem.sessions import InvalidRequest, SessionOwner, SessionTable
 
@@ -118,9 +123,11 @@ class DraftEngine(SessionOwner):
         num_draft_tokens: int,
         create: bool = False,
         sampling: SamplingParams | None = None,  # with create: a sampled request's settings
+        tree: TreeParams | None = None,  # a draft tree of this shape instead of a chain (K is then ignored)
     ) -> Drafts:
         """Append the m new committed pairs and return K draft tokens (target ids): the argmax, or for a
-        session opened with sampling (temperature > 0) drawn from q, with q."""
+        session opened with sampling (temperature > 0) drawn from q, with q. With `tree`: a tree of drafts
+        (Drafts.parents, no q), ranked by the draft's log-probabilities (a sampled session's tempered)."""
         m = len(next_tokens)
         if m == 0 or features.shape != (m, self.feature_size):
             raise InvalidRequest(
@@ -133,12 +140,14 @@ class DraftEngine(SessionOwner):
             sampler = DraftSampler.for_request(sampling) if sampling is not None and not sampling.greedy else None
             self.sessions.add(session_id, _Session(sampler=sampler))
         session = self.sessions.get(session_id)
-        if not create:
+        if not create and tree is None and not session.tree:  # a tree's outcome is not a chain's
             self._count_outcome(session, num_draft_tokens, m - 1)
-        step = _Step(session, features, list(next_tokens), num_draft_tokens)
+        session.tree = tree is not None
+        step = _Step(session, features, list(next_tokens), num_draft_tokens, tree)
         # a session's first extend carries the whole prompt: padding the other sessions' few pairs to it
-        # would be wasted work, so first extends share batches only with each other
-        drafts = self.batcher.submit(step, m + num_draft_tokens, key=session_id, group="first" if create else "next")
+        # would be wasted work, so first extends share batches only with each other; trees run apart
+        group = "tree" if tree is not None else "first" if create else "next"
+        drafts = self.batcher.submit(step, m + (tree.nodes if tree else num_draft_tokens), key=session_id, group=group)
         session.last_used = time.monotonic()
         return drafts
 
@@ -166,6 +175,8 @@ class DraftEngine(SessionOwner):
         if not assumed or num_draft_tokens < 1 or branches < 1:
             raise InvalidRequest("speculating ahead needs drafts to assume, K >= 1 and at least one branch")
         session = self.sessions.get(session_id)
+        if session.tree:
+            raise InvalidRequest("an ahead assumes a chain of drafts: this session's last propose drafted a tree")
         if m:
             self._count_outcome(session, len(assumed), m - 1)
         rows = next((r[: len(assumed)] for drafts, r in session.proposed if drafts[: len(assumed)] == assumed), None)
@@ -201,8 +212,8 @@ class DraftEngine(SessionOwner):
     # -- one batched step -----------------------------------------------------------------------
 
     def _run_steps(self, steps: list[_Step | _Ahead]) -> list:
-        """The batcher's work: proposes batched together, aheads one session at a time."""
-        proposes = [step for step in steps if isinstance(step, _Step)]
+        """The batcher's work: chain proposes batched together, trees and aheads one session at a time."""
+        proposes = [step for step in steps if isinstance(step, _Step) and step.tree is None]
         results: dict[int, object] = {}
         if proposes:
             try:
@@ -210,9 +221,9 @@ class DraftEngine(SessionOwner):
             except Exception as exc:  # noqa: BLE001 - handed to each propose of the batch
                 results.update((id(step), exc) for step in proposes)
         for step in steps:
-            if isinstance(step, _Ahead):
+            if id(step) not in results:
                 try:
-                    results[id(step)] = self._run_ahead(step)
+                    results[id(step)] = self._run_ahead(step) if isinstance(step, _Ahead) else self._run_tree(step)
                 except Exception as exc:  # noqa: BLE001 - fails this step alone
                     results[id(step)] = exc
         return [results[id(step)] for step in steps]
@@ -272,19 +283,37 @@ class DraftEngine(SessionOwner):
 
     def _run_one(self, step: _Step) -> Drafts:
         """One session alone: its own KV, no padding."""
-        model, session, m, device = self.model, step.session, len(step.next_tokens), self.device
-        kv = session.kv
-        draws = draws_for([session.sampler], [session.length + m], step.k, self.draft_vocab, device)
-        hidden = model.fuse(step.features.to(device, self.dtype))[None]  # [1, m, H]
-        tokens = torch.tensor([step.next_tokens], device=device)  # [1, m]
-        positions = torch.arange(session.length, session.length + m, device=device)[None]
-        a = model(hidden, tokens, positions, kv)[:, -1:]  # [1, 1, H]
-        session.length += m
-        drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, positions[:, -1:] + 1, step.k, draws)
+        session, kv = step.session, step.session.kv
+        draws = draws_for([session.sampler], [session.length + len(step.next_tokens)], step.k, self.draft_vocab,
+                          self.device)
+        a, position = self._extend(step)
+        drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, step.k, draws)
         kv.crop(session.length)  # the rollout's KV is dropped: exact target features replace it
         drafts, qs, _ = read_rollout(drafts, q)  # [K], [K]
         session.proposed = [(drafts, rows[0])]
         return _drafts(drafts, qs)
+
+    def _extend(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """A lone session's new pairs appended to its KV -> the last output a [1, 1, H] and the position its
+        first draft is fed at [1, 1]."""
+        model, session, m, device = self.model, step.session, len(step.next_tokens), self.device
+        hidden = model.fuse(step.features.to(device, self.dtype))[None]  # [1, m, H]
+        tokens = torch.tensor([step.next_tokens], device=device)  # [1, m]
+        positions = torch.arange(session.length, session.length + m, device=device)[None]
+        a = model(hidden, tokens, positions, session.kv)[:, -1:]  # [1, 1, H]
+        session.length += m
+        return a, positions[:, -1:] + 1
+
+    @torch.inference_mode()
+    def _run_tree(self, step: _Step) -> Drafts:
+        """One session's extend, then its draft tree (draft_server/tree.py), read back in one copy."""
+        session = step.session
+        a, position = self._extend(step)
+        sampler = session.sampler
+        tree = grow_tree(self.model, a, session.kv, position, step.tree, sampler and sampler.temperature)
+        tokens, parents = read_back(tree.tokens, tree.parents)
+        session.proposed = []  # no chain for an ahead to assume
+        return Drafts(tokens, None, parents)
 
     @torch.inference_mode()
     def _run_ahead(self, step: _Ahead) -> list[Branch]:

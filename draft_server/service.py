@@ -15,7 +15,7 @@ import torch
 
 from draft_server.engine import DraftEngine
 from tandem.config import DraftSettings
-from tandem.convert import branches_to_pb, draft_probs_to_pb, sampling_from_pb
+from tandem.convert import branches_to_pb, draft_probs_to_pb, parents_to_pb, sampling_from_pb, tree_from_pb
 from tandem.dtypes import name_of
 from tandem.errors import Abort
 from tandem.params import MAX_DRAFT_TOKENS
@@ -128,10 +128,11 @@ class DraftServicer(EngineServicer[DraftEngine], draft_pb2_grpc.DraftServiceServ
             return draft_pb2.DraftResponse(branches=branches_to_pb(branches))
         # a sampled request's settings come with the stream's first message: its drafts are drawn from q
         sampling = sampling_from_pb(step.sampling) if create and step.HasField("sampling") else None
+        tree = tree_from_pb(step.tree) if step.HasField("tree") else None
         with clock.compute():
-            drafts = engine.propose(session_id, features, tokens, k, create=create, sampling=sampling)
+            drafts = engine.propose(session_id, features, tokens, k, create=create, sampling=sampling, tree=tree)
         self.metrics.observe("propose", clock)
-        response = draft_pb2.DraftResponse(drafts=drafts, q=draft_probs_to_pb(drafts.q))
+        response = draft_pb2.DraftResponse(drafts=drafts, q=draft_probs_to_pb(drafts.q), parents=parents_to_pb(drafts.parents))
         if clock.batch is not None:
             response.batch.id, response.batch.size = clock.batch
         return response
@@ -142,6 +143,8 @@ def _check_step(request: draft_pb2.DraftRequest) -> draft_pb2.DraftRequest:
     k = request.num_draft_tokens
     if not 0 <= k <= MAX_DRAFT_TOKENS:
         raise InvalidRequest(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {k}")
+    if request.HasField("tree") and request.HasField("ahead"):
+        raise InvalidRequest("an ahead step drafts chains: it takes no tree")
     if request.HasField("ahead") and not 1 <= request.ahead.branches <= MAX_BRANCHES:
         raise InvalidRequest(f"ahead.branches must be in [1, {MAX_BRANCHES}], got {request.ahead.branches}")
     return request

@@ -12,6 +12,7 @@ import torch
 from draft_server.model import DraftKV
 from draft_server.sampling import DraftSampler
 from tandem.pairing import TargetShape
+from tandem.params import TreeParams
 from tandem.protocol import DraftProbs, Drafts
 
 
@@ -24,6 +25,7 @@ class _Session:
     # the drafts of the last step (one list per branch after an ahead) with the hidden states whose
     # logits proposed them, [K, H]: an ahead assuming those drafts feeds them as the drafts' inputs
     proposed: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
+    tree: bool = False  # its last propose drafted a tree: no chain for an ahead to assume, no K to count
 
 
 @dataclass
@@ -32,6 +34,7 @@ class _Step:
     features: torch.Tensor  # [m, 3Ht]
     next_tokens: list[int]  # [m]
     k: int
+    tree: TreeParams | None = None  # a draft tree of this shape instead of k drafts
 
 
 @dataclass

@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.aux_layers import CONVENTION_HELP
 from tandem.dtypes import DTYPE_NAMES
+from tandem.params import parse_tree
 
 Dtype = Literal[DTYPE_NAMES]  # the table's names, in its order (tandem/dtypes.py)
 # The feature path target -> draft (tandem/transports/). grpc, the default, works anywhere; auto
@@ -90,6 +91,17 @@ def _checkpoint(what: str) -> AfterValidator:
 Device = Annotated[str, AfterValidator(_check_device)]
 TargetCheckpoint = Annotated[Path, _checkpoint("target model")]
 DraftCheckpoint = Annotated[Path, _checkpoint("draft model")]
+
+
+def _check_tree(v: str) -> str:
+    try:
+        parse_tree(v)
+    except ValidationError as exc:
+        raise ValueError("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
+    return v
+
+
+TreeSpec = Annotated[str, AfterValidator(_check_tree)]  # NODES[,DEPTH[,TOP_K]]
 
 
 def parse_cpus(text: str) -> frozenset[int]:
@@ -252,6 +264,11 @@ class DraftSettings(EngineSettings):
     aux_layer_convention: AuxLayerConvention | None = Field(None, description=CONVENTION_HELP)
 
 
+TREE_HELP = ("EAGLE-2 draft trees for requests that name none: NODES[,DEPTH[,TOP_K]] (depth and top-k default "
+             "to the EAGLE-3 reference's 7 and 10); unset: chains of K")
+TREE_POLICY_HELP = "on: each round runs the tree or the chain, whichever has measured faster here (default on)"
+
+
 class CoordinatorSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_COORDINATOR_", extra="ignore")
 
@@ -280,6 +297,10 @@ class CoordinatorSettings(ServiceSettings):
     # sessions, and under load the draft has no spare time to give (demo pair, K=3, 2 cores, tokens/s
     # with overlap over without: 1.12x and 1.09x at 1 request, 0.78x at 2, 0.86x at 4, 0.58x at 16).
     overlap_max_running: int = Field(1, ge=1)
+    # EAGLE-2 draft trees: the tree of requests that name none, NODES[,DEPTH[,TOP_K]] (none: chains), and
+    # whether the tree gate (tandem/policy.py) chooses tree or chain each round by their measured speed.
+    tree: TreeSpec | None = Field(None, description=TREE_HELP)
+    tree_policy: bool = Field(True, description=TREE_POLICY_HELP)
     # The OpenAI-compatible HTTP front (coordinator/http/) on this port of the same --host; off unless given.
     http_port: int | None = Field(None, ge=0, le=65535, description=HTTP_PORT_HELP)
     served_model_name: str | None = Field(None, min_length=1, description=SERVED_MODEL_NAME_HELP)
@@ -324,6 +345,8 @@ class ServeSettings(BaseSettings):
     spec_draft_cost: float | None = Field(None, ge=0)  # none: the coordinator's default
     overlap: bool = Field(False, description=OVERLAP_HELP)
     overlap_branches: int | None = Field(None, ge=1, le=64)  # none: the coordinator's default
+    tree: TreeSpec | None = Field(None, description=TREE_HELP)
+    tree_policy: bool = Field(True, description=TREE_POLICY_HELP)
     # Prometheus /metrics of each child (none: off, or the child's own TANDEM_<SERVICE>_METRICS_PORT)
     coordinator_metrics_port: int | None = Field(None, ge=0, le=65535)
     target_metrics_port: int | None = Field(None, ge=0, le=65535)

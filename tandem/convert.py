@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from tandem.errors import InvalidRequest
 from tandem.pairing import DraftShape, TargetShape
-from tandem.params import GenerationRequest, SamplingParams
+from tandem.params import GenerationRequest, SamplingParams, TreeParams
 from tandem.protocol import Branch, DraftProbs, TokenLogprob
 from tandem.stats import GenerationStats
 from tandem.v1 import common_pb2, coordinator_pb2, draft_pb2, target_pb2
@@ -25,6 +25,27 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
+
+
+def tree_from_pb(msg: common_pb2.TreeParams) -> TreeParams:
+    """ValidationError (INVALID_ARGUMENT) naming the field when a value is out of range; an unset field
+    takes TreeParams' default."""
+    return TreeParams(**{name: value for name, value in (("nodes", msg.nodes), ("depth", msg.depth),
+                                                          ("top_k", msg.top_k)) if value})
+
+
+def parents_to_pb(parents: list[int] | None) -> list[int] | None:
+    """Drafts.parents on the wire: 1 + each parent's index, 0 for the root (a varint byte, where -1
+    would take ten); a list relayed by the coordinator (already wire values) is never decoded."""
+    return None if parents is None else [p + 1 for p in parents]
+
+
+def parents_from_pb(values) -> list[int] | None:
+    return [int(p) - 1 for p in values] or None
+
+
+def tree_to_pb(tree: TreeParams) -> common_pb2.TreeParams:
+    return common_pb2.TreeParams(nodes=tree.nodes, depth=tree.depth, top_k=tree.top_k)
 
 
 def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -75,6 +96,7 @@ def generation_request_from_pb(
         sampling=sampling_from_pb(msg.sampling),
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        tree=tree_from_pb(msg.tree) if msg.HasField("tree") else None,
         **optional,
     )
 

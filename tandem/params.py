@@ -102,6 +102,17 @@ class TreeParams(BaseModel):
         return v
 
 
+def parse_tree(text: str) -> TreeParams:
+    """`--tree NODES[,DEPTH[,TOP_K]]` -> TreeParams (ValueError naming what is wrong)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"a tree is NODES[,DEPTH[,TOP_K]] (integers), got {text!r}") from None
+    if not 1 <= len(values) <= 3:
+        raise ValueError(f"a tree is NODES[,DEPTH[,TOP_K]], got {text!r}")
+    return TreeParams(**dict(zip(("nodes", "depth", "top_k"), values, strict=False)))
+
+
 class GenerationRequest(BaseModel):
     """One generation, as the round loop sees it: token ids in, token ids out."""
 

@@ -7,6 +7,11 @@ Three things cut a request's K, each for its own reason:
   the gate         drafts that are rarely accepted cost more than they win (`AcceptanceGate`)
 A generation that adaptive K or the gate cuts to 0 is *shed*: it runs target-only from then on (its
 draft KV would fall behind otherwise). `KPolicy.k_for_round()` answers for one generation, round by round.
+
+A request that asks for a draft tree (EAGLE-2) has one more choice each drafting round: a tree of N nodes
+or the chain of K. A tree commits more tokens a round, but its verify is N+1 tokens wide: on a GPU that
+costs about what a chain's does, on a CPU it costs N/K times as much. `TreeGate` chooses from what both
+have measured on this server: tokens committed per second of round, drafting and verify included.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.config import OVERLAP_BRANCHES, SPEC_DRAFT_COST
-from tandem.params import MAX_DRAFT_TOKENS, GenerationRequest
+from tandem.params import MAX_DRAFT_TOKENS, GenerationRequest, TreeParams
 
 
 def adaptive_k(budget: int, running: Callable[[], int]) -> Callable[[int], int]:
@@ -92,6 +97,52 @@ class AcceptanceGate:
         return self.PROBE_ROUNDS if next(self._requests) % self.PROBE_EVERY == 0 else 0
 
 
+class TreeGate:
+    """Tree or chain, round by round, by the committed tokens per second each has measured.
+
+    Per kind of request (greedy / sampled) and per shape it keeps a moving average of the tokens a round
+    committed and of the round's wall time (the draft's propose and the target's verify, with whatever
+    batching and transfer they met). Until each has `MIN_ROUNDS` rounds the two alternate; then the
+    better runs, and the other one round in `EXPLORE_EVERY`, so that a change (load, a prompt mix the head
+    knows better) is seen. Each average weighs the last rounds by `WEIGHT`.
+    """
+
+    MIN_ROUNDS = 8
+    EXPLORE_EVERY = 16
+    WEIGHT = 0.05
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        # (greedy, tree) -> [rounds, tokens per round, seconds per round]
+        self._seen: dict[tuple[bool, bool], list[float]] = {}
+        self._rounds = itertools.count()
+
+    def record(self, greedy: bool, tree: bool, committed: int, seconds: float) -> None:
+        with self._lock:
+            seen = self._seen.setdefault((greedy, tree), [0, float(committed), seconds])
+            seen[0] += 1
+            seen[1] += self.WEIGHT * (committed - seen[1])
+            seen[2] += self.WEIGHT * (seconds - seen[2])
+
+    def rate(self, greedy: bool, tree: bool) -> float | None:
+        """Tokens per second measured for that shape (None: not enough rounds yet)."""
+        with self._lock:
+            seen = self._seen.get((greedy, tree))
+        if seen is None or seen[0] < self.MIN_ROUNDS:
+            return None
+        return seen[1] / max(seen[2], 1e-9)
+
+    def use_tree(self, greedy: bool) -> bool:
+        n = next(self._rounds)
+        tree, chain = self.rate(greedy, True), self.rate(greedy, False)
+        if tree is None or chain is None:  # still measuring: the one with fewer rounds
+            with self._lock:
+                rounds = {t: self._seen.get((greedy, t), [0])[0] for t in (True, False)}
+            return rounds[True] <= rounds[False]
+        better = tree > chain
+        return better != (n % self.EXPLORE_EVERY == 0)
+
+
 @dataclass(frozen=True)
 class Speculation:
     """How a server (or an in-process generator) speculates; shared by all its generations.
@@ -107,6 +158,8 @@ class Speculation:
     overlap: bool = False
     branches: int = OVERLAP_BRANCHES
     overlap_while: Callable[[], bool] | None = None
+    trees: TreeGate | None = None  # tree or chain each round (None: a request's tree, every drafting round)
+    default_tree: TreeParams | None = None  # the tree of a request that names none (None: chains)
 
 
 class KPolicy:
@@ -119,7 +172,9 @@ class KPolicy:
         self.requested = request.num_draft_tokens
         self.greedy = request.sampling.greedy
         self.limit = limit
-        self.k_for, self.gate = speculation.k_for, speculation.gate
+        self.k_for, self.gate, self.trees = speculation.k_for, speculation.gate, speculation.trees
+        # overlap's ahead step drafts chains: a generation that overlaps runs chains
+        self.tree = None if speculation.overlap else (request.tree or speculation.default_tree)
         self.asked = request.speculate and request.num_draft_tokens > 0
         self.probing = self.gate.probe() if self.gate is not None and self.asked and has_draft else 0
         self.shed = False
@@ -150,6 +205,17 @@ class KPolicy:
             self.shed = k == 0
         return k
 
-    def record(self, drafted: int, accepted: int) -> None:
-        if self.gate is not None and drafted:
+    def tree_for_round(self, k: int, produced: int) -> TreeParams | None:
+        """The tree to draft this round instead of the chain of `k` (None: the chain). Never deeper than
+        the limit leaves room for (a verify commits up to depth + 1 tokens)."""
+        if self.tree is None or k == 0 or (self.trees is not None and not self.trees.use_tree(self.greedy)):
+            return None
+        depth = min(self.tree.depth, self.limit - produced - 1)
+        return self.tree if depth == self.tree.depth else self.tree.model_copy(update={"depth": depth})
+
+    def record(self, drafted: int, accepted: int, seconds: float, tree: bool = False) -> None:
+        """A drafting round: `accepted` of `drafted` drafts (a tree's: the accepted path), in `seconds`."""
+        if self.gate is not None and drafted and not tree:  # the gate's counts are per chain position
             self.gate.record(self.greedy, drafted, accepted)
+        if self.trees is not None and drafted and self.tree is not None:
+            self.trees.record(self.greedy, tree, accepted + 1, seconds)

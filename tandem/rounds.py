@@ -6,19 +6,23 @@ chunks in the coordinator): the loop only moves them.
     prefill                       the target: t and the prompt's features
     repeat until a stop:
       k       = policy.k_for_round()          how many drafts this round (tandem/policy.py)
-      drafts  = draft.draft(k)                the draft session: d_1..d_k (sampled: with their q)
-      verdict = target.verify(t, drafts)      accepted d_1..d_a, bonus b, features of t, d_1..d_a
+      tree    = policy.tree_for_round(k)      or a draft tree instead of the chain (EAGLE-2), where it pays
+      drafts  = draft.draft(k, tree)          the draft session: d_1..d_k (sampled: with their q), or a
+                                              tree's nodes with their parents
+      verdict = target.verify(t, drafts)      accepted d_1..d_a (a tree's: its accepted path), bonus b,
+                                              features of t, d_1..d_a
       commit                                  count, feed the draft the new pairs, t := b, emit
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from tandem.params import GenerationRequest, SamplingParams
+from tandem.params import GenerationRequest, SamplingParams, TreeParams
 from tandem.policy import KPolicy, Speculation
 from tandem.protocol import (
     Branch,
@@ -93,17 +97,20 @@ class DraftSession:
         """Newly committed pairs: `tokens[i]` follows the position of `features[i]`."""
         self._features, self._tokens = features, tokens
 
-    def draft(self, k: int, ahead_branches: int = 0) -> Drafts:
+    def draft(self, k: int, ahead_branches: int = 0, tree: TreeParams | None = None) -> Drafts:
         """This round's k drafts: prepared during the last verify when there are some, else a propose.
-        With `ahead_branches`, the draft then starts preparing the next round (answered in `settle`)."""
+        With `ahead_branches`, the draft then starts preparing the next round (answered in `settle`).
+        With `tree`, a draft tree of that shape instead (never with overlap: ahead steps draft chains)."""
         ready, self._ready = self._ready, None
-        if ready and ahead_branches:
+        if ready and ahead_branches and tree is None:
             drafts = ready.head(k)
         else:
             create, self._open = not self._open, True  # released even if this first call fails
-            sampled = {"sampling": self.sampling} if create and self.sampling is not None else {}
+            extra = {"sampling": self.sampling} if create and self.sampling is not None else {}
+            if tree is not None:
+                extra["tree"] = tree
             drafts = self._call(self.backend.propose, self.session_id, self._features, self._tokens, k,
-                                create=create, **sampled)
+                                create=create, **extra)
             self._features, self._tokens = None, []
         if self.alive and self.overlap and ahead_branches and drafts:
             self._pending = self._call(self.backend.ahead, self.session_id, self._features, self._tokens,
@@ -196,17 +203,19 @@ def run_rounds(
                 stats.num_rounds_load_shed += 1
                 if drafter is not None:
                     drafter.release()
-            drafts = Drafts()
+            drafts, started = Drafts(), time.perf_counter()
             if k > 0 and alive():
-                drafts = drafter.draft(k, _ahead_branches(speculation, drafter, k, limit - stopper.produced))
+                tree = policy.tree_for_round(k, stopper.produced)
+                branches = _ahead_branches(speculation, drafter, k, limit - stopper.produced) if tree is None else 0
+                drafts = drafter.draft(k, branches, tree)
             if k > 0 and not alive():
                 stats.num_rounds_without_draft += 1
             # verify
-            verdict = target.verify(session, token, drafts, alive(), drafts.q)
+            verdict = target.verify(session, token, drafts, alive(), drafts.q, drafts.parents)
             # commit
             accepted = len(verdict.accepted)
-            stats.count_round(len(drafts), accepted)
-            policy.record(len(drafts), accepted)
+            stats.count_round(len(drafts), accepted, drafts.parents is not None)
+            policy.record(len(drafts), accepted, time.perf_counter() - started, drafts.parents is not None)
             hit = drafter.settle(accepted, verdict.bonus) if drafter is not None else None
             if hit is not None:
                 stats.num_overlap_rounds += 1

@@ -50,12 +50,17 @@ class GenerationStats(BaseModel):
     # whose outcome it had prepared for (the next drafts were ready when the verify answered)
     num_overlap_rounds: int = 0
     num_overlap_hits: int = 0
+    num_tree_rounds: int = 0  # verify rounds that checked a draft tree (EAGLE-2) rather than a chain
 
-    def count_round(self, drafted: int, accepted: int) -> None:
-        """One verify round that checked `drafted` drafts and accepted the first `accepted` of them."""
+    def count_round(self, drafted: int, accepted: int, tree: bool = False) -> None:
+        """One verify round that checked `drafted` drafts (a chain's, or a tree's nodes) and accepted
+        `accepted` of them (the first ones of a chain, a path of a tree)."""
         self.num_rounds += 1
+        self.num_tree_rounds += tree
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < accepted:  # a tree deeper than the request's K
+            self.accepted_per_position += [0] * (accepted - len(self.accepted_per_position))
         for position in range(accepted):
             self.accepted_per_position[position] += 1
 

@@ -14,6 +14,8 @@ Kinds split a message's serialized size; they add up to it exactly:
     token_ids    the varint-encoded token id values (packed repeated fields: no tag, no length)
     draft_probs  q of sampled drafts: the DraftProbs messages (support ids as varints, float32
                  probabilities, and their own few bytes of framing); greedy drafts carry none
+    tree         a draft tree's shape: the parent of each node (a varint byte each), draft -> coordinator
+                 -> target; chains carry none
     text         UTF-8 bytes of the prompt and of the output text
     control      the rest: tags, lengths, shapes, sampling parameters, session ids, step timing
 
@@ -47,7 +49,7 @@ LINKS = (
     "draft->coordinator",
     "target->draft",
 )
-KINDS = ("features", "token_ids", "draft_probs", "text", "control")
+KINDS = ("features", "token_ids", "draft_probs", "tree", "text", "control")
 GRPC = "grpc"
 
 # The links each service's gRPC server sends and receives on.
@@ -84,14 +86,15 @@ class Parts:
     features: int = 0
     token_ids: int = 0
     draft_probs: int = 0
+    tree: int = 0
     text: int = 0
     num_token_ids: int = 0
     feature_rows: int = 0
 
     def kinds(self, size: int) -> dict[str, int]:
-        payload = self.features + self.token_ids + self.draft_probs + self.text
+        payload = self.features + self.token_ids + self.draft_probs + self.tree + self.text
         return {"features": self.features, "token_ids": self.token_ids, "draft_probs": self.draft_probs,
-                "text": self.text, "control": size - payload}
+                "tree": self.tree, "text": self.text, "control": size - payload}
 
 
 def _draft_probs(parts: Parts, q) -> None:
@@ -126,6 +129,7 @@ def _target_request(msg: target_pb2.TargetRequest, parts: Parts) -> None:
         _scalar_id(parts, msg.verify.token)
         _ids(parts, msg.verify.drafts)
         _draft_probs(parts, msg.verify.q)
+        parts.tree += ids_size(msg.verify.parents)
 
 
 def _target_response(msg: target_pb2.TargetResponse, parts: Parts) -> None:
@@ -148,6 +152,7 @@ def _draft_request(msg: draft_pb2.DraftRequest, parts: Parts) -> None:
 def _draft_response(msg: draft_pb2.DraftResponse, parts: Parts) -> None:
     _ids(parts, msg.drafts)
     _draft_probs(parts, msg.q)
+    parts.tree += ids_size(msg.parents)
     for branch in msg.branches:
         _draft_probs(parts, branch.q)
 

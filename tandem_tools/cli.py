@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 from collections.abc import Callable
 
 from tandem.aux_layers import CONVENTION_HELP, CONVENTIONS
+from tandem.config import OVERLAP_HELP, TREE_HELP, TREE_POLICY_HELP
 from tandem.dtypes import DTYPE_NAMES
 from tandem_tools.demos import add_demo_arg
 
 DTYPE_HELP = " | ".join(DTYPE_NAMES) + " (default float32)"
 TRANSPORT_HELP = "feature path target -> draft: auto | grpc | shm | cuda-ipc | nccl (default auto: cuda-ipc on one GPU node, nccl across GPUs, shm on one host, else grpc)"
-OVERLAP_HELP = "on: the draft prepares the next round while the target verifies (default off)"
 
 
 def _ids(text: str) -> list[int]:
@@ -22,6 +21,15 @@ def _ids(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+
+
+def _tree(text: str):
+    from tandem.params import parse_tree
+
+    try:
+        return parse_tree(text)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        raise argparse.ArgumentTypeError(str(exc).splitlines()[-1].strip()) from None
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -32,6 +40,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                      help="a user message, rendered with the target's chat template (the model answers it)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="K, draft tokens per round")
+    p.add_argument("--tree", type=_tree, metavar="NODES[,DEPTH[,TOP_K]]", help="an EAGLE-2 draft tree, not a chain")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -56,128 +65,8 @@ def build_request(args: argparse.Namespace, prompt_ids: list[int]):
         stop_token_ids=args.stop_token_ids,
         ignore_eos=args.ignore_eos,
         speculate=not args.no_speculation,
+        tree=args.tree,
     )
-
-
-def print_result(result, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(result.model_dump()))
-    else:
-        print(result.text if result.text is not None else result.token_ids)
-        s = result.stats
-        print(
-            f"[{len(result.token_ids)} tokens, finish={result.finish_reason}, rounds={s['num_rounds']}, "
-            f"mean acceptance length={s['mean_acceptance_length']:.2f}]",
-            file=sys.stderr,
-        )
-
-
-def _resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
-    """Explicit paths, a demo, or the built-in tiny pair when none are given."""
-    target, draft = args.target, args.draft
-    if getattr(args, "demo", None):
-        if target or draft:
-            raise ValueError("--demo is a target and a draft: give it or --target/--draft, not both")
-        from tandem_tools.demos import ensure_named_demo
-
-        demo = ensure_named_demo(args.demo)
-        return str(demo / "target"), str(demo / "draft")
-    if target is None:
-        from tandem_tools.tiny import ensure_tiny
-
-        tiny = ensure_tiny()
-        target = str(tiny / "target")
-        draft = draft or str(tiny / "draft")
-    return target, draft
-
-
-def print_deltas(deltas, as_json: bool) -> None:
-    """--stream: the text as it arrives (or one JSON object per delta), then the summary."""
-    last = None
-    for delta in deltas:
-        last = delta
-        if as_json:
-            print(json.dumps(delta.model_dump()), flush=True)
-        else:
-            print(delta.text, end="", flush=True)
-    if not as_json and last is not None:
-        print()
-        s = last.stats or {}
-        print(
-            f"[finish={last.finish_reason}, rounds={s.get('num_rounds')}, "
-            f"mean acceptance length={s.get('mean_acceptance_length', 0.0):.2f}]",
-            file=sys.stderr,
-        )
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    if args.server:
-        return _generate_remote(args)
-    if not args.in_process and not args.demo:
-        print("tandem generate: give --server HOST:PORT (a running coordinator), --in-process or --demo",
-              file=sys.stderr)
-        return 2
-    from tandem_tools.inprocess import InProcessGenerator
-
-    target, draft = _resolve_models(args)
-    generator = InProcessGenerator(
-        target, None if args.no_speculation else draft, device=args.device, dtype=args.dtype,
-        aux_layer_convention=args.aux_layer_convention,
-    )
-    prompt_ids = args.prompt_ids
-    if args.chat is not None:
-        prompt_ids = list(generator.tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.chat}], add_generation_prompt=True, tokenize=True, return_dict=False))
-    elif prompt_ids is None:
-        prompt_ids = generator.tokenizer(args.prompt)["input_ids"]
-    request = build_request(args, prompt_ids)
-    if args.compare:
-        from tandem_tools.inprocess import compare
-
-        return compare(generator, request, args.json, overlap=args.overlap == "on")
-    if args.stop or args.stream:  # the coordinator's text path: incremental detokenizer and stop strings
-        from coordinator.client import GenerateDelta, GenerateResult
-        from tandem.text import text_deltas
-
-        deltas = (
-            GenerateDelta(token_ids=d.token_ids, text=d.text, finish_reason=d.finish_reason,
-                          stats=d.stats.as_dict() if d.stats is not None else None)
-            for d in text_deltas(generator.stream(request, overlap=args.overlap == "on"),
-                                 generator.tokenizer.backend_tokenizer, args.stop)
-        )
-        if args.stream:
-            print_deltas(deltas, args.json)
-            return 0
-        pieces = list(deltas)
-        result = GenerateResult(
-            token_ids=[t for d in pieces for t in d.token_ids], text="".join(d.text for d in pieces),
-            finish_reason=pieces[-1].finish_reason, stats=pieces[-1].stats,
-        )
-    else:
-        result = generator.generate(request, detokenize=True, overlap=args.overlap == "on")
-    print_result(result, args.json)
-    return 0
-
-
-def _generate_remote(args: argparse.Namespace) -> int:
-    """`generate --server`: the gRPC client only (no torch in this process)."""
-    from coordinator.client import TandemClient, TandemError
-
-    names = ("max_new_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids",
-             "stop", "ignore_eos")
-    params = {name: getattr(args, name) for name in names} | {"speculate": not args.no_speculation}
-    if args.chat is not None:
-        params["messages"] = [{"role": "user", "content": args.chat}]
-    try:
-        with TandemClient(args.server, timeout=args.timeout) as client:
-            if args.stream:
-                print_deltas(client.generate_stream(args.prompt, args.prompt_ids, **params), args.json)
-            else:
-                print_result(client.generate(args.prompt, args.prompt_ids, **params), args.json)
-    except TandemError as exc:
-        print(f"tandem generate: {exc.code.name}: {exc.details}", file=sys.stderr)
-        return 1
-    return 0
 
 
 # -- the services -------------------------------------------------------------------------------
@@ -236,6 +125,8 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP)
     p.add_argument("--overlap-branches", type=int,
                    help="overlap: verify outcomes the draft prepares for (default 16)")
+    p.add_argument("--tree", metavar="NODES[,DEPTH[,TOP_K]]", help=TREE_HELP)
+    p.add_argument("--tree-policy", choices=["on", "off"], help=TREE_POLICY_HELP)
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:
@@ -272,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap", choices=["on", "off"], default="off",
                    help="--in-process: " + OVERLAP_HELP + " (--server: the coordinator's setting)")
     add_generation_args(p)
-    p.set_defaults(func=cmd_generate)
+    p.set_defaults(func=_later("tandem_tools.generate", "cmd_generate"))
 
     p = sub.add_parser("serve", help="start the target, draft and coordinator services (three processes)")
     p.add_argument("--target", help="target checkpoint directory (default: the built-in tiny pair)")
@@ -362,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", "-c", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    p.add_argument("--tree", type=_tree, metavar="NODES[,DEPTH[,TOP_K]]", help="every request drafts this tree")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None, help="request i gets seed + i")
     p.add_argument("--ignore-eos", action="store_true", help="every request generates --max-new-tokens")

@@ -13,7 +13,7 @@ from draft_server.engine import DraftEngine
 from tandem.config import SPEC_DRAFT_COST
 from tandem.pairing import TargetShape, check_pair
 from tandem.params import GenerationRequest
-from tandem.policy import AcceptanceGate, Speculation
+from tandem.policy import AcceptanceGate, Speculation, TreeGate
 from tandem.rounds import RoundEvent, run_rounds
 from target_server.engine import TargetEngine
 
@@ -39,9 +39,12 @@ class InProcessGenerator:
         dtype: str = "float32",
         draft_cost: float = SPEC_DRAFT_COST,
         aux_layer_convention: str | None = None,
+        tree_policy: bool = True,
     ):
         """`draft_cost`: the acceptance gate's cost of a draft token, as the coordinator's
-        --spec-draft-cost; 0 turns the gate off (every round drafts the request's K).
+        --spec-draft-cost; 0 turns the gate off (every round drafts the request's K). `tree_policy`: a
+        request with a draft tree runs, each round, the tree or its chain, whichever has measured faster
+        (the coordinator's --tree-policy); off: the tree every round.
         `aux_layer_convention`: how the head's layer ids count (tandem/aux_layers.py; None: its layout's)."""
         self.draft = None
         if draft_dir is not None:
@@ -52,7 +55,8 @@ class InProcessGenerator:
         if self.draft is not None:
             check_pair(target_shape(self.target), self.draft.shape())
         # one gate for the generator, as one for a coordinator: it learns from every generation
-        self.speculation = Speculation(gate=AcceptanceGate(draft_cost) if draft_cost else None)
+        self.speculation = Speculation(gate=AcceptanceGate(draft_cost) if draft_cost else None,
+                                       trees=TreeGate() if tree_policy else None)
         self._tokenizer = None
         self.target_dir = Path(target_dir)
 

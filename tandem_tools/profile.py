@@ -67,6 +67,7 @@ class ProfileConfig:
     dtype: str = "float32"
     overlap: bool = False  # a launched stack: the coordinator's --overlap
     transport: str = "auto"  # a launched stack: the feature path target -> draft
+    tree: object = None  # TreeParams: every request drafts this tree (a launched stack: the tree gate off)
 
 
 def load_prompts(path: Path | None) -> list[str | list[int]]:
@@ -109,7 +110,8 @@ class LaunchedStack:
         self.metrics = {name: f"127.0.0.1:{free_port()}" for name in names}
         args = ["--port", "0", "--target-device", config.target_device,
                 "--draft-device", config.draft_device, "--dtype", config.dtype,
-                "--overlap", "on" if config.overlap else "off", "--transport", config.transport]
+                "--overlap", "on" if config.overlap else "off", "--transport", config.transport,
+                "--tree-policy", "off" if config.tree is not None else "on"]
         if config.target is not None:
             args += ["--target", config.target]
         if config.draft is not None:
@@ -149,7 +151,7 @@ def _diff(after: dict, before: dict) -> dict[str, dict[str, int]]:
 
 def run_request(stub, index: int, prompt: str | list[int], config: ProfileConfig) -> RequestRecord:
     params = {"max_new_tokens": config.max_new_tokens, "num_draft_tokens": config.num_draft_tokens,
-              "temperature": config.temperature, "ignore_eos": config.ignore_eos}
+              "temperature": config.temperature, "ignore_eos": config.ignore_eos, "tree": config.tree}
     if config.seed is not None:
         params["seed"] = config.seed + index
     if isinstance(prompt, str):
@@ -244,7 +246,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         concurrency=args.concurrency, max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
         temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos, timeout=args.timeout,
         target_device=args.target_device, draft_device=args.draft_device, dtype=args.dtype,
-        overlap=args.overlap == "on", transport=args.transport,
+        overlap=args.overlap == "on", transport=args.transport, tree=args.tree,
     )
     report = profile(config)
     return 1 if report["totals"]["completed"] == 0 else 0

@@ -118,7 +118,7 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
     accepted_per_position: list[int] = []
     num_draft_tokens = num_accepted = num_drafts = 0
     profile0 = done[0].profile if done else None
-    overlap_rounds = overlap_hits = hit_rounds = 0
+    overlap_rounds = overlap_hits = hit_rounds = tree_rounds = 0
     drafted_rounds = 0  # verify rounds that carried drafts
     propose_ns: list[int] = []  # round trips of the proposes that ran
     exposed_ns = 0
@@ -175,6 +175,7 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
         s = rec.stats
         overlap_rounds += s.get("num_overlap_rounds", 0)
         overlap_hits += s.get("num_overlap_hits", 0)
+        tree_rounds += s.get("num_tree_rounds", 0)
         num_draft_tokens += s.get("num_draft_tokens", 0)
         num_accepted += s.get("num_accepted_tokens", 0)
         if s.get("accepted_per_position"):
@@ -252,6 +253,11 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
         "drafted_rounds": drafted_rounds, "bytes_per_round": q_bytes / drafted_rounds if drafted_rounds else 0.0,
         "bytes_per_draft": q_bytes / num_draft_tokens if num_draft_tokens else 0.0,
     }
+    tree_bytes = links["draft->coordinator"]["by_kind"]["tree"]
+    report["tree"] = {  # draft trees: each node's parent, draft -> coordinator, then relayed to the target
+        "bytes": tree_bytes, "relayed_to_target_bytes": links["coordinator->target"]["by_kind"]["tree"],
+        "tree_rounds": tree_rounds, "bytes_per_tree_round": tree_bytes / tree_rounds if tree_rounds else 0.0,
+    }
     propose_ms = statistics.fmean(propose_ns) / 1e6 if propose_ns else 0.0
     report["overlap"] = {
         "rounds": overlap_rounds, "hits": overlap_hits,
@@ -304,6 +310,10 @@ def summary(report: dict) -> str:
     if q.get("bytes"):
         lines.append(f"q (sampled drafts' distributions): {q['bytes_per_round']:.0f} B per drafted round per session, "
                      f"{q['bytes_per_draft']:.0f} B per draft (draft -> coordinator, relayed to the target)")
+    tree = report.get("tree", {})
+    if tree.get("tree_rounds"):
+        lines.append(f"draft trees: {tree['bytes_per_tree_round']:.0f} B of tree shape per tree round per session "
+                     f"({tree['tree_rounds']} tree rounds; node ids count as token_ids)")
     ov = report.get("overlap", {})
     if ov.get("rounds"):
         lines.append(

@@ -140,6 +140,9 @@ def serve(settings: ServeSettings) -> int:
             coordinator_args += ["--overlap", "on" if settings.overlap else "off"]
             if settings.overlap_branches is not None:
                 coordinator_args += ["--overlap-branches", str(settings.overlap_branches)]
+            if settings.tree is not None:
+                coordinator_args += ["--tree", settings.tree]
+            coordinator_args += ["--tree-policy", "on" if settings.tree_policy else "off"]
             if settings.http_port is not None:
                 coordinator_args += ["--http-port", str(settings.http_port)]
             if settings.served_model_name is not None:

@@ -1,4 +1,4 @@
-"""The lossless acceptance rule of speculative decoding, for a linear chain of K drafts.
+"""The lossless acceptance rule of speculative decoding, for a linear chain of K drafts and for a tree.
 
 The words (as vLLM's rejection sampler uses them):
   accepted tokens   the drafts d_1..d_a the target keeps
@@ -17,6 +17,18 @@ Drafts without q (the draft's argmax, or a draft that does not sample) count as 
 accepted with probability p_i(d_i), and the recovered token comes from p_i with d_i zeroed. That is
 lossless too, over any draft chosen independently, but accepts less: sum_x q(x) p(x) against
 sum_x min(p(x), q(x)) for a draft sampled from q. Greedy requests accept while d_i is the argmax.
+
+A draft tree (EAGLE-2; node 0 the root t, node i + 1 the draft d_{i+1}, Drafts.parents) is accepted along
+one path from the root. Greedy: move to the child whose token is the target's argmax at the current node;
+the bonus is the argmax where no child matches. Sampled: recursive rejection over the current node's
+children, the rule of SpecInfer (Miao et al. 2024, multi-step speculative sampling) and of the EAGLE
+reference's evaluate_posterior for candidates the draft chose deterministically (q one-hot on each): with
+p the target's distribution at the node, try its children in order, accept child c with probability p(c);
+when c is rejected, p(c) is set to 0 and p renormalised before the next sibling is tried. An accepted child
+becomes the current node; when every child is rejected (or there is none) the bonus is sampled from what
+is left of p. The committed tokens are distributed as sampling the target alone, because the siblings
+are distinct and were chosen independently of the target's randomness. A tree carries no q (the draft
+ranks its nodes, it does not sample them): a q sent with a tree is ignored.
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ from transformers.generation.logits_process import (
 )
 
 from tandem.params import SamplingParams
-from tandem.protocol import DraftProbs, TokenLogprob
+from tandem.protocol import DraftProbs, TokenLogprob, check_tree
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -104,6 +116,80 @@ def accept_sampled(
             final = residual
     bonus = torch.multinomial(final / final.sum(), 1, generator=generator)
     return accepted, int(bonus)
+
+
+def tree_children(parents: list[int]) -> list[list[int]]:
+    """Drafts.parents -> each node's children in the drafts' order (node 0 the root t, node i + 1 the
+    draft d_{i+1})."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, parent in enumerate(parents):
+        children[parent + 1].append(i + 1)
+    return children
+
+
+def tree_problem(drafts: list[int], parents: list[int], max_nodes: int) -> str | None:
+    """What is wrong with `parents` as the tree of `drafts` (None: nothing): at most `max_nodes` nodes, each
+    parent an earlier draft or the root (tandem.protocol.check_tree), siblings distinct tokens."""
+    if len(drafts) > max_nodes:
+        return f"a draft tree has at most {max_nodes} nodes, got {len(drafts)}"
+    problem = check_tree(parents, len(drafts))
+    if problem is None:
+        for children in tree_children(parents):
+            tokens = [drafts[c - 1] for c in children]
+            if len(set(tokens)) != len(tokens):
+                return f"a draft tree's siblings must be distinct tokens, got {tokens}"
+    return problem
+
+
+def accept_tree_argmax(best: list[int], tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
+    """The target's argmax at each node (read from the device once, for a whole batch), the nodes' tokens
+    [t, d_1..d_n] and the tree -> (the accepted path's nodes, without the root; the bonus). From the root,
+    move to the child whose token is the argmax at the current node; the bonus is the argmax where none is."""
+    children = tree_children(parents)
+    node, path = 0, []
+    while True:
+        match = [c for c in children[node] if tokens[c] == best[node]]
+        if not match:
+            return path, best[node]
+        node = match[0]
+        path.append(node)
+
+
+def reject_siblings(p: torch.Tensor, candidates: list[int],
+                    generator: torch.Generator) -> tuple[int | None, torch.Tensor]:
+    """p [V] (the target's distribution at a node) and its children's distinct tokens, tried in order ->
+    (which child is accepted, None: none; the distribution left: p, or p with every candidate zeroed and
+    renormalised). Child j is accepted with probability p(c_j) / (1 - p(c_1) - ... - p(c_{j-1})), its
+    probability under p with the earlier siblings zeroed and renormalised: one uniform per child, drawn at
+    once, and one host sync."""
+    ids = torch.tensor(candidates, dtype=torch.long, device=p.device)
+    mass = p[ids].double()  # [m]
+    left = p.double().sum() - torch.cumsum(mass, 0) + mass  # [m] p's mass with c_j's earlier siblings zeroed
+    u = torch.rand(len(candidates), generator=generator, device=p.device, dtype=torch.float64)
+    hits = (u * left < mass).tolist()  # u < p(c_j) / left_j; p(c_j) = 0 is never accepted
+    if True in hits:
+        return hits.index(True), p
+    residual = p.index_fill(0, ids, 0)
+    total = float(residual.sum())
+    return None, residual / total if total > 0 else p  # 0 only if rounding lost a child's certain acceptance
+
+
+def accept_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], params: SamplingParams,
+                generator: torch.Generator) -> tuple[list[int], int]:
+    """logits [n + 1, V] at the nodes, their tokens [t, d_1..d_n], the tree, a sampled request ->
+    (the accepted path's nodes, without the root; the bonus), by recursive rejection at each node of the
+    path (module docstring). The target's distribution is computed at the nodes the path visits only."""
+    children = tree_children(parents)
+    node, path = 0, []
+    while True:
+        p = target_probs(logits[node : node + 1], params)[0]  # [V]
+        if children[node]:
+            chosen, p = reject_siblings(p, [tokens[c] for c in children[node]], generator)
+            if chosen is not None:
+                node = children[node][chosen]
+                path.append(node)
+                continue
+        return path, int(torch.multinomial(p, 1, generator=generator))
 
 
 def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -5,6 +5,8 @@ The protocol per session (docs/architecture.md, 0-indexed positions):
   prefill(x_0..x_{n-1})        -> t = x_n, features F_0..F_{n-1}          [n, 3H]
   verify(t, d_1..d_K)          -> one forward at positions n..n+K, accept a drafts,
                                   bonus b, KV cropped to n+1+a, features of t, d_1..d_a [a+1, 3H]
+  verify(t, tree d_1..d_N)     -> one forward, each node at n + its depth seeing its own path only; accept
+                                  a path of a nodes, bonus b, KV of t and the path at n..n+a, their features
 
 Concurrent sessions are batched (tandem/batching.py): the prefill steps queued while a forward runs
 share the next one, and so do the verify steps (a prefill padded among verifies is wasted work).
@@ -34,11 +36,20 @@ from transformers import AutoConfig
 from tandem.aux_layers import capture_ids
 from tandem.batching import Batcher
 from tandem.dtypes import TORCH_DTYPES
-from tandem.params import MAX_DRAFT_TOKENS, SamplingParams
+from tandem.params import MAX_TREE_NODES, SamplingParams
 from tandem.protocol import DraftProbs, PrefillResult, VerifyResult
 from tandem.sessions import InvalidRequest, ResourceExhausted, SessionNotFound, SessionOwner, SessionTable
-from target_server.acceptance import accept, accept_argmax, dense_q, pick, token_logprobs
-from target_server.kv import KVBudget, KVLayer, KVPool, kv_budget_tokens  # noqa: F401 (re-exported)
+from target_server.acceptance import (
+    accept,
+    accept_argmax,
+    accept_tree,
+    accept_tree_argmax,
+    dense_q,
+    pick,
+    token_logprobs,
+    tree_problem,
+)
+from target_server.kv import VERIFY_TOKENS, KVBudget, KVLayer, KVPool, kv_budget_tokens  # noqa: F401
 from target_server.loading import eos_token_ids, load_target
 from target_server.native import load_native, unsupported
 from target_server.runners import HFRunner, NativeRunner, compile_default
@@ -66,9 +77,10 @@ class _Step:
 
     kind: Literal["prefill", "verify"]
     session: _Session
-    ids: list[int]  # the new tokens: the prompt, or [t, d_1..d_K]
+    ids: list[int]  # the new tokens: the prompt, or [t, d_1..d_K] (a tree's nodes: t, then the drafts)
     want_features: bool
     q: torch.Tensor | None = None  # a verify of sampled drafts: what each was sampled from, [K, V] (dense_q)
+    parents: list[int] | None = None  # a verify of a draft tree: Drafts.parents of ids[1:]; None: a chain
 
 
 def aux_layer_ids_from_draft(
@@ -191,6 +203,12 @@ class TargetEngine(SessionOwner):
         except SessionNotFound:
             return None
 
+    @property
+    def supports_trees(self) -> bool:
+        """Whether verify takes a draft tree (`parents`): the native engine, and transformers' model where it
+        has full attention only (target_server/runners.py)."""
+        return self.runner.supports_trees
+
     def _check_ids(self, ids: list[int], what: str) -> None:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
@@ -220,10 +238,10 @@ class TargetEngine(SessionOwner):
             # a fresh seed from the OS when none is given: torch.seed() would reseed the global RNG
             seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
             generator.manual_seed(seed)
-        # the whole generation; a verify holds up to K+1 uncommitted tokens for a moment
+        # the whole generation; a verify holds up to K+1 uncommitted tokens (a tree's nodes + 1) for a moment
         reserve = self.max_context
         if max_new_tokens is not None:
-            reserve = min(reserve, len(prompt_ids) + max_new_tokens + MAX_DRAFT_TOKENS + 1)
+            reserve = min(reserve, len(prompt_ids) + max_new_tokens + VERIFY_TOKENS)
         reserve = self.kv_budget.reserve(reserve)
         # Every layer keeps its full KV, so verify can always roll back (a config-built cache trims
         # sliding-window layers, Mistral's, and then cannot crop); blocks are taken as it grows.
@@ -238,13 +256,19 @@ class TargetEngine(SessionOwner):
         return result
 
     def verify(self, session_id: str, token: int, drafts: list[int], want_features: bool = True,
-               q: list[DraftProbs] | None = None) -> VerifyResult:
+               q: list[DraftProbs] | None = None, parents: list[int] | None = None) -> VerifyResult:
         """`q`: for a sampled session, the distribution the draft sampled each draft from (speculative
-        sampling, target_server/acceptance.py); None: the drafts are the draft's argmax."""
+        sampling, target_server/acceptance.py); None: the drafts are the draft's argmax. `parents`: the
+        drafts are a tree (Drafts.parents; its q, if any, is ignored); None: a chain."""
         session = self.sessions.get(session_id)
         self._check_ids([token, *drafts], "the verify input")
+        if parents is not None and not self.supports_trees:
+            raise InvalidRequest("draft trees need the native engine (the Llama family) or a full-attention "
+                                 f"model; this target runs transformers' {type(self.model).__name__}")
+        if parents is not None and (problem := tree_problem(drafts, parents, MAX_TREE_NODES)) is not None:
+            raise InvalidRequest(problem)
         dense = None
-        if q and not session.params.greedy:
+        if q and not session.params.greedy and parents is None:
             try:
                 dense = dense_q(q, drafts, self.vocab_size)  # here, not in the batch: the batch is one thread
             except ValueError as exc:
@@ -257,7 +281,7 @@ class TargetEngine(SessionOwner):
                 f"verify would grow the session to {grown} tokens, past the {session.reserved} its prefill "
                 "reserved (prompt + max_new_tokens)"
             )
-        step = _Step("verify", session, [token, *drafts], want_features, dense)
+        step = _Step("verify", session, [token, *drafts], want_features, dense, parents)
         result = self.batcher.submit(step, 1 + len(drafts), key=session_id, group="verify")
         session.last_used = time.monotonic()
         return result
@@ -302,8 +326,8 @@ class TargetEngine(SessionOwner):
             results.append(self._finish(step, logit, feature, argmax, kept.append))
             start += n
         self.runner.commit(steps, past, kept, self.kv_pool)
-        for step, n in zip(steps, kept, strict=True):
-            step.session.length += n
+        for step, keep in zip(steps, kept, strict=True):
+            step.session.length += len(keep)
         return results
 
     def _grow(self, session: _Session, length: int) -> None:
@@ -319,30 +343,45 @@ class TargetEngine(SessionOwner):
 
     def _finish(
         self, step: _Step, logits: torch.Tensor, features: torch.Tensor, argmax: list[int] | None,
-        commit: Callable[[int], None],
+        commit: Callable[[range | list[int]], None],
     ) -> PrefillResult | VerifyResult:
-        """Sample or accept from one sequence's logits (prefill: [1, V], verify: [K+1, V]), their argmax
-        already on the host for a greedy session; `commit(n)` is told how many of its new tokens it keeps."""
+        """Sample or accept from one sequence's logits (prefill: [1, V], verify: [K+1, V], a tree's one row
+        per node), their argmax already on the host for a greedy session; `commit(kept)` is told which of
+        its new tokens it keeps (a chain's first ones, a tree's root and accepted path)."""
         session = step.session
         greedy = session.params.greedy
         if step.kind == "prefill":
-            keep = len(step.ids)
+            keep: range | list[int] = range(len(step.ids))
             token = argmax[-1] if greedy else pick(logits[-1], session.params, session.generator)
             out = PrefillResult(token=token, features=features if step.want_features else None)
             if session.params.logprobs is not None:
                 out.logprobs = token_logprobs(logits[-1:], [out.token], session.params.logprobs)
+            commit(keep)
+            return out
+        drafts = step.ids[1:]
+        if step.parents is not None:
+            tree, params = step.parents, session.params
+            path, bonus = (accept_tree_argmax(argmax, step.ids, tree) if greedy
+                           else accept_tree(logits, step.ids, tree, params, session.generator))
+            keep = [0, *path]
         else:
-            drafts = step.ids[1:]
             if greedy:
                 accepted, bonus = accept_argmax(argmax, drafts)
             else:
                 drafted = torch.tensor(drafts, dtype=torch.long, device=self.device)
                 accepted, bonus = accept(logits, drafted, session.params, session.generator, step.q)
-            keep = 1 + accepted
-            out = VerifyResult(
-                accepted=drafts[:accepted], bonus=bonus, features=features[:keep] if step.want_features else None
-            )
-            if session.params.logprobs is not None:  # rows 0..a: the positions of d_1..d_a and b
-                out.logprobs = token_logprobs(logits[:keep], [*out.accepted, bonus], session.params.logprobs)
+            keep = range(1 + accepted)
+        out = VerifyResult(accepted=[step.ids[i] for i in keep[1:]], bonus=bonus,
+                           features=_rows(features, keep) if step.want_features else None)
+        top = session.params.logprobs
+        if top is not None:  # the rows of t and the accepted drafts: where d_1..d_a and b are
+            out.logprobs = token_logprobs(_rows(logits, keep), [*out.accepted, bonus], top)
         commit(keep)
         return out
+
+
+def _rows(t: torch.Tensor, keep: range | list[int]) -> torch.Tensor:
+    """The rows `keep` of t: a slice for a chain's first ones, an index (no host sync) for a tree's path."""
+    if isinstance(keep, range):
+        return t[: len(keep)]
+    return t.index_select(0, torch.tensor(keep, dtype=torch.long).to(t.device))

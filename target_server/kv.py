@@ -11,7 +11,12 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from tandem.params import MAX_DRAFT_TOKENS, MAX_TREE_NODES
 from tandem.sessions import ResourceExhausted
+
+# The most new tokens one verify writes for a moment: t and a chain's drafts or a tree's nodes. A prefill
+# reserves them on top of its generation; a full batch of verifies has that many rows of logits each.
+VERIFY_TOKENS = max(MAX_DRAFT_TOKENS, MAX_TREE_NODES) + 1
 
 
 class KVLayer(DynamicLayer):

@@ -6,12 +6,22 @@ position and its slot, the pool row its KV goes to. Each layer writes the new K/
 (index_copy_: no gather, no padded copy of the past, nothing allocated per forward) and every query
 attends, in the pool itself, the rows of its own sequence at positions up to its own:
 
-  owner[row] == owner[query]  and  position[row] <= position[query]
+  owner[row] == owner[query]  and  position[row] <= position[query]  and  tree[row] & anc[query] == tree[row]
 
-`owner` and `position` are kept per pool row and written with the KV. A rejected draft's row needs no
-clean-up: the next forward of its sequence starts at that position and writes the row again before
-anything reads it, and rows past every query's position are masked. Padding tokens write the scratch
+`owner`, `position` and `tree` are kept per pool row and written with the KV. A rejected draft's row of a
+chain needs no clean-up: the next forward of its sequence starts at that position and writes the row again
+before anything reads it, and rows past every query's position are masked. Padding tokens write the scratch
 block 0 (never handed out) as the owner PAD and attend it only.
+
+A draft tree (EAGLE-2) is verified in the same forward: node i (0 the root t, i + 1 the draft d_{i+1}) is
+written to the slot of position past + i but sits at position past + its depth (RoPE and the rule above),
+its row's `tree` is the bit 1 << i, and its query's `anc` the bits of its ancestors and itself: so it sees
+the committed past (tree 0) and its own path, never a sibling or a cousin. Every other token (prefills,
+chains) writes tree 0 and has anc 0. After acceptance `keep_rows` moves the accepted path's KV to the slots
+of its positions, marks those rows committed (tree 0) and frees the tree's other rows: their positions can
+be below a later query's. (The rule alone hides them too, even after a forward that failed before its
+commit: a left-over row of bit j sits at slot S + j, S its tree's start; a later tree starting at L >= S
+either writes that slot again or has n <= j nodes, so none of its queries has bit j; chains see tree 0 only.)
 
 Which pool blocks a query block may see (its sequences' blocks up to its last position, and the scratch
 block) is known on the host from the block tables: it becomes a flex_attention BlockMask (kv_num_blocks,
@@ -30,6 +40,7 @@ from typing import NamedTuple
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from tandem.protocol import tree_depths
 from target_server.kv import KVPool
 
 BLOCK = KVPool.BLOCK
@@ -43,8 +54,8 @@ Q_BLOCK = {"cpu": 4}
 
 
 class PagedKVPool(KVPool):
-    """The pool in attention's layout, per layer [1, kv_heads, rows, head_dim], and per row its owner and
-    position. Block 0 is the scratch block."""
+    """The pool in attention's layout, per layer [1, kv_heads, rows, head_dim], and per row its owner,
+    position and tree bit (0: not a tree node's). Block 0 is the scratch block."""
 
     ROW_DIM = 2
 
@@ -56,6 +67,7 @@ class PagedKVPool(KVPool):
         self.owner = torch.full((rows,), FREE, dtype=torch.int32, device=device)
         self.owner[:BLOCK] = PAD
         self.position = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.tree = torch.zeros(rows, dtype=torch.int64, device=device)
         self._free.remove(0)
 
     @property
@@ -75,6 +87,7 @@ class PagedKVPool(KVPool):
         super()._extend(rows)
         self.owner = torch.cat([self.owner, self.owner.new_full((rows,), FREE)])
         self.position = torch.cat([self.position, self.position.new_zeros(rows)])
+        self.tree = torch.cat([self.tree, self.tree.new_zeros(rows)])
 
 
 class PagedBatch(NamedTuple):
@@ -88,24 +101,34 @@ class PagedBatch(NamedTuple):
     values: list[torch.Tensor]
     row_owner: torch.Tensor  # [R] int32, written in place
     row_position: torch.Tensor  # [R] int32, written in place
+    row_tree: torch.Tensor  # [R] int64, written in place
+    tree: torch.Tensor  # [T] int64: each token's tree bit (0 but for a tree's nodes)
+    anc: torch.Tensor  # [T] int64: the tree bits each token sees (its ancestors', its own; 0 outside trees)
     q_block: int
     dense: int  # 0: flex_attention; else SDPA over the pool's first `dense` rows (those the batch's blocks are in)
+    trees: bool = False  # a tree among the spans (else the dense mask's tree rule is row_tree == 0)
     mask: BlockMask | torch.Tensor | None = None  # set by open_batch
 
 
 def open_batch(batch: PagedBatch, positions: torch.Tensor) -> PagedBatch:
-    """Marks the rows the new tokens write (owner, position; positions [T] int32) and builds the mask every
-    layer uses."""
+    """Marks the rows the new tokens write (owner, position, tree bit; positions [T] int32) and builds the
+    mask every layer uses."""
     batch.row_owner.index_copy_(0, batch.slots, batch.owner)
     batch.row_position.index_copy_(0, batch.slots, positions)
-    row_owner, row_position, owner = batch.row_owner, batch.row_position, batch.owner
+    batch.row_tree.index_copy_(0, batch.slots, batch.tree)
+    row_owner, row_position, row_tree = batch.row_owner, batch.row_position, batch.row_tree
+    owner, anc = batch.owner, batch.anc
     if batch.dense:
         row_owner, row_position = row_owner[: batch.dense], row_position[: batch.dense]
         mask = (row_owner[None] == owner[:, None]) & (row_position[None] <= positions[:, None])  # [T, dense]
+        row_tree = row_tree[None, : batch.dense]
+        # the tree rule; without a tree in the batch (anc 0 everywhere) it is tree[row] == 0, one row's worth
+        mask &= ((row_tree & anc[:, None]) == row_tree) if batch.trees else row_tree == 0
         return batch._replace(mask=mask)
 
     def visible(b, h, q, kv):
-        return (row_owner[kv] == owner[q]) & (row_position[kv] <= positions[q])
+        tree = row_tree[kv]
+        return (row_owner[kv] == owner[q]) & (row_position[kv] <= positions[q]) & ((tree & anc[q]) == tree)
 
     mask = BlockMask.from_kv_blocks(batch.kv_num, batch.kv_idx, BLOCK_SIZE=(batch.q_block, BLOCK), mask_mod=visible,
                                     seq_lengths=(owner.shape[0], row_owner.shape[0]))
@@ -125,12 +148,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
 
 @dataclass
 class Span:
-    """One sequence's new tokens in a forward: `new` tokens at positions past.., in its pool blocks."""
+    """One sequence's new tokens in a forward: `new` tokens at positions past.., in its pool blocks; a
+    tree's (`parents`: Drafts.parents of its new - 1 drafts) at past + their depths, in the slots of
+    past..past+new-1."""
 
     owner: int
     blocks: list[int]
     past: int
     new: int
+    parents: list[int] | None = None
+
+
+def ancestor_bits(parents: list[int]) -> list[int]:
+    """Per node of a tree (0 the root, i + 1 draft i), the bits 1 << j of its ancestors j and of itself."""
+    bits = [1]
+    for i, parent in enumerate(parents):
+        bits.append(bits[parent + 1] | 1 << (i + 1))
+    return bits
 
 
 def bucket(n: int) -> int:
@@ -147,22 +181,27 @@ def bucket(n: int) -> int:
 def plan(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool) -> tuple[torch.Tensor, PagedBatch]:
     """The positions [width] (int32) and the PagedBatch of a forward of `spans`' tokens padded to `width`, built
     on the host from the block tables and copied to the device once."""
-    positions, slots, owner = [], [], []
+    positions, slots, owner, tree, anc = [], [], [], [], []
     q_block = min(width, Q_BLOCK.get(pool.device.type, 16))
     seen: list[dict[int, None]] = [{0: None} for _ in range(-(-width // q_block))]  # the scratch block for padding
     for span in spans:
         start = len(positions)
+        depths = range(span.new) if span.parents is None else [0, *tree_depths(span.parents)]
         for i, p in enumerate(range(span.past, span.past + span.new)):
-            positions.append(p)
+            positions.append(span.past + depths[i])
             slots.append(span.blocks[p // BLOCK] * BLOCK + p % BLOCK)
             last = (start + i) // q_block
             if i + 1 == span.new or (start + i + 1) % q_block == 0:  # the last token of this span in its query block
                 seen[last].update(dict.fromkeys(span.blocks[: p // BLOCK + 1]))
         owner += [span.owner] * span.new
+        tree += [0] * span.new if span.parents is None else [1 << i for i in range(span.new)]
+        anc += [0] * span.new if span.parents is None else ancestor_bits(span.parents)
     pad = width - len(positions)
     positions += [0] * pad
     slots += [i % BLOCK for i in range(pad)]
     owner += [PAD] * pad
+    tree += [0] * pad
+    anc += [0] * pad
     kv_idx = torch.zeros(1, 1, len(seen), pool.blocks, dtype=torch.int32)
     for j, blocks in enumerate(seen):
         kv_idx[0, 0, j, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
@@ -171,7 +210,32 @@ def plan(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool) -> t
     batch = PagedBatch(
         slots=torch.tensor(slots, dtype=torch.long).to(device), owner=torch.tensor(owner, dtype=torch.int32).to(device),
         kv_num=kv_num.to(device), kv_idx=kv_idx.to(device), keys=pool.keys, values=pool.values,
-        row_owner=pool.owner, row_position=pool.position, q_block=q_block,
+        row_owner=pool.owner, row_position=pool.position, row_tree=pool.tree,
+        tree=torch.tensor(tree, dtype=torch.int64).to(device),
+        anc=torch.tensor(anc, dtype=torch.int64).to(device),
+        q_block=q_block, trees=any(span.parents is not None for span in spans),
         dense=(1 + max((b for span in spans for b in span.blocks), default=0)) * BLOCK if dense else 0,
     )
     return torch.tensor(positions, dtype=torch.int32).to(device), batch
+
+
+def keep_rows(pool: PagedKVPool, src: list[int], dst: list[int], positions: list[int],
+              freed: list[int]) -> None:
+    """After a tree verify (all its steps at once, on the device, no host sync): the KV of the kept nodes'
+    rows `src` moves to the rows `dst` of their committed `positions` in every layer; those rows become
+    committed (position, tree bit 0), and the rows `freed` (the trees' other nodes) are freed."""
+    device = pool.device
+    to = torch.tensor(dst, dtype=torch.long).to(device)
+    moved = [(s, d) for s, d in zip(src, dst, strict=True) if s != d]
+    if moved:
+        rows_from = torch.tensor([s for s, _ in moved], dtype=torch.long).to(device)
+        rows_to = torch.tensor([d for _, d in moved], dtype=torch.long).to(device)
+        for table in (pool.keys, pool.values):
+            for t in table:  # index_select copies first: a row may be read and written by two moves
+                t.index_copy_(pool.ROW_DIM, rows_to, t.index_select(pool.ROW_DIM, rows_from))
+    pool.position.index_copy_(0, to, torch.tensor(positions, dtype=torch.int32).to(device))
+    pool.tree.index_fill_(0, to, 0)
+    if freed:
+        gone = torch.tensor(freed, dtype=torch.long).to(device)
+        pool.owner.index_fill_(0, gone, FREE)
+        pool.tree.index_fill_(0, gone, 0)

@@ -1,22 +1,27 @@
 """How the target engine turns a batch of steps into forwards: two runners with one contract.
 
+  supports_trees              whether a verify's drafts may be a tree (_Step.parents)
   forward(steps) -> logits [N, V] (a prefill's last row, every row of a verify, in step order) and
-                    each step's features [n, 3H]
-  commit(steps, past, kept)   after acceptance: each step keeps the KV of its first `kept` new tokens
+                    each step's features [n, 3H]; a tree's nodes each attend to the past and their own path
+  commit(steps, past, kept)   after acceptance: each step keeps the KV of the new tokens kept[i] (indices
+                    into its new tokens, ascending: range(n) for a prefill, range(1 + a) for a chain, the
+                    accepted path's nodes [0, i_1 + 1, ...] for a tree), at positions past[i] + 0, 1, ...
 
 NativeRunner (target_server/native.py, the Llama family): the flattened batch padded to a bucket, one
 forward that writes the new KV into the paged pool in place and attends there (target_server/paged.py),
-compiled once per bucket; commit has nothing to do (rejected rows are written over by the next forward).
+compiled once per bucket; a chain's commit has nothing to do (rejected rows are written over by the next
+forward), a tree's moves its path's rows to their positions' slots and frees the rest (paged.keep_rows).
 
 HFRunner (any other architecture): transformers' forward over the batch right-padded, each sequence's past
-gathered out of the pool left-padded layer by layer (KVLayer), and the committed rows scattered back.
+gathered out of the pool left-padded layer by layer (KVLayer), and the committed rows scattered back. A
+batch with a tree passes a 4D additive mask (transformers uses it as given) for full-attention models.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,11 +29,11 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers.cache_utils import Cache
 
 from tandem.packed import can_pack, pack_linears
-from tandem.params import MAX_DRAFT_TOKENS
-from target_server.kv import KVLayer, KVPool
+from tandem.protocol import tree_depths
+from target_server.kv import VERIFY_TOKENS, KVLayer, KVPool
 from target_server.loading import LoadedTarget
 from target_server.native import NativeCausalLM
-from target_server.paged import PAD, PagedKVPool, Span, bucket, plan
+from target_server.paged import BLOCK, PAD, PagedKVPool, Span, ancestor_bits, bucket, keep_rows, plan
 
 if TYPE_CHECKING:
     from target_server.engine import _Step
@@ -50,8 +55,16 @@ def _new_rows(steps: list[_Step]) -> list[int]:
     return [1 if step.kind == "prefill" else len(step.ids) for step in steps]
 
 
+def _prefix(keep: Sequence[int]) -> bool:
+    """Whether kept indices are the first len(keep) new tokens."""
+    if isinstance(keep, range):
+        return keep.start == 0 and keep.step == 1
+    return list(keep) == list(range(len(keep)))
+
+
 class NativeRunner:
     CPU_BLOCKS = 256  # a CPU pool's first size (4096 tokens), grown up to the budget: each growth recompiles
+    supports_trees = True
 
     def __init__(self, model: NativeCausalLM, device: torch.device, compile: bool):
         self.model, self.device, self.compiled = model, device, compile
@@ -81,7 +94,7 @@ class NativeRunner:
             if self.compiled:
                 log.info("compiling the target's forward for %d tokens over a pool of %d rows (once)", width,
                          pool.owner.shape[0])
-        spans = [Span(step.session.owner, step.session.blocks, step.session.length, size)
+        spans = [Span(step.session.owner, step.session.blocks, step.session.length, size, step.parents)
                  for step, size in zip(steps, sizes, strict=True)]
         ids = torch.tensor([i for step in steps for i in step.ids] + [0] * (width - n)).to(self.device)
         positions, batch = plan(spans, width, pool, dense=not self.compiled)
@@ -106,7 +119,7 @@ class NativeRunner:
         width = bucket(n) if self.compiled else n  # static shapes are for the compiler; eager pads nothing
         positions, batch = plan([Span(PAD, [0] * -(-n // KVPool.BLOCK), 0, n)], width, pool, not self.compiled)
         hidden, _ = self._forward(torch.zeros(width, dtype=torch.long, device=device), positions, batch)
-        rows = min(n, max_batch * (MAX_DRAFT_TOKENS + 1))
+        rows = min(n, max_batch * VERIFY_TOKENS)
         logits = self.model.lm_head(hidden[:rows]).float().log_softmax(-1)
         del hidden, logits
         torch.cuda.synchronize(device)
@@ -114,8 +127,22 @@ class NativeRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def commit(self, steps: list[_Step], past: list[int], kept: list[int], pool: PagedKVPool) -> None:
-        pass
+    def commit(self, steps: list[_Step], past: list[int], kept: list[Sequence[int]],
+               pool: PagedKVPool) -> None:
+        """A chain's kept rows are already where their positions are; a tree's path moves there, and the
+        tree's other rows are freed (paged.keep_rows: one copy per layer for the whole batch)."""
+        src, dst, positions, freed = [], [], [], []
+        for step, start, keep in zip(steps, past, kept, strict=True):
+            if step.parents is None and _prefix(keep):
+                continue
+            blocks = step.session.blocks
+            slot = [blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + len(step.ids))]
+            src += [slot[i] for i in keep]
+            dst += slot[: len(keep)]
+            positions += range(start, start + len(keep))
+            freed += slot[len(keep) :]
+        if dst:
+            keep_rows(pool, src, dst, positions, freed)
 
 
 class HFRunner:
@@ -126,6 +153,15 @@ class HFRunner:
         self.config = loaded.config
         self._batch: list[KVLayer] = []
         self._width = 0
+        # A tree's 4D mask replaces the one transformers would build for every layer: not for sliding-window
+        # or hybrid models (their windows would be lost), and only for the implementations that take an
+        # additive float mask.
+        config = self.config
+        window = getattr(config, "sliding_window", None)
+        types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        windowed = window and window < getattr(config, "max_position_embeddings", 0)
+        full = not windowed and types == {"full_attention"}
+        self.supports_trees = full and self.model.config._attn_implementation in ("sdpa", "eager")
 
     def make_pool(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, tokens: int | None) -> KVPool:
         cap = None if tokens is None else max(tokens // KVPool.BLOCK, 1)
@@ -161,10 +197,15 @@ class HFRunner:
             ids[i, : sizes[i]] = torch.tensor(step.ids)
             mask[i, longest - past[i] : longest + sizes[i]] = 1  # padding before the past and after the new tokens
             positions[i] = torch.arange(past[i], past[i] + width)
+            if step.parents is not None:  # a tree's nodes at past + their depths
+                positions[i, : sizes[i]] = past[i] + torch.tensor([0, *tree_depths(step.parents)])
+        attention = None if len(steps) == 1 else mask.to(self.device)
+        if any(step.parents is not None for step in steps):
+            attention = self._tree_mask(steps, mask, longest, width)
         self._batch, self._width = self._gather_kv(steps, longest, pool), width
         hidden = self.decoder(
             input_ids=ids.to(self.device),
-            attention_mask=None if len(steps) == 1 else mask.to(self.device),
+            attention_mask=attention,
             position_ids=positions.to(self.device),
             past_key_values=Cache(layers=self._batch),
             use_cache=True,
@@ -173,6 +214,22 @@ class HFRunner:
         rows = [hidden[i, n - 1 : n] if step.kind == "prefill" else hidden[i, :n]
                 for i, (step, n) in enumerate(zip(steps, sizes, strict=True))]
         return self.logits(torch.cat(rows)), [features[i, :n] for i, n in enumerate(sizes)]
+
+    def _tree_mask(self, steps: list[_Step], mask: torch.Tensor, longest: int, width: int) -> torch.Tensor:
+        """[B, 1, width, longest + width] additive (0 visible, the dtype's minimum hidden; transformers passes
+        a 4D mask through as given): the padding of `mask` [B, longest + width], causal among the new tokens,
+        and a tree's node sees only its ancestors and itself among them."""
+        new = torch.ones(width, width, dtype=torch.bool).tril().repeat(len(steps), 1, 1)  # [B, width, width]
+        for i, step in enumerate(steps):
+            if step.parents is not None:
+                bits = torch.tensor(ancestor_bits(step.parents))  # [n]
+                n = bits.numel()
+                new[i, :n, :n] = (bits[:, None] >> torch.arange(n)[None]) & 1 == 1
+        visible = mask.bool()[:, None, :].repeat(1, width, 1)  # [B, width, longest + width]
+        visible[:, :, longest:] &= new
+        dtype = self.model.dtype
+        additive = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+        return additive[:, None].to(self.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
@@ -198,11 +255,13 @@ class HFRunner:
 
         return [KVLayer(gather(layer), shape, pool.dtype, self.device) for layer in range(len(pool.keys))]
 
-    def commit(self, steps: list[_Step], past: list[int], kept: list[int], pool: KVPool) -> None:
-        """The KV of the tokens each session commits (its first `kept` new ones) into its pool rows."""
-        rows = torch.cat([step.session.rows[p : p + n] for step, p, n in zip(steps, past, kept, strict=True)])
+    def commit(self, steps: list[_Step], past: list[int], kept: list[Sequence[int]], pool: KVPool) -> None:
+        """The KV of the tokens each session commits (its new tokens `kept`) into its pool rows."""
+        rows = torch.cat([step.session.rows[p : p + len(keep)]
+                          for step, p, keep in zip(steps, past, kept, strict=True)])
         # which of the batch's B x width new tokens: an index built on the host (a boolean mask syncs)
-        chosen = torch.tensor([i * self._width + j for i, n in enumerate(kept) for j in range(n)], device=self.device)
+        chosen = torch.tensor([i * self._width + j for i, keep in enumerate(kept) for j in keep],
+                              device=self.device)
         for layer, pool_keys, pool_values in zip(self._batch, pool.keys, pool.values, strict=True):
             pool_keys[rows] = layer.new_keys.transpose(1, 2).flatten(0, 1)[chosen]  # [B * width, heads, D] rows
             pool_values[rows] = layer.new_values.transpose(1, 2).flatten(0, 1)[chosen]
@@ -224,7 +283,7 @@ class HFRunner:
         hidden = self.decoder(input_ids=ids, position_ids=torch.arange(n, device=device)[None],
                               past_key_values=Cache(layers=layers), use_cache=True).last_hidden_state
         self.capture.take()
-        rows = min(n, max_batch * (MAX_DRAFT_TOKENS + 1))
+        rows = min(n, max_batch * VERIFY_TOKENS)
         logits = self.logits(hidden[0, :rows]).float().log_softmax(-1)  # the acceptance rule's work, in float
         del hidden, logits, layers
         torch.cuda.synchronize(device)

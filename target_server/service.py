@@ -15,7 +15,7 @@ import grpc
 import torch
 
 from tandem.config import TargetSettings
-from tandem.convert import draft_probs_from_pb, logprobs_to_pb, sampling_from_pb
+from tandem.convert import draft_probs_from_pb, logprobs_to_pb, parents_from_pb, sampling_from_pb
 from tandem.dtypes import name_of
 from tandem.errors import Abort
 from tandem.service import Service, StartupError, run_service
@@ -135,7 +135,7 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
                         v = request.verify
                         with clock.compute():
                             result = engine.verify(session_id, v.token, list(v.drafts), v.want_features,
-                                                   draft_probs_from_pb(v.q))
+                                                   draft_probs_from_pb(v.q), parents_from_pb(v.parents))
                         head = target_pb2.TargetResponse(
                             verified=target_pb2.Verified(accepted=result.accepted, bonus=result.bonus)
                         )

@@ -33,13 +33,17 @@ class OracleDraft:
                 self._logits_cache[key] = self.model(torch.tensor([ids])).logits[0, -1]
         return self._logits_cache[key]
 
-    def propose(self, session_id, features, next_tokens, num_draft_tokens, create=False, sampling=None):
-        """The drafts are argmax-like (no q): the target counts q one-hot on them."""
+    def propose(self, session_id, features, next_tokens, num_draft_tokens, create=False, sampling=None, tree=None):
+        """The drafts are argmax-like (no q): the target counts q one-hot on them. With `tree`: a tree of
+        the target's top_k at each node in a shuffled order (so the accepted path wanders through the
+        node order), the argmax dropped with probability `corrupt`; two nodes expanded a depth."""
         if create:
             self.context[session_id] = [self._next_first]
         context = self.context[session_id]
         context.extend(next_tokens)
         rollout = list(context)
+        if tree is not None:
+            return self._tree(rollout, tree)
         drafts = []
         for _ in range(num_draft_tokens):
             top = self._last_logits(rollout).topk(5).indices
@@ -49,6 +53,23 @@ class OracleDraft:
             drafts.append(int(top[pick]))
             rollout.append(drafts[-1])
         return drafts
+
+    def _tree(self, rollout: list[int], tree) -> Drafts:
+        tokens, parents, frontier = [], [], [(-1, rollout)]  # frontier[0]: on the target's greedy path
+        for _ in range(tree.depth):
+            on_path, others = [], []
+            for i, (parent, context) in enumerate(frontier):
+                top = self._last_logits(context).topk(tree.top_k + 1).indices.tolist()
+                children = top[1:] if float(torch.rand(1, generator=self.rng)) < self.corrupt else top[:-1]
+                for j in torch.randperm(len(children), generator=self.rng).tolist():
+                    if len(tokens) == tree.nodes:
+                        break
+                    tokens.append(children[j])
+                    parents.append(parent)
+                    node = (len(tokens) - 1, [*context, children[j]])
+                    (on_path if i == 0 and children[j] == top[0] else others).append(node)
+            frontier = (on_path + others)[:2]
+        return Drafts(tokens, None, parents)
 
     def ahead(self, session_id, features, next_tokens, drafts, num_draft_tokens, branches=1):
         """Overlap: assume `drafts` accepted and the target's greedy bonus after them, then draft on (with
@@ -98,12 +119,31 @@ class SamplingOracleDraft:
                 self._logits_cache[key] = self.model(torch.tensor([ids])).logits[0, -1] / self.temper + self.bias
         return self._logits_cache[key]
 
-    def propose(self, session_id, features, next_tokens, num_draft_tokens, create=False, sampling=None):
+    def propose(self, session_id, features, next_tokens, num_draft_tokens, create=False, sampling=None, tree=None):
         if create:
             self.context[session_id] = [self.first_token]
             self.samplers[session_id] = DraftSampler.for_request(sampling)
         self.context[session_id].extend(next_tokens)
+        if tree is not None:
+            return self._tree(list(self.context[session_id]), tree)
         return self._rollout(session_id, list(self.context[session_id]), num_draft_tokens)
+
+    def _tree(self, rollout: list[int], tree) -> Drafts:
+        """A tree of its own top_k at each node (distinct, chosen without the target's randomness: no q),
+        the two likeliest nodes of each depth expanded."""
+        tokens, parents, frontier = [], [], [(-1, rollout)]
+        for _ in range(tree.depth):
+            expand = []
+            for parent, context in frontier:
+                for token in self._logits(context).topk(tree.top_k).indices.tolist():
+                    if len(tokens) == tree.nodes:
+                        break
+                    tokens.append(token)
+                    parents.append(parent)
+                    if len(expand) < 2:
+                        expand.append((len(tokens) - 1, [*context, token]))
+            frontier = expand
+        return Drafts(tokens, None, parents)
 
     def _rollout(self, session_id: str, rollout: list[int], k: int) -> Drafts:
         """k drafts after `rollout`, each drawn from q with the uniform of its position."""

@@ -192,6 +192,23 @@ def test_concurrent_clients_each_get_their_own_output(stack, reference):
         assert list(pool.map(run, prompts)) == wanted
 
 
+def test_draft_trees_through_the_services_give_the_targets_tokens(stack, reference):
+    """Tree requests (the draft's dynamic trees, the target's tree verify, parents relayed by the
+    coordinator), several at once beside chain requests: every output is target-only's."""
+    prompts = id_prompts(6, reference.target.vocab_size, seed=5)
+    wanted = [expected(reference, p, max_new_tokens=20, speculate=False)["token_ids"] for p in prompts]
+
+    def run(i: int) -> dict:
+        tree = {"nodes": 10, "depth": 3, "top_k": 4} if i % 3 else None
+        with TandemClient(stack.address, timeout=120) as own:
+            return remote(own, prompts[i], max_new_tokens=20, num_draft_tokens=3, tree=tree)
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(run, range(6)))
+    assert [r["token_ids"] for r in results] == wanted
+    assert all(r["stats"]["num_tree_rounds"] > 0 for i, r in enumerate(results) if i % 3)
+
+
 def test_a_4096_token_prompt_works_end_to_end(client, reference):
     # 4096 x 3 x 64 float32 features = 3 MiB: two 2 MiB chunks from target to draft via the coordinator
     prompt = id_prompts(1, reference.target.vocab_size, seed=3)[0] * 200
@@ -246,6 +263,7 @@ def test_cli_in_process_honours_stop_strings_like_the_server(stack, client, tiny
         ({"prompt": "x", "num_draft_tokens": 99}, "num_draft_tokens"),
         ({"prompt": ""}, "empty"),
         ({"prompt_ids": [1, 10**6]}, "vocabulary"),
+        ({"prompt": "x", "tree": {"nodes": 99}}, "tree nodes"),
     ],
 )
 def test_bad_requests_are_invalid_argument(client, params, message):

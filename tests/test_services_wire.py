@@ -106,7 +106,7 @@ class BigFeaturesTarget:
         self.sessions.add(session_id)
         return PrefillResult(token=7, features=self.features[: len(prompt_ids)])
 
-    def verify(self, session_id, token, drafts, want_features=True, q=None):
+    def verify(self, session_id, token, drafts, want_features=True, q=None, parents=None):
         return VerifyResult(accepted=drafts[:1], bonus=9, features=self.features[:2])
 
     def release(self, session_id):
@@ -123,7 +123,7 @@ class RecordingDraftEngine:
     def session_ids(self):
         return list(self.sessions)
 
-    def propose(self, session_id, features, next_tokens, num_draft_tokens, create=False, sampling=None):
+    def propose(self, session_id, features, next_tokens, num_draft_tokens, create=False, sampling=None, tree=None):
         assert features.shape[0] == len(next_tokens)
         self.sessions.add(session_id)
         self.received.append(features)

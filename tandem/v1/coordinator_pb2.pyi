@@ -17,7 +17,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "num_draft_tokens", "sampling", "stop_token_ids", "stop", "ignore_eos", "speculate", "profile", "messages")
+    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "num_draft_tokens", "sampling", "stop_token_ids", "stop", "ignore_eos", "speculate", "profile", "messages", "tree")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class GenerateRequest(_message.Message):
     SPECULATE_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -40,10 +41,11 @@ class GenerateRequest(_message.Message):
     speculate: bool
     profile: bool
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., speculate: _Optional[bool] = ..., profile: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    tree: _common_pb2.TreeParams
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., speculate: _Optional[bool] = ..., profile: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("num_rounds", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length", "accepted_per_position", "num_rounds_without_draft", "num_rounds_load_shed", "num_overlap_rounds", "num_overlap_hits", "overlap_hit_rate")
+    __slots__ = ("num_rounds", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length", "accepted_per_position", "num_rounds_without_draft", "num_rounds_load_shed", "num_overlap_rounds", "num_overlap_hits", "overlap_hit_rate", "num_tree_rounds")
     NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +56,7 @@ class GenerationStats(_message.Message):
     NUM_OVERLAP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     NUM_OVERLAP_HITS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TREE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     num_rounds: int
     num_draft_tokens: int
     num_accepted_tokens: int
@@ -64,7 +67,8 @@ class GenerationStats(_message.Message):
     num_overlap_rounds: int
     num_overlap_hits: int
     overlap_hit_rate: float
-    def __init__(self, num_rounds: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_rounds_without_draft: _Optional[int] = ..., num_rounds_load_shed: _Optional[int] = ..., num_overlap_rounds: _Optional[int] = ..., num_overlap_hits: _Optional[int] = ..., overlap_hit_rate: _Optional[float] = ...) -> None: ...
+    num_tree_rounds: int
+    def __init__(self, num_rounds: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_rounds_without_draft: _Optional[int] = ..., num_rounds_load_shed: _Optional[int] = ..., num_overlap_rounds: _Optional[int] = ..., num_overlap_hits: _Optional[int] = ..., overlap_hit_rate: _Optional[float] = ..., num_tree_rounds: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats", "profile")

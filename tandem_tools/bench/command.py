@@ -93,7 +93,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         target=target, draft=draft, assistant=assistant, prompts=_prompts(args, target, demo), stacks=args.stack,
         num_draft_tokens=args.num_draft_tokens, temperatures=args.temperature, concurrency=args.concurrency,
         max_new_tokens=args.max_new_tokens, seed=args.seed, threads=args.threads, overlap=args.overlap,
-        split_cpus=args.split_cpus, vllm_python=_vllm_python(args),
+        split_cpus=args.split_cpus, vllm_python=_vllm_python(args), trees=args.tree, tree_depth=args.tree_depth,
+        tree_top_k=args.tree_top_k, tree_policy=args.tree_policy,
     )
     out = Path(args.out)
     runs = run_bench(config, out, echo=lambda m: print(m, file=sys.stderr, flush=True))
@@ -178,6 +179,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=_list(int), default=[1], help="concurrent requests (default 1)")
     p.add_argument("--overlap", type=_list(_on_off), default=[False],
                    help="on,off: EAGLE-3 cases with overlapped drafting, without, or both (default off)")
+    p.add_argument("--tree", type=_list(int), default=[], metavar="N,...",
+                   help="EAGLE-2 draft trees of N nodes too (cases 'eagle3-tree', beside the chains)")
+    p.add_argument("--tree-depth", type=int, help="the trees' depth (default: the largest K, the chain's)")
+    p.add_argument("--tree-top-k", type=int, default=10, help="the trees' children per expansion (default 10)")
+    p.add_argument("--tree-policy", type=_on_off, default=True,
+                   help="on: each round the tree or the chain of the largest K, whichever has measured faster; "
+                        "off: every round the tree (default on)")
     p.add_argument("--split-cpus", type=_on_off, default=True,
                    help="services: tandem serve --split-cpus, the target on half the CPUs and the draft and the "
                         "coordinator on the rest (default on)")

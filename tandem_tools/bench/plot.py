@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem_tools.bench.runners import EAGLE3, PEER, TARGET_ONLY
+from tandem_tools.bench.runners import EAGLE3, EAGLE3_TREE, PEER, TARGET_ONLY
 from tandem_tools.bench.table import speedups
 
 
@@ -18,7 +18,7 @@ def plot_runs(runs: list[dict], path: Path, title: str = "") -> Path:
 
     panels = sorted({(r["temperature"], r["concurrency"]) for r in runs})
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), squeeze=False, layout="constrained")
-    colors = {TARGET_ONLY: "#7f7f7f", EAGLE3: "#d62728", PEER: "#1f77b4"}
+    colors = {TARGET_ONLY: "#7f7f7f", EAGLE3: "#d62728", EAGLE3_TREE: "#9467bd", PEER: "#1f77b4"}
     ups = speedups(runs)
     for ax, (temperature, concurrency) in zip(axes[0], panels):
         items = [(r, s) for r, s in zip(runs, ups) if (r["temperature"], r["concurrency"]) == (temperature, concurrency)]
@@ -35,7 +35,7 @@ def plot_runs(runs: list[dict], path: Path, title: str = "") -> Path:
             if r["mode"] != TARGET_ONLY:
                 note += f"\nτ={r['mean_acceptance_length']:.2f}"
             ax.text(x, r["tokens_per_s"], note, ha="center", va="bottom", fontsize=8)
-            tick = "target\nonly" if r["mode"] == TARGET_ONLY else f"K={r['K']}"
+            tick = "target\nonly" if r["mode"] == TARGET_ONLY else f"N={r['tree']}" if r.get("tree") else f"K={r['K']}"
             ticks.append((x, tick + ("\noverlap" if r.get("overlap") else "")))
             x += 1.0
         ax.set_xticks([p for p, _ in ticks], [t for _, t in ticks], fontsize=8)
@@ -46,8 +46,8 @@ def plot_runs(runs: list[dict], path: Path, title: str = "") -> Path:
         ax.set_title(f"temperature {temperature:g}, concurrency {concurrency}")
         ax.margins(y=0.18)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    fig.legend(handles, ["target-only", "EAGLE-3", "assisted generation (transformers)"],
-               loc="outside lower center", ncol=3, fontsize=9)
+    fig.legend(handles, ["target-only", "EAGLE-3", "EAGLE-3, draft tree", "assisted generation (transformers)"],
+               loc="outside lower center", ncol=4, fontsize=9)
     fig.suptitle(title or "tandem bench")
     fig.savefig(path, dpi=110)
     plt.close(fig)

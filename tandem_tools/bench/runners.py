@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 STACKS = ("services", "in-process")
-TARGET_ONLY, EAGLE3, PEER = "target-only", "eagle3", "assisted-peer"
+TARGET_ONLY, EAGLE3, EAGLE3_TREE, PEER = "target-only", "eagle3", "eagle3-tree", "assisted-peer"
 
 
 @dataclass
@@ -28,6 +28,7 @@ class Outcome:
     seconds: float = 0.0  # the request's latency, as its client saw it
     overlap_rounds: int = 0
     overlap_hits: int = 0
+    tree_rounds: int = 0  # verify rounds of a draft tree
 
 
 class ServicesRunner:
@@ -36,7 +37,7 @@ class ServicesRunner:
     stack = "services"
 
     def __init__(self, target: Path, draft: Path, log: Path, startup_timeout: float, overlap: bool = False,
-                 split_cpus: bool = True):
+                 split_cpus: bool = True, tree_policy: bool = True):
         from coordinator.client import TandemClient
         from tandem_tools.serve import launch
 
@@ -44,13 +45,15 @@ class ServicesRunner:
         self.proc, self.address = launch(["--target", str(target), "--draft", str(draft), "--port", "0",
                                           "--startup-timeout", str(startup_timeout),
                                           "--overlap", "on" if overlap else "off",
+                                          "--tree-policy", "on" if tree_policy else "off",
                                           "--split-cpus", "on" if split_cpus else "off"], log)
         self.client = TandemClient(self.address, timeout=startup_timeout)
 
-    def run(self, prompt_ids: list[int], mode: str, k: int, temperature: float, seed: int, max_new: int) -> Outcome:
+    def run(self, prompt_ids: list[int], mode: str, k: int, temperature: float, seed: int, max_new: int,
+            tree=None) -> Outcome:
         result = self.client.generate(
             prompt_ids=prompt_ids, max_new_tokens=max_new, num_draft_tokens=k, temperature=temperature,
-            seed=seed, ignore_eos=True, speculate=mode == EAGLE3,
+            seed=seed, ignore_eos=True, speculate=mode != TARGET_ONLY, tree=tree,
         )
         return _outcome(result.token_ids, result.stats)
 
@@ -66,18 +69,19 @@ class InProcessRunner:
 
     stack = "in-process"
 
-    def __init__(self, target: Path, draft: Path, overlap: bool = False, generator=None):
+    def __init__(self, target: Path, draft: Path, overlap: bool = False, generator=None, tree_policy: bool = True):
         from tandem_tools.inprocess import InProcessGenerator
 
-        self.generator = generator or InProcessGenerator(target, draft)
+        self.generator = generator or InProcessGenerator(target, draft, tree_policy=tree_policy)
         self.overlap = overlap
 
-    def run(self, prompt_ids: list[int], mode: str, k: int, temperature: float, seed: int, max_new: int) -> Outcome:
+    def run(self, prompt_ids: list[int], mode: str, k: int, temperature: float, seed: int, max_new: int,
+            tree=None) -> Outcome:
         from tandem.params import GenerationRequest, SamplingParams
 
         request = GenerationRequest(
             prompt_ids=prompt_ids, max_new_tokens=max_new, num_draft_tokens=k, ignore_eos=True,
-            sampling=SamplingParams(temperature=temperature, seed=seed), speculate=mode == EAGLE3,
+            sampling=SamplingParams(temperature=temperature, seed=seed), speculate=mode != TARGET_ONLY, tree=tree,
         )
         result = self.generator.generate(request, overlap=self.overlap)
         return _outcome(result.token_ids, result.stats)
@@ -88,7 +92,7 @@ class InProcessRunner:
 
 def _outcome(token_ids: list[int], s: dict) -> Outcome:
     return Outcome(len(token_ids), s["num_rounds"], s["num_accepted_tokens"], s["accepted_per_position"],
-                   drafted=s["num_draft_tokens"],
+                   drafted=s["num_draft_tokens"], tree_rounds=s.get("num_tree_rounds", 0),
                    overlap_rounds=s.get("num_overlap_rounds", 0), overlap_hits=s.get("num_overlap_hits", 0))
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from tandem.stats import mean_acceptance_length, percentile
 from tandem_tools.bench.runners import (
     EAGLE3,
+    EAGLE3_TREE,
     PEER,
     STACKS,
     TARGET_ONLY,
@@ -51,6 +52,10 @@ class BenchConfig:
     startup_timeout: float = 600.0
     vllm_python: Path | None = None  # --peer vllm: the vLLM venv's python (tandem_tools/bench/vllm_peer.py)
     vllm_eager: bool = False  # vLLM without torch.compile: a quick start for tests, not for measuring
+    trees: Sequence[int] = ()  # EAGLE-2 draft trees of these many nodes (cases "eagle3-tree"), beside the chains
+    tree_depth: int | None = None  # none: the largest K, the chain's depth
+    tree_top_k: int = 10  # children per expansion (the EAGLE-3 reference's)
+    tree_policy: bool = True  # the tree gate: each round the tree or the chain of the largest K, the faster
 
 
 @dataclass
@@ -61,6 +66,7 @@ class Case:
     temperature: float
     concurrency: int
     overlap: bool = False
+    tree: object = None  # an eagle3-tree case's TreeParams
     seconds: float = 0.0
     outcomes: list[Outcome] = field(default_factory=list)
 
@@ -69,6 +75,8 @@ class Case:
 
     @property
     def label(self) -> str:
+        if self.tree is not None:
+            return f"{self.mode} N={self.tree.nodes}"
         return self.mode if self.mode == TARGET_ONLY else f"{self.mode} K={self.K}"
 
     def result(self) -> dict:
@@ -77,8 +85,9 @@ class Case:
         rounds = sum(o.rounds for o in self.outcomes)
         accepted = sum(o.accepted for o in self.outcomes)
         drafted = sum(o.drafted for o in self.outcomes)
+        depth = max([self.K, *(len(o.per_position) for o in self.outcomes)])
         per_position = [sum(o.per_position[k] for o in self.outcomes if k < len(o.per_position))
-                        for k in range(self.K)]
+                        for k in range(depth)]
         latencies = [o.seconds for o in self.outcomes]
         return {
             "stack": self.stack,
@@ -87,6 +96,8 @@ class Case:
             "temperature": self.temperature,
             "concurrency": self.concurrency,
             "overlap": self.overlap,
+            **({"tree": self.tree.nodes, "tree_depth": self.tree.depth, "tree_top_k": self.tree.top_k,
+                "tree_rounds": sum(o.tree_rounds for o in self.outcomes)} if self.tree is not None else {}),
             "overlap_hit_rate": round(self.overlap_hits / self.overlap_rounds, 4) if self.overlap_rounds else None,
             "tokens_per_s": tokens / self.seconds if self.seconds else 0.0,
             "mean_acceptance_length": mean_acceptance_length(accepted, rounds),
@@ -108,12 +119,20 @@ def make_cases(config: BenchConfig, peer: bool, vllm: bool = False) -> list[Case
                 cases.append(Case(stack, TARGET_ONLY, 0, temperature, concurrency))
                 cases += [Case(stack, EAGLE3, k, temperature, concurrency, overlap)
                           for k in config.num_draft_tokens for overlap in config.overlap]
+                cases += [Case(stack, EAGLE3_TREE, max(config.num_draft_tokens), temperature, concurrency,
+                               tree=tree_params(config, n)) for n in config.trees]
             if vllm:  # vLLM's engines draft without overlap
                 cases.append(Case(VLLM, TARGET_ONLY, 0, temperature, concurrency))
                 cases += [Case(VLLM, EAGLE3, k, temperature, concurrency) for k in config.num_draft_tokens]
             if peer and concurrency == 1:  # generate() with an assistant takes one sequence at a time
                 cases += [Case("in-process", PEER, k, temperature, 1) for k in config.num_draft_tokens]
     return cases
+
+
+def tree_params(config: BenchConfig, nodes: int):
+    from tandem.params import TreeParams
+
+    return TreeParams(nodes=nodes, depth=config.tree_depth or max(config.num_draft_tokens), top_k=config.tree_top_k)
 
 
 def concurrency_requests(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
@@ -135,7 +154,8 @@ def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = 
         echo(f"bench: {len(cases)} cases x {len(config.prompts)} prompts x {config.max_new_tokens} tokens")
         warm = config.prompts[0]
         for case in cases:  # one short generation each: first-call allocations are not measured
-            runners[case.stack, case.mode, case.overlap].run(warm, case.mode, case.K, case.temperature, config.seed, 8)
+            runners[case.stack, case.mode, case.overlap].run(warm, case.mode, case.K, case.temperature, config.seed, 8,
+                                                             **_tree(case))
         for c in sorted(set(config.concurrency)):
             group = [case for case in cases if case.concurrency == c]
             requests = concurrency_requests(config.prompts, c)
@@ -165,12 +185,15 @@ def _start_runners(config: BenchConfig, out_dir: Path, runners: dict, echo: Call
                  f"{'on' if overlap else 'off'}) ...")
             log = out_dir / ("serve-overlap.log" if overlap else "serve.log")
             services = ServicesRunner(config.target, config.draft, log, config.startup_timeout, overlap,
-                                      config.split_cpus)
+                                      config.split_cpus, config.tree_policy)
             runners["services", EAGLE3, overlap] = services
+            if not overlap:  # trees run without overlap
+                runners["services", EAGLE3_TREE, False] = services
             runners.setdefault(("services", TARGET_ONLY, False), services)
     if "in-process" in config.stacks:
-        inprocess = InProcessRunner(config.target, config.draft)
+        inprocess = InProcessRunner(config.target, config.draft, tree_policy=config.tree_policy)
         runners["in-process", TARGET_ONLY, False] = runners["in-process", EAGLE3, False] = inprocess
+        runners["in-process", EAGLE3_TREE, False] = inprocess
         runners["in-process", EAGLE3, True] = InProcessRunner(config.target, config.draft, True, inprocess.generator)
     if config.assistant is not None:
         runners["in-process", PEER, False] = AssistedRunner(config.target, config.assistant)
@@ -182,6 +205,10 @@ def _start_runners(config: BenchConfig, out_dir: Path, runners: dict, echo: Call
             runners[VLLM, TARGET_ONLY, False] = runners[VLLM, EAGLE3, False] = vllm
 
 
+def _tree(case: Case) -> dict:
+    return {"tree": case.tree} if case.tree is not None else {}
+
+
 def _run_block(case: Case, runner, batch: list[list[int]], first: int, concurrency: int, config: BenchConfig,
                timed: bool = True) -> None:
     """`concurrency` clients take the block's requests one after another: a client that finishes
@@ -190,7 +217,7 @@ def _run_block(case: Case, runner, batch: list[list[int]], first: int, concurren
     def one(i: int) -> Outcome:
         started = time.perf_counter()
         outcome = runner.run(batch[i], case.mode, case.K, case.temperature, config.seed + first + i,
-                             config.max_new_tokens)
+                             config.max_new_tokens, **_tree(case))
         outcome.seconds = time.perf_counter() - started
         return outcome
 

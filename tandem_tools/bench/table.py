@@ -26,8 +26,10 @@ def markdown_table(runs: list[dict]) -> str:
     ]
     for r, s in zip(runs, speedups(runs)):
         positions = " ".join(f"{p:.2f}" for p in r["accepted_per_position"]) or "-"
+        k = f"N={r['tree']} (depth {r['tree_depth']}, top-k {r['tree_top_k']}; {r['tree_rounds']} tree rounds)" \
+            if r.get("tree") else r["K"]
         lines.append(
-            f"| {r['stack']} | {r['mode']} | {r['K']} | {r['temperature']:g} | {r['concurrency']} "
+            f"| {r['stack']} | {r['mode']} | {k} | {r['temperature']:g} | {r['concurrency']} "
             f"| {_overlap_cell(r)} | {r['tokens_per_s']:.1f} | {'-' if s is None else f'{s:.2f}x'} "
             f"| {r['latency_p50_s']:.2f} / {r['latency_p99_s']:.2f} | {r['mean_acceptance_length']:.2f} "
             f"| {_rate(r.get('acceptance_per_draft'))} | {positions} |"

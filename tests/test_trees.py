@@ -1,0 +1,150 @@
+"""EAGLE-2 draft trees through the round loop and the services: greedy output is the target's own, sampled
+output keeps the target's law, the tree gate picks the faster shape, and the tree's bytes are counted.
+
+The engines' own tree tests are tests/test_tree_verify.py (the target's tree attention, path commit and
+acceptance rule) and tests/test_tree_draft.py (the draft's dynamic tree)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from helpers import OracleDraft, SamplingOracleDraft
+from test_speculative_sampling import ALPHA, POSITIONS, PROMPT, RUNS, SETTINGS, conditional_p_value
+
+from tandem.config import CoordinatorSettings, load_settings
+from tandem.convert import parents_from_pb, parents_to_pb
+from tandem.params import GenerationRequest, SamplingParams, TreeParams, parse_tree
+from tandem.policy import Speculation, TreeGate
+from tandem.rounds import run_rounds
+from tandem.traffic import parts_of
+from tandem.v1 import draft_pb2
+
+TREE = TreeParams(nodes=12, depth=4, top_k=3)
+PROMPTS = [[5, 9, 33, 17], [101, 7, 64, 2, 250, 19, 3], [42], [8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8]]
+
+
+def generate(target, draft, prompt: list[int], tree: TreeParams | None, speculation: Speculation | None = None,
+             **sampling):
+    request = GenerationRequest(prompt_ids=prompt, max_new_tokens=24, num_draft_tokens=3, ignore_eos=True,
+                                sampling=SamplingParams(**sampling), tree=tree)
+    tokens, event = [], None
+    for event in run_rounds(target, draft, request, speculation=speculation or Speculation()):
+        tokens += event.new_tokens
+    return tokens, event.stats
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(generator):
+    return {tuple(p): generate(generator.target, None, p, None)[0] for p in PROMPTS}
+
+
+@pytest.mark.parametrize("corrupt", [0.0, 0.4])
+def test_greedy_trees_give_the_targets_tokens(generator, hf_target, greedy_reference, corrupt):
+    """A tree of the target's top-k in a shuffled order: the accepted path runs through nodes anywhere in
+    the tree (their KV moved into place), and the output is target-only's, alone and batched."""
+    draft = OracleDraft(hf_target, corrupt=corrupt)
+
+    def one(prompt):
+        draft.expect(prompt[0])
+        return generate(generator.target, draft, prompt, TREE)
+
+    for prompt in PROMPTS:  # alone
+        tokens, stats = one(prompt)
+        assert tokens == greedy_reference[tuple(prompt)]
+        assert stats.num_tree_rounds >= stats.num_rounds - 1 > 0  # the last round may have room for no draft
+        assert stats.mean_acceptance_length > (3.0 if corrupt == 0 else 1.5)
+    assert generator.target.num_sessions == 0
+
+
+def test_greedy_trees_batched_with_chains(generator, hf_target, greedy_reference):
+    """Tree and chain sessions verified in the same batches give each its own target-only tokens."""
+
+    def one(i: int):
+        draft = OracleDraft(hf_target, corrupt=0.3, seed=i)
+        prompt = PROMPTS[i % len(PROMPTS)]
+        draft.expect(prompt[0])
+        return prompt, generate(generator.target, draft, prompt, TREE if i % 2 else None)[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        for prompt, tokens in pool.map(one, range(16)):
+            assert tokens == greedy_reference[tuple(prompt)]
+    assert generator.target.num_sessions == 0
+
+
+def test_the_real_draft_drafts_trees_in_process(generator, greedy_reference):
+    """The draft engine's own trees (the tiny pair's random head: few accepted) end to end in-process."""
+    for prompt in PROMPTS[:2]:
+        tokens, stats = generate(generator.target, generator.draft, prompt, TreeParams(nodes=10, depth=3, top_k=4))
+        assert tokens == greedy_reference[tuple(prompt)]
+        assert stats.num_tree_rounds >= stats.num_rounds - 1 > 0  # the last round may have room for no draft
+        assert stats.num_draft_tokens <= 10 * stats.num_tree_rounds
+
+
+TREE_CASES = [("t1", "alone"), ("t0.7", "batched"), ("t0.7-top_k8-top_p0.9", "alone"), ("t1-top_k20-top_p0.8", "batched")]
+
+
+@pytest.mark.parametrize("name, mode", TREE_CASES, ids=[f"{n}-{m}" for n, m in TREE_CASES])
+def test_sampled_trees_keep_the_targets_law(generator, hf_target, name, mode):
+    """Recursive rejection over each node's siblings (target_server/acceptance.py) samples the target's
+    law: the same chi-square check as chains (tests/test_speculative_sampling.py), 3 positions a case."""
+    params = SETTINGS[name]
+    draft = SamplingOracleDraft(hf_target, PROMPT[0], top_n=8)
+    tree = TreeParams(nodes=8, depth=2, top_k=3)
+
+    def one(seed: int) -> tuple[int, ...]:
+        request = GenerationRequest(prompt_ids=PROMPT, max_new_tokens=4, num_draft_tokens=2, ignore_eos=True,
+                                    sampling=params.model_copy(update={"seed": seed}), tree=tree)
+        return tuple(t for event in run_rounds(generator.target, draft, request) for t in event.new_tokens)
+
+    if mode == "batched":
+        with ThreadPoolExecutor(8) as pool:
+            samples = list(pool.map(one, range(RUNS)))
+    else:
+        samples = [one(seed) for seed in range(RUNS)]
+    p_values = {j: conditional_p_value(hf_target, params, samples, j) for j in POSITIONS}
+    assert min(p_values.values()) > ALPHA, p_values
+
+
+def test_the_tree_gate_runs_the_faster_shape():
+    gate, choices = TreeGate(), []
+    for _ in range(2 * gate.MIN_ROUNDS):  # measuring: they alternate
+        tree = gate.use_tree(True)
+        choices.append(tree)
+        # a tree commits 3 tokens in 30 ms (100/s), a chain 2 in 10 ms (200/s)
+        gate.record(True, tree, 3 if tree else 2, 0.030 if tree else 0.010)
+    assert sum(choices) == gate.MIN_ROUNDS
+    runs = [gate.use_tree(True) for _ in range(10 * gate.EXPLORE_EVERY)]
+    assert sum(runs) == 10  # the chain, and the tree one round in EXPLORE_EVERY
+    assert gate.rate(False, True) is None  # sampled requests are measured apart
+
+
+def test_overlap_runs_chains(generator, hf_target, greedy_reference):
+    """Overlap's ahead step drafts chains: a tree request with overlap runs chains, and its tokens are
+    still the target's."""
+    draft = OracleDraft(hf_target, corrupt=0.2)
+    prompt = PROMPTS[1]
+    draft.expect(prompt[0])
+    tokens, stats = generate(generator.target, draft, prompt, TREE, Speculation(overlap=True))
+    assert tokens == greedy_reference[tuple(prompt)]
+    assert stats.num_tree_rounds == 0 and stats.num_overlap_rounds > 0
+
+
+def test_tree_settings_name_what_is_wrong():
+    assert parse_tree("16") == TreeParams(nodes=16)
+    assert parse_tree("16,5,4") == TreeParams(nodes=16, depth=5, top_k=4)
+    for bad, words in (("0", "tree nodes"), ("16,0", "tree depth"), ("a", "NODES[,DEPTH[,TOP_K]]"),
+                       ("1,2,3,4", "NODES[,DEPTH[,TOP_K]]")):
+        with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            parse_tree(bad)
+    with pytest.raises(ValueError, match="--tree / TANDEM_COORDINATOR_TREE: tree nodes"):
+        load_settings(CoordinatorSettings, target_addr="localhost:1", tree="99")
+
+
+def test_the_trees_shape_crosses_as_one_byte_a_node():
+    parents = [-1, -1, 0, 0, 1, 2]
+    assert parents_from_pb(parents_to_pb(parents)) == parents
+    response = draft_pb2.DraftResponse(drafts=[5, 6, 7, 8, 9, 10], parents=parents_to_pb(parents))
+    kinds = parts_of(response).kinds(response.ByteSize())
+    assert kinds["tree"] == len(parents)  # varints of 0..3
+    assert kinds["control"] >= 0 and sum(kinds.values()) == response.ByteSize()
