@@ -109,6 +109,7 @@ class Generations:
             branches=settings.overlap_branches,
             overlap_while=lambda: running.active <= settings.overlap_max_running,
             trees=TreeGate() if settings.tree_policy else None,
+            fits=(lambda width: running.active * width <= budget) if budget else None,
             default_tree=parse_tree(settings.tree) if settings.tree else None,
         )
 

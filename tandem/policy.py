@@ -159,6 +159,8 @@ class Speculation:
     branches: int = OVERLAP_BRANCHES
     overlap_while: Callable[[], bool] | None = None
     trees: TreeGate | None = None  # tree or chain each round (None: a request's tree, every drafting round)
+    # whether a verify this wide fits the server's load (adaptive K's budget: n running x width <= budget)
+    fits: Callable[[int], bool] | None = None
     default_tree: TreeParams | None = None  # the tree of a request that names none (None: chains)
 
 
@@ -173,6 +175,7 @@ class KPolicy:
         self.greedy = request.sampling.greedy
         self.limit = limit
         self.k_for, self.gate, self.trees = speculation.k_for, speculation.gate, speculation.trees
+        self.fits = speculation.fits
         # overlap's ahead step drafts chains: a generation that overlaps runs chains
         self.tree = None if speculation.overlap else (request.tree or speculation.default_tree)
         self.asked = request.speculate and request.num_draft_tokens > 0
@@ -208,7 +211,9 @@ class KPolicy:
     def tree_for_round(self, k: int, produced: int) -> TreeParams | None:
         """The tree to draft this round instead of the chain of `k` (None: the chain). Never deeper than
         the limit leaves room for (a verify commits up to depth + 1 tokens)."""
-        if self.tree is None or k == 0 or (self.trees is not None and not self.trees.use_tree(self.greedy)):
+        if self.tree is None or k == 0 or (self.fits is not None and not self.fits(self.tree.nodes + 1)):
+            return None  # under load a tree's wide verify slows every session's batch: chains (adaptive K)
+        if self.trees is not None and not self.trees.use_tree(self.greedy):
             return None
         depth = min(self.tree.depth, self.limit - produced - 1)
         return self.tree if depth == self.tree.depth else self.tree.model_copy(update={"depth": depth})

@@ -220,7 +220,8 @@ def profile(config: ProfileConfig, echo=print) -> dict:
     finally:
         if stack is not None:
             stack.stop()
-    run_config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(config).items()}
+    run_config = {k: (str(v) if isinstance(v, Path) else v.model_dump() if hasattr(v, "model_dump") else v)
+                  for k, v in vars(config).items()}
     run_config["server"] = address if config.server else None
     report = build_report(records, wall, run_config, send_site)
     trace = build_trace(records)

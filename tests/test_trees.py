@@ -148,3 +148,15 @@ def test_the_trees_shape_crosses_as_one_byte_a_node():
     kinds = parts_of(response).kinds(response.ByteSize())
     assert kinds["tree"] == len(parents)  # varints of 0..3
     assert kinds["control"] >= 0 and sum(kinds.values()) == response.ByteSize()
+
+
+def test_under_load_a_tree_gives_way_to_the_chain():
+    """A tree's verify is N+1 tokens wide for every session of the batch: past adaptive K's budget
+    (n running x width), the round runs the chain."""
+    from tandem.policy import KPolicy
+
+    request = GenerationRequest(prompt_ids=[1], max_new_tokens=32, num_draft_tokens=3, tree=TreeParams(nodes=16))
+    for running, tree in ((8, True), (16, False)):
+        speculation = Speculation(fits=lambda width, n=running: n * width <= 256)
+        policy = KPolicy(request, speculation, 32, has_draft=True)
+        assert (policy.tree_for_round(3, 0) is not None) == tree
