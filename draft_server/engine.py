@@ -39,7 +39,7 @@ import torch
 
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.model import DraftKV, Eagle3Draft
-from draft_server.rollout import draws_for, read_back, read_rollout, rollout
+from draft_server.rollout import draws_for, read_rollout, rollout
 from draft_server.sampling import DraftSampler
 from draft_server.steps import _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
 from draft_server.tree import grow_tree
@@ -127,7 +127,8 @@ class DraftEngine(SessionOwner):
     ) -> Drafts:
         """Append the m new committed pairs and return K draft tokens (target ids): the argmax, or for a
         session opened with sampling (temperature > 0) drawn from q, with q. With `tree`: a tree of drafts
-        (Drafts.parents, no q), ranked by the draft's log-probabilities (a sampled session's tempered)."""
+        (Drafts.parents), ranked by the draft's log-probabilities; a sampled session's tempered, its first
+        child at each node drawn from q (Drafts.q: one entry per node, empty for the undrawn)."""
         m = len(next_tokens)
         if m == 0 or features.shape != (m, self.feature_size):
             raise InvalidRequest(
@@ -307,13 +308,15 @@ class DraftEngine(SessionOwner):
     @torch.inference_mode()
     def _run_tree(self, step: _Step) -> Drafts:
         """One session's extend, then its draft tree (draft_server/tree.py), read back in one copy."""
-        session = step.session
+        session, sampler = step.session, step.session.sampler  # sampled: each node's first child drawn from q
+        draws = draws_for([sampler], [session.length + len(step.next_tokens)], step.tree.depth, self.draft_vocab,
+                          self.device)  # keyed as the chain's drafts, uploaded before any forward
         a, position = self._extend(step)
-        sampler = session.sampler
-        tree = grow_tree(self.model, a, session.kv, position, step.tree, sampler and sampler.temperature)
-        tokens, parents = read_back(tree.tokens, tree.parents)
+        tree = grow_tree(self.model, a, session.kv, position, step.tree, sampler and sampler.temperature, draws,
+                         self.q_top_n)
+        tokens, q, (parents,) = read_rollout(tree.tokens, tree.q, tree.parents)  # q: one per node, or None
         session.proposed = []  # no chain for an ahead to assume
-        return Drafts(tokens, None, parents)
+        return Drafts(tokens, q, parents)
 
     @torch.inference_mode()
     def _run_ahead(self, step: _Ahead) -> list[Branch]:

@@ -17,10 +17,19 @@ shape follows the draft's own confidence, verified by the target in one forward.
                 by level), so the kept set is closed under ancestors.
 
 The ranking is the log-softmax of the draft's logits (a sampled session's divided by its temperature).
-Everything stays on the device (masks, positions, ranking, the d2t mapping); the host reads the tree once,
-with read_back, at the end. The tree nodes' KV is dropped: the next round's exact target features replace
-it. The reference: EAGLE's `topK_genrate` (EAGLE-2 and EAGLE-3), whose `depth` counts expansions after
-level 1; here `depth` is the tree's greatest depth, as TreeParams documents.
+
+    sampled     a sampled session's expanded nodes (the root, and each frontier node) draw their FIRST child
+                from the draft's own q (sampling.py's draft_q: tempered, top-k/top-p, cut to top_n), with the
+                uniform the chain's draft at that depth uses (DraftSampler.uniform of the position the child
+                takes; nodes of one depth share it); their other top_k - 1 children are the likeliest tokens
+                besides it. Every child is scored by the tempered log-softmax as before. Each kept sampled
+                child carries the q it was drawn from, so that the target accepts it by min(1, p/q) and its
+                siblings by recursive rejection, losslessly; the deterministic ones carry an empty q.
+
+Everything stays on the device (masks, positions, ranking, draws, the d2t mapping); the host reads the tree
+(tokens, parents, q) once, with read_rollout, at the end. The tree nodes' KV is dropped: the next round's exact
+target features replace it. The reference: EAGLE's `topK_genrate` (EAGLE-2 and EAGLE-3), whose `depth` counts
+expansions after level 1; here `depth` is the tree's greatest depth, as TreeParams documents.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from draft_server.model import DraftKV, Eagle3Draft
+from draft_server.rollout import Draws
+from draft_server.sampling import draft_q, draw
 from tandem.params import TreeParams
 
 
@@ -40,6 +51,9 @@ class Tree:
     tokens: torch.Tensor  # [N] target ids
     parents: torch.Tensor  # [N] int64: the index of each node's parent among the N, -1 for a child of the root
     scores: torch.Tensor  # [N] float32: the cumulative log-probability of each node's path from the root
+    # a sampled session's: each node's q as rollout returns a draft's, (ids [N, W] target ids, probs [N, W],
+    # support [N]); a support of 0 for a node that was not drawn (None: a greedy session's tree)
+    q: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def tree_shape(params: TreeParams, draft_vocab: int) -> tuple[int, int, int]:
@@ -51,42 +65,71 @@ def tree_shape(params: TreeParams, draft_vocab: int) -> tuple[int, int, int]:
     return k, depth, min(params.nodes, k + (depth - 1) * k * k)
 
 
-def _logp(model: Eagle3Draft, a: torch.Tensor, temperature: float | None) -> torch.Tensor:
-    """a [..., H] -> the draft's log-probabilities [..., draft_vocab], float32, at `temperature` (None: 1)."""
-    logits = model.draft_logits(a).float()
-    return (logits if temperature is None else logits / temperature).log_softmax(-1)
+def _children(model: Eagle3Draft, out: torch.Tensor, k: int, temperature: float | None, draws: Draws | None,
+              top_n: int, level: int) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The children of b expanded nodes, from their outputs `out` [b, H], at depth `level` -> their draft ids
+    [b, k] and log-probabilities [b, k] (tempered); with `draws`, column 0 drawn from q with the uniform of
+    that depth (ranked as its parent: log-probability 0), and q (draft ids [b, W], probs [b, W]) as draft_q
+    gives it; else the top_k and None."""
+    logits = model.draft_logits(out)
+    logp = (logits.float() if temperature is None else logits.float() / temperature).log_softmax(-1)
+    top = logp.topk(k)
+    if draws is None:
+        return top.indices, top.values, None
+    ids, probs = draft_q(logits, draws.settings, top_n)  # [b, W]: as the chain's pick draws
+    drawn = ids.gather(1, draw(probs, draws.uniforms[0, level - 1].expand(ids.shape[0]))[:, None])  # [b, 1]
+    # its siblings: the top_k without it, or without the last of them when it is not among them (a stable
+    # argsort of the dropped flag, on the device: no boolean indexing, which would sync)
+    same = top.indices == drawn
+    dropped = torch.where(same.any(1, keepdim=True), same, torch.arange(k, device=logp.device) == k - 1)
+    rest = top.indices.gather(1, dropped.long().argsort(dim=1, stable=True)[:, : k - 1])
+    children = torch.cat([drawn, rest], 1)
+    # the drawn child ranks with its parent's score (log 1): the chain of drawn children, what a sampled chain
+    # would verify, is always kept and expanded, so the tree accepts at least what that chain would
+    ranked = logp.gather(1, children).index_fill(1, torch.zeros(1, dtype=torch.long, device=logp.device), 0.0)
+    return children, ranked, (ids, probs)
 
 
 def grow_tree(model: Eagle3Draft, a: torch.Tensor, kv: DraftKV, position: torch.Tensor, params: TreeParams,
-              temperature: float | None = None) -> Tree:
+              temperature: float | None = None, draws: Draws | None = None, top_n: int = 0) -> Tree:
     """The tree after a lone session's extend: `a` [1, 1, H] its last output, `kv` its committed KV, `position`
-    [1, 1] where its first draft goes. The nodes' KV is cropped off `kv` again before this returns."""
+    [1, 1] where its first draft goes. A sampled session's: `temperature`, and `draws` (draws_for its one row
+    from that position, at least `depth` uniforms) with the q cut `top_n` draw each expanded node's first
+    child. The nodes' KV is cropped off `kv` again before this returns."""
     k, depth, n = tree_shape(params, model.config.draft_vocab_size)
     device, committed = a.device, kv.length
-    top = _logp(model, a[0, -1], temperature).topk(k)  # level 1: [k]
-    scores, draft_ids = [top.values], [top.indices]
+    ids, logp, q = _children(model, a[0, -1:], k, temperature, draws, top_n, 1)  # level 1: [1, k]
+    scores, draft_ids = [logp[0]], [ids[0]]
     parents = [torch.full((k,), -1, dtype=torch.long, device=device)]  # candidate index of each one's parent
     levels = [torch.full((k,), 1, dtype=torch.long, device=device)]
+    drawn = torch.arange(k, device=device) == 0  # [k]: the candidates drawn from q (column 0 of each node's)
+    q_rows, q_ids, q_probs = [torch.where(drawn, 0, -1)], [q[0]] if q else [], [q[1]] if q else []
     # the frontier: the nodes fed next, as candidate indices, with their scores, inputs and ancestry
-    frontier, score = torch.arange(k, device=device), top.values
-    hidden, tokens = a[:, -1:].expand(1, k, a.shape[-1]), model.to_target_ids(top.indices)[None]  # [1, k, H], [1, k]
+    frontier, score = torch.arange(k, device=device), logp[0]
+    hidden, tokens = a[:, -1:].expand(1, k, a.shape[-1]), model.to_target_ids(ids)  # [1, k, H], [1, k]
     self_only = torch.eye(k, dtype=torch.bool, device=device)
     ancestry = self_only  # [k, fed]: which of the tree nodes fed (this frontier included) each row descends from
     context = torch.ones(k, committed, dtype=torch.bool, device=device)  # every node sees the committed pairs
     offset = k  # candidates so far
     for level in range(2, depth + 1):
         out = model(hidden, tokens, position.expand(1, k) + (level - 2), kv, torch.cat([context, ancestry], 1))
-        top = _logp(model, out[0], temperature).topk(k)  # [k, k]: each frontier node's children
-        cumulative = (score[:, None] + top.values).flatten()  # [k * k]
+        ids, logp, q = _children(model, out[0], k, temperature, draws, top_n, level)  # [k, k]: each node's children
+        cumulative = (score[:, None] + logp).flatten()  # [k * k]
         scores.append(cumulative)
-        draft_ids.append(top.indices.flatten())
+        draft_ids.append(ids.flatten())
         parents.append(frontier[:, None].expand(k, k).flatten())
         levels.append(torch.full((k * k,), level, dtype=torch.long, device=device))
+        if q:  # node r's drawn child: q row (rows so far) + r
+            rows_so_far = 1 + (level - 2) * k
+            q_rows.append(torch.where(drawn, torch.arange(rows_so_far, rows_so_far + k, device=device)[:, None],
+                                      -1).flatten())
+            q_ids.append(q[0])
+            q_probs.append(q[1])
         if level < depth:  # the next frontier: the best k children, fed after their parents
             best = cumulative.topk(k)
             rows = best.indices // k  # the frontier node each descends from
             frontier, score = offset + best.indices, best.values
-            hidden, tokens = out[:, rows], model.to_target_ids(top.indices.flatten()[best.indices])[None]
+            hidden, tokens = out[:, rows], model.to_target_ids(ids.flatten()[best.indices])[None]
             ancestry = torch.cat([ancestry[rows], self_only], 1)
         offset += k * k
     kv.crop(committed)  # the tree's KV is dropped
@@ -98,4 +141,10 @@ def grow_tree(model: Eagle3Draft, a: torch.Tensor, kv: DraftKV, position: torch.
     index[kept] = torch.arange(n, device=device)  # candidate -> its place among the kept
     parent = parents_[kept]
     parent = torch.where(parent >= 0, index[parent.clamp(min=0)], parent)
-    return Tree(model.to_target_ids(torch.cat(draft_ids)[kept]), parent, scores_[kept])
+    tree = Tree(model.to_target_ids(torch.cat(draft_ids)[kept]), parent, scores_[kept])
+    if q_ids:  # each kept node's q row, cut to nothing where it was not drawn
+        row = torch.cat(q_rows)[kept]  # [n]
+        probs = torch.cat(q_probs)[row.clamp(min=0)]  # [n, W]
+        tree.q = (model.to_target_ids(torch.cat(q_ids)[row.clamp(min=0)]), probs,
+                  torch.where(row >= 0, (probs > 0).sum(-1), 0))
+    return tree

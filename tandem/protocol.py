@@ -62,9 +62,11 @@ class Drafts(list):
 
     `parents`: a draft tree (EAGLE-2) instead of a chain: parents[i] is the index of d_{i+1}'s parent
     among the drafts, -1 for a child of the root t, and every parent comes before its children (so a
-    chain is parents [-1, 0, 1, ...]). None: a chain. A tree's siblings are distinct tokens, chosen by
-    the draft's ranking (no q): the target accepts among them by recursive rejection, lossless for
-    candidates chosen independently of its own randomness (target_server/acceptance.py)."""
+    chain is parents [-1, 0, 1, ...]). None: a chain. A tree's siblings are distinct tokens. A greedy
+    tree's are the draft's top-k (q None); a sampled tree's first child at each node is drawn from the
+    draft's q and the rest are its top-k without it: q then has one entry per node, the DraftProbs of a
+    drawn node and an empty one for the others. The target tries the drawn child by min(1, p/q) and the
+    others one-hot on what is left (target_server/acceptance.py): lossless either way."""
 
     def __init__(self, tokens=(), q: list[DraftProbs] | None = None, parents: list[int] | None = None):
         super().__init__(tokens)

@@ -20,18 +20,26 @@ sum_x min(p(x), q(x)) for a draft sampled from q. Greedy requests accept while d
 
 A draft tree (EAGLE-2; node 0 the root t, node i + 1 the draft d_{i+1}, Drafts.parents) is accepted along
 one path from the root. Greedy: move to the child whose token is the target's argmax at the current node;
-the bonus is the argmax where no child matches. Sampled: recursive rejection over the current node's
-children, the rule of SpecInfer (Miao et al. 2024, multi-step speculative sampling) and of the EAGLE
-reference's evaluate_posterior for candidates the draft chose deterministically (q one-hot on each): with
-p the target's distribution at the node, try its children in order, accept child c with probability p(c);
-when c is rejected, p(c) is set to 0 and p renormalised before the next sibling is tried. An accepted child
-becomes the current node; when every child is rejected (or there is none) the bonus is sampled from what
-is left of p. The committed tokens are distributed as sampling the target alone, because the siblings
-are distinct and were chosen independently of the target's randomness. A tree carries no q (the draft
-ranks its nodes, it does not sample them): a q sent with a tree is ignored.
+the bonus is the argmax where no child matches. Sampled: sequential speculative sampling over the current
+node's children, each with its own q. A sampled tree's q has one DraftProbs per node: the distribution the
+draft drew that node from, or an empty one for a node it chose deterministically (its ranking's top; q
+one-hot on it). With p the target's distribution at the node, its children are tried, those with a q first
+and then the others, each in the drafts' order: a child c with q_c is accepted with probability
+min(1, p(c) / q_c(c)), and when rejected p becomes norm(max(0, p - q_c)); a child without q is accepted with
+probability p(c), and when rejected p(c) is set to 0 and p renormalised (the rule of SpecInfer, Miao et al.
+2024, and of the EAGLE reference's evaluate_posterior). An accepted child becomes the current node; when
+every child is rejected (or there is none) the bonus is sampled from what is left of p. Lossless, by
+induction over the candidates: if c is drawn from q_c independently of the target's randomness given the
+earlier candidates (c and q_c may depend on them, not on the target's draws), the step commits x with
+probability min(p(x), q_c(x)) when c = x is accepted, plus (1 - sum_y min(p(y), q_c(y))) times what the
+rest commits, which is norm(max(0, p - q_c))(x) by induction: p(x) in all. A deterministic candidate is the
+one-hot q_c; the base is the bonus drawn from the residual. Siblings are distinct tokens (the draft draws
+the first child from q and ranks the others, excluding it).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from transformers.generation.logits_process import (
@@ -155,38 +163,70 @@ def accept_tree_argmax(best: list[int], tokens: list[int], parents: list[int]) -
         path.append(node)
 
 
-def reject_siblings(p: torch.Tensor, candidates: list[int],
-                    generator: torch.Generator) -> tuple[int | None, torch.Tensor]:
-    """p [V] (the target's distribution at a node) and its children's distinct tokens, tried in order ->
-    (which child is accepted, None: none; the distribution left: p, or p with every candidate zeroed and
-    renormalised). Child j is accepted with probability p(c_j) / (1 - p(c_1) - ... - p(c_{j-1})), its
-    probability under p with the earlier siblings zeroed and renormalised: one uniform per child, drawn at
-    once, and one host sync."""
+def reject_siblings(p: torch.Tensor, candidates: list[int], generator: torch.Generator,
+                    q: Sequence[torch.Tensor] = ()) -> tuple[int | None, torch.Tensor]:
+    """p [V] (the target's distribution at a node), its children's distinct tokens in the order they are
+    tried, `q`: the q rows [V] (dense_q) of the first len(q) of them, the others deterministic -> (which
+    child is accepted, None: none; the distribution left: p after every candidate's rejection, the bonus's
+    law). Child j is accepted with probability min(1, p_j(c_j) / q_j(c_j)), p_j what is left of p after the
+    earlier siblings' rejections (a deterministic child's q_j one-hot): one uniform per child, every p_j and
+    decision computed at once on p's device, and one host sync."""
+    p = p.double()
     ids = torch.tensor(candidates, dtype=torch.long, device=p.device)
-    mass = p[ids].double()  # [m]
-    left = p.double().sum() - torch.cumsum(mass, 0) + mass  # [m] p's mass with c_j's earlier siblings zeroed
     u = torch.rand(len(candidates), generator=generator, device=p.device, dtype=torch.float64)
-    hits = (u * left < mass).tolist()  # u < p(c_j) / left_j; p(c_j) = 0 is never accepted
-    if True in hits:
-        return hits.index(True), p
-    residual = p.index_fill(0, ids, 0)
-    total = float(residual.sum())
-    return None, residual / total if total > 0 else p  # 0 only if rounding lost a child's certain acceptance
+    hits = []
+    for j, q_row in enumerate(q):
+        q_row = q_row.to(p.device, torch.float64, non_blocking=True)
+        c = candidates[j]
+        hits.append(u[j] * q_row[c] < p[c])  # u < p/q: accepted w.p. min(1, p/q)
+        p = _normalised((p - q_row).clamp(min=0), p)  # 0 only when p = q up to rounding: no rejection mass
+    rest = ids[len(q):]
+    mass = p[rest]  # [m - len(q)]
+    left = p.sum() - torch.cumsum(mass, 0) + mass  # p's mass with c_j's earlier siblings zeroed
+    decided = u[len(q):] * left < mass  # u < p(c_j) / left_j; p(c_j) = 0 is never accepted
+    decided = (torch.cat([torch.stack(hits), decided]) if hits else decided).tolist()
+    if True in decided:
+        return decided.index(True), p
+    return None, _normalised(p.index_fill(0, rest, 0), p).float()  # 0: rounding lost a certain acceptance
+
+
+def _normalised(residual: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """residual / its sum, or `fallback` where that sum is 0, without a host sync."""
+    total = residual.sum()
+    return torch.where(total > 0, residual / total, fallback)
+
+
+def tree_q(q: list[DraftProbs], drafts: list[int], vocab_size: int) -> dict[int, torch.Tensor] | None:
+    """A sampled tree's q (one DraftProbs per draft, empty for a node the draft chose deterministically) ->
+    {node i + 1: q_i as a row over the vocabulary (dense_q)} for the drafts that have one; None: no draft
+    has. ValueError as dense_q's."""
+    if len(q) != len(drafts):
+        raise ValueError(f"q has {len(q)} distributions for {len(drafts)} drafts")
+    drawn = [i for i, d in enumerate(q) if d.ids or d.probs]
+    if not drawn:
+        return None
+    dense = dense_q([q[i] for i in drawn], [drafts[i] for i in drawn], vocab_size)
+    return {i + 1: row for i, row in zip(drawn, dense, strict=True)}
 
 
 def accept_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], params: SamplingParams,
-                generator: torch.Generator) -> tuple[list[int], int]:
-    """logits [n + 1, V] at the nodes, their tokens [t, d_1..d_n], the tree, a sampled request ->
-    (the accepted path's nodes, without the root; the bonus), by recursive rejection at each node of the
-    path (module docstring). The target's distribution is computed at the nodes the path visits only."""
+                generator: torch.Generator,
+                q: dict[int, torch.Tensor] | None = None) -> tuple[list[int], int]:
+    """logits [n + 1, V] at the nodes, their tokens [t, d_1..d_n], the tree, a sampled request, `q` (tree_q:
+    the nodes the draft drew from a q; None: none) -> (the accepted path's nodes, without the root; the
+    bonus), by sequential speculative sampling over the children at each node of the path (module
+    docstring). The target's distribution is computed at the nodes the path visits only."""
     children = tree_children(parents)
+    q = q or {}
     node, path = 0, []
     while True:
         p = target_probs(logits[node : node + 1], params)[0]  # [V]
         if children[node]:
-            chosen, p = reject_siblings(p, [tokens[c] for c in children[node]], generator)
+            order = [c for c in children[node] if c in q] + [c for c in children[node] if c not in q]
+            drawn = [q[c] for c in order if c in q]
+            chosen, p = reject_siblings(p, [tokens[c] for c in order], generator, drawn)
             if chosen is not None:
-                node = children[node][chosen]
+                node = order[chosen]
                 path.append(node)
                 continue
         return path, int(torch.multinomial(p, 1, generator=generator))

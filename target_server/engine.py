@@ -48,6 +48,7 @@ from target_server.acceptance import (
     pick,
     token_logprobs,
     tree_problem,
+    tree_q,
 )
 from target_server.kv import VERIFY_TOKENS, KVBudget, KVLayer, KVPool, kv_budget_tokens  # noqa: F401
 from target_server.loading import eos_token_ids, load_target
@@ -79,7 +80,7 @@ class _Step:
     session: _Session
     ids: list[int]  # the new tokens: the prompt, or [t, d_1..d_K] (a tree's nodes: t, then the drafts)
     want_features: bool
-    q: torch.Tensor | None = None  # a verify of sampled drafts: what each was sampled from, [K, V] (dense_q)
+    q: torch.Tensor | dict[int, torch.Tensor] | None = None  # sampled drafts' q: dense_q, a tree's tree_q
     parents: list[int] | None = None  # a verify of a draft tree: Drafts.parents of ids[1:]; None: a chain
 
 
@@ -259,7 +260,7 @@ class TargetEngine(SessionOwner):
                q: list[DraftProbs] | None = None, parents: list[int] | None = None) -> VerifyResult:
         """`q`: for a sampled session, the distribution the draft sampled each draft from (speculative
         sampling, target_server/acceptance.py); None: the drafts are the draft's argmax. `parents`: the
-        drafts are a tree (Drafts.parents; its q, if any, is ignored); None: a chain."""
+        drafts are a tree (Drafts.parents; its q: one per node, empty for one not sampled); None: a chain."""
         session = self.sessions.get(session_id)
         self._check_ids([token, *drafts], "the verify input")
         if parents is not None and not self.supports_trees:
@@ -268,9 +269,9 @@ class TargetEngine(SessionOwner):
         if parents is not None and (problem := tree_problem(drafts, parents, MAX_TREE_NODES)) is not None:
             raise InvalidRequest(problem)
         dense = None
-        if q and not session.params.greedy and parents is None:
-            try:
-                dense = dense_q(q, drafts, self.vocab_size)  # here, not in the batch: the batch is one thread
+        if q and not session.params.greedy:
+            try:  # here, not in the batch: the batch is one thread
+                dense = (dense_q if parents is None else tree_q)(q, drafts, self.vocab_size)
             except ValueError as exc:
                 raise InvalidRequest(str(exc)) from None
         grown = session.length + 1 + len(drafts)
@@ -362,7 +363,7 @@ class TargetEngine(SessionOwner):
         if step.parents is not None:
             tree, params = step.parents, session.params
             path, bonus = (accept_tree_argmax(argmax, step.ids, tree) if greedy
-                           else accept_tree(logits, step.ids, tree, params, session.generator))
+                           else accept_tree(logits, step.ids, tree, params, session.generator, step.q))
             keep = [0, *path]
         else:
             if greedy:

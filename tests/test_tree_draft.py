@@ -1,10 +1,12 @@
 """EAGLE-2 draft trees in the draft engine (issue 22, draft_server/tree.py): well-formed trees, every node
 scored as a chain rollout along its path scores it (so the tree's masks and positions are right), the
-tree's KV dropped, one host sync per tree, and a sampled session ranked at its temperature."""
+tree's KV dropped, one host sync per tree, and a sampled session ranked at its temperature, each expanded
+node's first child drawn from the draft's q (with that q) and its siblings the likeliest others."""
 
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import draft_server.engine as engine_module
 from draft_server.engine import DraftEngine
 from draft_server.model import DraftKV
 from draft_server.rollout import rollout
+from draft_server.sampling import DraftSampler, draft_q, draw
 from draft_server.steps import _Step
 from draft_server.tree import grow_tree, tree_shape
 from tandem.params import SamplingParams, TreeParams
@@ -78,9 +81,11 @@ class Chains:
         self.states = {(): (a[:, -1:], kv)}  # path -> its last output and KV
 
     @torch.inference_mode()
+    def logits(self, path: tuple[int, ...]) -> torch.Tensor:
+        return self.model.draft_logits(self._state(path)[0][0, -1]).float()
+
     def logp(self, path: tuple[int, ...]) -> torch.Tensor:
-        a = self._state(path)[0]
-        logits = self.model.draft_logits(a[0, -1]).float()
+        logits = self.logits(path)
         return (logits if self.temperature is None else logits / self.temperature).log_softmax(-1)
 
     @torch.inference_mode()
@@ -101,28 +106,41 @@ def _paths(tokens, parents) -> list[tuple[int, ...]]:
     return paths
 
 
-def _naive_tree(engine, chains: Chains, params) -> dict[tuple[int, ...], float]:
-    """Every candidate of an EAGLE-2 tree, grown path by path on the host: path -> cumulative score."""
+def _naive_tree(engine, chains: Chains, params, sampler=None, qs=None) -> dict[tuple[int, ...], float]:
+    """Every candidate of an EAGLE-2 tree, grown path by path on the host: path -> cumulative score. A sampled
+    session's (`sampler`): each expanded path's first child drawn from draft_q at the chain's logits, with the
+    uniform of the position it takes, and its q (target ids, probs) put in `qs` under the child's path."""
     k, depth, _ = tree_shape(params, engine.draft_vocab)
     to_target = engine.model.to_target_ids
     candidates, frontier = {}, [((), 0.0)]
     for d in range(depth):
         level = []
         for path, score in frontier:
-            top = chains.logp(path).topk(k)
-            level += [((*path, int(to_target(i))), score + float(v)) for v, i in zip(top.values, top.indices,
-                                                                                      strict=True)]
+            logp = chains.logp(path)
+            children = logp.topk(k).indices.tolist()
+            if sampler is not None:
+                ids, probs = draft_q(chains.logits(path)[None], [sampler], engine.q_top_n)
+                drawn = int(ids[0, draw(probs, [sampler.uniform(chains.n + d)])[0]])
+                children = [drawn, *[c for c in children if c != drawn][: k - 1]]
+                support = int((probs > 0).sum())
+                qs[(*path, int(to_target(drawn)))] = (to_target(ids[0, :support]).tolist(), probs[0, :support])
+            # a drawn child ranks as its parent (tree.py): the sampled chain always stays in the tree
+            level += [((*path, int(to_target(i))), score + (0.0 if j == 0 and sampler is not None else float(logp[i])))
+                      for j, i in enumerate(children)]
         candidates.update(level)
         frontier = level if d == 0 else sorted(level, key=lambda c: -c[1])[:k]  # level 1 all, then the best k
     return candidates
 
 
-def _check(engine, history, drafts, params, scores=None, temperature=None):
+def _check(engine, history, drafts, params, scores=None, sampling=None):
     """The tree is well-formed and, with its scores, every node is what a chain along its path ranks; the
-    nodes are the best of the candidates an EAGLE-2 tree grown on the host has."""
+    nodes are the best of the candidates an EAGLE-2 tree grown on the host has. A sampled session's
+    (`sampling`): ranked at its temperature, the drawn nodes (a q) drawn and their q as the host draws them."""
     k, depth, n = tree_shape(params, engine.draft_vocab)
     parents = drafts.parents
-    assert drafts.q is None and len(drafts) == n == min(params.nodes, k + (depth - 1) * k * k)
+    sampler = DraftSampler.for_request(sampling) if sampling is not None else None
+    assert len(drafts) == n == min(params.nodes, k + (depth - 1) * k * k)
+    assert drafts.q is None if sampler is None else len(drafts.q) == n
     assert check_tree(parents, len(drafts)) is None
     depths = tree_depths(parents)
     assert max(depths) <= params.depth and depths == sorted(depths)
@@ -130,18 +148,27 @@ def _check(engine, history, drafts, params, scores=None, temperature=None):
     for token, parent in zip(drafts, parents, strict=True):
         children.setdefault(parent, []).append(token)
     assert all(len(set(c)) == len(c) <= k for c in children.values()), children
-    chains = Chains(engine, history, temperature)
+    chains = Chains(engine, history, sampler and sampler.temperature)
     paths = _paths(list(drafts), parents)
+    qs: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
+    candidates = _naive_tree(engine, chains, params, sampler, qs)
     expected = []
-    for path, parent in zip(paths, parents, strict=True):
+    for i, (path, parent) in enumerate(zip(paths, parents, strict=True)):
         logp = chains.logp(path[:-1])
         draft_id = int(engine._draft_id[path[-1]])
-        assert draft_id >= 0 and logp[draft_id] >= logp.topk(k).values[-1] - 1e-5  # among its parent's top_k
-        expected.append((expected[parent] if parent >= 0 else 0.0) + float(logp[draft_id]))
+        assert draft_id >= 0
+        q = drafts.q[i] if sampler is not None else None
+        assert (path in qs) == bool(q and q.ids)  # drawn here iff drawn on the host
+        if q and q.ids:  # drawn from q, which is draft_q's at its parent: tempered, top-k/top-p, cut
+            assert path[-1] in q.ids and abs(sum(q.probs) - 1) < 1e-5
+            assert q.ids == qs[path][0] and torch.tensor(q.probs) == pytest.approx(qs[path][1], abs=1e-5)
+        else:  # the likeliest: among its parent's top_k
+            assert logp[draft_id] >= logp.topk(k).values[-1] - 1e-5
+        drawn = bool(q and q.ids)  # a drawn child ranks as its parent (tree.py)
+        expected.append((expected[parent] if parent >= 0 else 0.0) + (0.0 if drawn else float(logp[draft_id])))
     if scores is not None:
         assert max(abs(x - y) for x, y in zip(scores, expected, strict=True)) < 1e-4
         assert all(scores[i] <= scores[p] + 1e-6 for i, p in enumerate(parents) if p >= 0)
-    candidates = _naive_tree(engine, chains, params)
     ranked = sorted(candidates.values(), reverse=True)
     assert len(candidates) >= n and all(path in candidates for path in paths)
     if n == len(ranked) or ranked[n - 1] - ranked[n] > 1e-4:  # no near-tie at the cut: the kept set is certain
@@ -198,13 +225,57 @@ def test_a_sampled_session_ranks_at_its_temperature(engine, grown):
     history = _history(engine, 5)
     params = TreeParams(nodes=30, depth=4, top_k=4)
     drafts = _draft(engine, "sampled", history, sampling=SAMPLED, tree=params)
-    _check(engine, history, drafts, params, grown[-1].scores.tolist(), temperature=SAMPLED.temperature)
-    # a greedy session's tree of the same history: level 1 alike (a temperature keeps the order), the scores not
+    _check(engine, history, drafts, params, grown[-1].scores.tolist(), sampling=SAMPLED)
+    # a greedy session's tree of the same history: its level 1 has the sampled one's likeliest, not their scores
     sampled_scores = grown[-1].scores.tolist()
     plain = _draft(engine, "greedy", history, tree=params)
     _check(engine, history, plain, params, grown[-1].scores.tolist())
-    assert list(plain)[:4] == list(drafts)[:4]
-    assert max(abs(x - y) for x, y in zip(sampled_scores, grown[-1].scores.tolist(), strict=True)) > 1e-2
+    greedy_scores = grown[-1].scores.tolist()
+    level_1 = {t: x for t, x, p, q in zip(drafts, sampled_scores, drafts.parents, drafts.q, strict=True)
+               if p < 0 and not q.ids}  # the sampled tree's likeliest root children, tempered
+    assert len(level_1) >= 3 and set(level_1) <= set(plain[:4])  # a temperature keeps the order
+    assert min(abs(x - greedy_scores[plain.index(t)]) for t, x in level_1.items()) > 1e-2
+
+
+@pytest.mark.parametrize("sampling, top_n", [(SAMPLED, 256), (SamplingParams(temperature=1.0, top_k=20, top_p=0.9,
+                                                                              seed=8), 256),
+                                             (SamplingParams(temperature=1.2, seed=9), 8)],
+                         ids=["t0.6", "top-k-top-p", "cut-to-8"])
+def test_each_expanded_node_draws_its_first_child_from_q(engine, grown, monkeypatch, sampling, top_n):
+    """Each node drawn from q as the host draws it, with that q (_check); one drawn child per expanded node at
+    most, its kept siblings distinct and other tokens."""
+    monkeypatch.setattr(engine, "q_top_n", top_n)
+    history = _history(engine, 12)
+    params = TreeParams(nodes=40, depth=5, top_k=3)
+    drafts = _draft(engine, "sampled", history, sampling=sampling, tree=params)
+    _check(engine, history, drafts, params, grown[-1].scores.tolist(), sampling=sampling)
+    assert all(len(q.ids) <= top_n for q in drafts.q) and sum(bool(q.ids) for q in drafts.q) >= 3
+    children: dict[int, list[tuple[int, bool]]] = {}
+    for token, parent, q in zip(drafts, drafts.parents, drafts.q, strict=True):
+        children.setdefault(parent, []).append((token, bool(q.ids)))
+    for siblings in children.values():
+        drawn = [t for t, has_q in siblings if has_q]
+        assert len(drawn) <= 1 and len({t for t, _ in siblings}) == len(siblings)
+    assert any(has_q for _, has_q in children[-1])  # the root's drawn child is kept here
+
+
+def test_the_drawn_child_follows_q_over_seeds(engine):
+    """The root's drawn child over 400 seeds: its frequencies are q's (chi-square, 4 degrees of freedom)."""
+    history = _history(engine, 13, sizes=(6,))
+    counts: Counter[int] = Counter()
+    first = None
+    for seed in range(400):
+        drafts = _draft(engine, f"seed-{seed}", history, sampling=SamplingParams(temperature=1.0, top_k=5, seed=seed),
+                        tree=TreeParams(nodes=2, depth=1, top_k=2))
+        engine.release(f"seed-{seed}")
+        (drawn,) = [(t, q) for t, q in zip(drafts, drafts.q, strict=True) if q.ids]
+        first = first or drawn[1]
+        assert drawn[1].ids == first.ids and drawn[1].probs == pytest.approx(first.probs, abs=1e-6)
+        counts[drawn[0]] += 1
+    assert len(first.ids) == 5 and max(first.probs) < 0.8  # a q worth the test
+    expected = [400 * p for p in first.probs]
+    chi2 = sum((counts[t] - e) ** 2 / e for t, e in zip(first.ids, expected, strict=True))
+    assert set(counts) <= set(first.ids) and chi2 < 18.47, (counts, first)  # p = 0.001
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
@@ -217,6 +288,7 @@ def test_a_tree_syncs_once_and_uploads_do_not_grow_with_depth(engine, sampled):
             drafts = engine.propose(f"syncs-{depth}", *history[1], 0, tree=TreeParams(nodes=40, depth=depth, top_k=4))
         assert ops.syncs <= 1, dict(ops.sync_ops)
         assert len(drafts) == min(40, 4 + (depth - 1) * 16)
+        assert (len(drafts.q) == len(drafts) and any(q.ids for q in drafts.q)) if sampled else drafts.q is None
         assert max(tree_depths(drafts.parents)) <= depth
         uploads[depth] = ops.op_names.get("detach_", 0)  # tensors made from host data
     assert uploads[2] == uploads[6], uploads
