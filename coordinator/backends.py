@@ -244,10 +244,11 @@ class GrpcTarget:
         params: SamplingParams,
         want_features: bool = True,
         max_new_tokens: int | None = None,
+        verify_tokens: int | None = None,
     ) -> PrefillResult:
         prefill = target_pb2.Prefill(
             session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_pb(params), want_features=want_features,
-            want_timing=self._stream.probe is not None, max_new_tokens=max_new_tokens,
+            want_timing=self._stream.probe is not None, max_new_tokens=max_new_tokens, verify_tokens=verify_tokens,
         )
         self._stream.send(target_pb2.TargetRequest(prefill=prefill))
         response, features = self._answer("prefilled")

@@ -123,6 +123,7 @@ class TargetBackend(Protocol):
         params: SamplingParams,
         want_features: bool = True,
         max_new_tokens: int | None = None,  # sizes the session's share of the target's KV budget
+        verify_tokens: int | None = None,  # the widest verify it may send (a tree's); None: a chain's
     ) -> PrefillResult: ...
 
     def verify(

@@ -190,7 +190,8 @@ def run_rounds(
         return drafter is not None and drafter.alive
 
     try:
-        prefill = target.prefill(session, request.prompt_ids, request.sampling, alive(), max_new_tokens=limit)
+        wide = {"verify_tokens": 1 + policy.tree.nodes} if alive() and policy.tree is not None else {}
+        prefill = target.prefill(session, request.prompt_ids, request.sampling, alive(), max_new_tokens=limit, **wide)
         token = prefill.token
         new_tokens, finish = stopper.take([token])
         yield RoundEvent(new_tokens, stats, finish, _cut(prefill.logprobs, new_tokens))

@@ -36,7 +36,7 @@ from transformers import AutoConfig
 from tandem.aux_layers import capture_ids
 from tandem.batching import Batcher
 from tandem.dtypes import TORCH_DTYPES
-from tandem.params import MAX_TREE_NODES, SamplingParams
+from tandem.params import MAX_DRAFT_TOKENS, MAX_TREE_NODES, SamplingParams
 from tandem.protocol import DraftProbs, PrefillResult, VerifyResult
 from tandem.sessions import InvalidRequest, ResourceExhausted, SessionNotFound, SessionOwner, SessionTable
 from target_server.acceptance import (
@@ -224,8 +224,10 @@ class TargetEngine(SessionOwner):
         params: SamplingParams,
         want_features: bool = True,
         max_new_tokens: int | None = None,
+        verify_tokens: int | None = None,
     ) -> PrefillResult:
-        """`max_new_tokens` (None: up to the context) sizes the session's share of the KV budget."""
+        """`max_new_tokens` (None: up to the context) sizes the session's share of the KV budget, with room for
+        a verify of `verify_tokens` (t and a tree's nodes; None: t and a chain's MAX_DRAFT_TOKENS drafts)."""
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
         self._check_ids(prompt_ids, "the prompt")
@@ -242,7 +244,8 @@ class TargetEngine(SessionOwner):
         # the whole generation; a verify holds up to K+1 uncommitted tokens (a tree's nodes + 1) for a moment
         reserve = self.max_context
         if max_new_tokens is not None:
-            reserve = min(reserve, len(prompt_ids) + max_new_tokens + VERIFY_TOKENS)
+            width = min(max(verify_tokens or 0, MAX_DRAFT_TOKENS + 1), VERIFY_TOKENS)
+            reserve = min(reserve, len(prompt_ids) + max_new_tokens + width)
         reserve = self.kv_budget.reserve(reserve)
         # Every layer keeps its full KV, so verify can always roll back (a config-built cache trims
         # sliding-window layers, Mistral's, and then cannot crop); blocks are taken as it grows.

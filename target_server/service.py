@@ -122,7 +122,8 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
                         sid = p.session_id or uuid.uuid4().hex
                         with clock.compute():
                             result = engine.prefill(sid, list(p.prompt_ids), sampling_from_pb(p.sampling), p.want_features,
-                                                    p.max_new_tokens if p.HasField("max_new_tokens") else None)
+                                                    p.max_new_tokens if p.HasField("max_new_tokens") else None,
+                                                    p.verify_tokens if p.HasField("verify_tokens") else None)
                         timed = p.want_timing
                         session_id = sid  # only now is it ours to release
                         self.session(session_id, context)

@@ -125,25 +125,31 @@ class SamplingOracleDraft:
             self.samplers[session_id] = DraftSampler.for_request(sampling)
         self.context[session_id].extend(next_tokens)
         if tree is not None:
-            return self._tree(list(self.context[session_id]), tree)
+            return self._tree(session_id, list(self.context[session_id]), tree)
         return self._rollout(session_id, list(self.context[session_id]), num_draft_tokens)
 
-    def _tree(self, rollout: list[int], tree) -> Drafts:
-        """A tree of its own top_k at each node (distinct, chosen without the target's randomness: no q),
-        the two likeliest nodes of each depth expanded."""
-        tokens, parents, frontier = [], [], [(-1, rollout)]
+    def _tree(self, session_id: str, rollout: list[int], tree) -> Drafts:
+        """A sampled tree as the draft engine grows one: at each node a first child drawn from q (with that
+        q), then its own top_k without it (no q); the drawn child and the likeliest other expanded."""
+        sampler, tokens, parents, q, frontier = self.samplers[session_id], [], [], [], [(-1, rollout)]
         for _ in range(tree.depth):
             expand = []
             for parent, context in frontier:
-                for token in self._logits(context).topk(tree.top_k).indices.tolist():
+                ids, probs = draft_q(self._logits(context)[None], [sampler], self.top_n)  # [1, N]
+                drawn = int(ids[0, int(draw(probs, [sampler.uniform(len(context))])[0])])
+                support = int((probs > 0).sum())
+                others = [t for t in self._logits(context).topk(tree.top_k).indices.tolist() if t != drawn]
+                for j, token in enumerate([drawn, *others][: tree.top_k]):
                     if len(tokens) == tree.nodes:
                         break
                     tokens.append(token)
                     parents.append(parent)
-                    if len(expand) < 2:
+                    q.append(DraftProbs(ids[0, :support].tolist(), probs[0, :support].tolist()) if j == 0
+                             else DraftProbs([], []))
+                    if j < 2:
                         expand.append((len(tokens) - 1, [*context, token]))
-            frontier = expand
-        return Drafts(tokens, None, parents)
+            frontier = expand[:2]
+        return Drafts(tokens, q, parents)
 
     def _rollout(self, session_id: str, rollout: list[int], k: int) -> Drafts:
         """k drafts after `rollout`, each drawn from q with the uniform of its position."""

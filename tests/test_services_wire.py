@@ -102,7 +102,7 @@ class BigFeaturesTarget:
         self.features = features_8b()
         self.sessions: set[str] = set()
 
-    def prefill(self, session_id, prompt_ids, params, want_features=True, max_new_tokens=None):
+    def prefill(self, session_id, prompt_ids, params, want_features=True, max_new_tokens=None, verify_tokens=None):
         self.sessions.add(session_id)
         return PrefillResult(token=7, features=self.features[: len(prompt_ids)])
 

@@ -86,8 +86,10 @@ TREE_CASES = [("t1", "alone"), ("t0.7", "batched"), ("t0.7-top_k8-top_p0.9", "al
 
 @pytest.mark.parametrize("name, mode", TREE_CASES, ids=[f"{n}-{m}" for n, m in TREE_CASES])
 def test_sampled_trees_keep_the_targets_law(generator, hf_target, name, mode):
-    """Recursive rejection over each node's siblings (target_server/acceptance.py) samples the target's
-    law: the same chi-square check as chains (tests/test_speculative_sampling.py), 3 positions a case."""
+    """Trees whose first child at each node is drawn from q (with it) and the rest are the draft's top-k:
+    the drawn child by min(1, p/q), the others one-hot on what is left (target_server/acceptance.py) sample
+    the target's law: the same chi-square check as chains (tests/test_speculative_sampling.py), 3 positions
+    a case, alone and batched."""
     params = SETTINGS[name]
     draft = SamplingOracleDraft(hf_target, PROMPT[0], top_n=8)
     tree = TreeParams(nodes=8, depth=2, top_k=3)
@@ -160,3 +162,19 @@ def test_under_load_a_tree_gives_way_to_the_chain():
         speculation = Speculation(fits=lambda width, n=running: n * width <= 256)
         policy = KPolicy(request, speculation, 32, has_draft=True)
         assert (policy.tree_for_round(3, 0) is not None) == tree
+
+
+def test_a_wide_tree_is_verified_within_what_its_prefill_reserved(generator):
+    """A session reserves its generation plus one verify's uncommitted tokens: a chain's 17 unless its prefill
+    says a tree's (verify_tokens, which the round loop sends for a tree request)."""
+    from tandem.sessions import InvalidRequest
+
+    target, greedy, wide = generator.target, SamplingParams(), list(range(-1, 39))  # a 40-node tree
+    narrow = target.prefill("narrow", PROMPTS[0], greedy, False, max_new_tokens=8)
+    with pytest.raises(InvalidRequest, match="reserved"):
+        target.verify("narrow", narrow.token, [7] * 40, False, None, wide)
+    roomy = target.prefill("roomy", PROMPTS[0], greedy, False, max_new_tokens=8, verify_tokens=41)
+    verdict = target.verify("roomy", roomy.token, [7] * 40, False, None, wide)
+    assert verdict.accepted == [7] * len(verdict.accepted)
+    for session in ("narrow", "roomy"):
+        target.release(session)

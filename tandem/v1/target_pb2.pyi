@@ -72,20 +72,22 @@ class TargetRequest(_message.Message):
     def __init__(self, prefill: _Optional[_Union[Prefill, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., cohort: _Optional[_Union[_common_pb2.Cohort, _Mapping]] = ...) -> None: ...
 
 class Prefill(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "want_features", "want_timing", "max_new_tokens")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "want_features", "want_timing", "max_new_tokens", "verify_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
     WANT_TIMING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     want_features: bool
     want_timing: bool
     max_new_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., want_features: _Optional[bool] = ..., want_timing: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    verify_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., want_features: _Optional[bool] = ..., want_timing: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., verify_tokens: _Optional[int] = ...) -> None: ...
 
 class Verify(_message.Message):
     __slots__ = ("token", "drafts", "want_features", "q", "parents")
