@@ -28,8 +28,10 @@ def _tree(text: str):
 
     try:
         return parse_tree(text)
-    except ValueError as exc:  # pydantic's ValidationError is one
-        raise argparse.ArgumentTypeError(str(exc).splitlines()[-1].strip()) from None
+    except ValueError as exc:  # pydantic's ValidationError is one: its first error's message
+        errors = getattr(exc, "errors", None)
+        message = errors()[0]["msg"].removeprefix("Value error, ") if callable(errors) else str(exc)
+        raise argparse.ArgumentTypeError(message) from None
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:

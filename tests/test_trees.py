@@ -143,6 +143,15 @@ def test_tree_settings_name_what_is_wrong():
         load_settings(CoordinatorSettings, target_addr="localhost:1", tree="99")
 
 
+def test_the_cli_names_a_bad_tree(capsys):
+    from tandem_tools.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--in-process", "--prompt-ids", "1", "--tree", "16,0"])
+    assert "argument --tree: tree depth must be in [1, 16], got 0" in capsys.readouterr().err
+    assert build_parser().parse_args(["bench", "--tree", "16,32"]).tree == [16, 32]
+
+
 def test_the_trees_shape_crosses_as_one_byte_a_node():
     parents = [-1, -1, 0, 0, 1, 2]
     assert parents_from_pb(parents_to_pb(parents)) == parents
