@@ -127,8 +127,8 @@ class DraftEngine(SessionOwner):
     ) -> Drafts:
         """Append the m new committed pairs and return K draft tokens (target ids): the argmax, or for a
         session opened with sampling (temperature > 0) drawn from q, with q. With `tree`: a tree of drafts
-        (Drafts.parents), ranked by the draft's log-probabilities; a sampled session's tempered, its first
-        child at each node drawn from q (Drafts.q: one entry per node, empty for the undrawn)."""
+        (Drafts.parents), ranked by the draft's log-probabilities; a sampled session's tempered, its children
+        drawn from q without replacement (Drafts.q: one q_j per node, empty for the undrawn)."""
         m = len(next_tokens)
         if m == 0 or features.shape != (m, self.feature_size):
             raise InvalidRequest(
@@ -308,9 +308,13 @@ class DraftEngine(SessionOwner):
     @torch.inference_mode()
     def _run_tree(self, step: _Step) -> Drafts:
         """One session's extend, then its draft tree (draft_server/tree.py), read back in one copy."""
-        session, sampler = step.session, step.session.sampler  # sampled: each node's first child drawn from q
-        draws = draws_for([sampler], [session.length + len(step.next_tokens)], step.tree.depth, self.draft_vocab,
-                          self.device)  # keyed as the chain's drafts, uploaded before any forward
+        session, sampler = step.session, step.session.sampler  # sampled: children drawn from q
+        first = session.length + len(step.next_tokens)
+        draws = draws_for([sampler], [first], step.tree.depth, self.draft_vocab, self.device)  # uploaded now
+        if draws is not None:  # draw j of each depth with stream j (j = 0: keyed as the chain's drafts)
+            k = min(step.tree.top_k, self.draft_vocab)
+            draws = replace(draws, uniforms=torch.tensor([[sampler.uniform(first + n, j) for n in range(
+                step.tree.depth)] for j in range(k)], dtype=torch.float64, device=self.device))
         a, position = self._extend(step)
         tree = grow_tree(self.model, a, session.kv, position, step.tree, sampler and sampler.temperature, draws,
                          self.q_top_n)

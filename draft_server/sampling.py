@@ -43,9 +43,11 @@ class DraftSampler:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         return cls(params.temperature, params.top_k, params.top_p, _splitmix64(seed ^ _DRAFT_STREAM))
 
-    def uniform(self, position: int) -> float:
-        """The uniform in [0, 1) that draws the draft token at sequence `position`."""
-        return (_splitmix64(self.key + position) >> 11) * 2.0**-53
+    def uniform(self, position: int, j: int = 0) -> float:
+        """The uniform in [0, 1) that draws the draft token at sequence `position`; `j` > 0: an independent
+        stream for a tree's further draws at that position (draft_server/tree.py)."""
+        key = self.key if j == 0 else _splitmix64(self.key ^ (j * 0xD1B54A32D192ED03 & _MASK64))
+        return (_splitmix64((key + position) & _MASK64) >> 11) * 2.0**-53
 
 
 def _splitmix64(x: int) -> int:

@@ -18,13 +18,16 @@ shape follows the draft's own confidence, verified by the target in one forward.
 
 The ranking is the log-softmax of the draft's logits (a sampled session's divided by its temperature).
 
-    sampled     a sampled session's expanded nodes (the root, and each frontier node) draw their FIRST child
-                from the draft's own q (sampling.py's draft_q: tempered, top-k/top-p, cut to top_n), with the
-                uniform the chain's draft at that depth uses (DraftSampler.uniform of the position the child
-                takes; nodes of one depth share it); their other top_k - 1 children are the likeliest tokens
-                besides it. Every child is scored by the tempered log-softmax as before. Each kept sampled
-                child carries the q it was drawn from, so that the target accepts it by min(1, p/q) and its
-                siblings by recursive rejection, losslessly; the deterministic ones carry an empty q.
+    sampled     a sampled session's expanded nodes (the root, and each frontier node) draw ALL their top_k
+                children from the draft's own q (sampling.py's draft_q: tempered, top-k/top-p, cut to top_n)
+                without replacement: child j from q_j, q without children 0..j-1, renormalised, with
+                uniform j of the position the child takes (DraftSampler.uniform(position, j); j = 0 is the
+                chain's draft's; nodes of one depth share them). Each kept child carries its q_j, and the
+                target tries them in draw order, each by min(1, p/q_j) with residual max(0, p - q_j):
+                recursive rejection without replacement (RSD, Jeon et al. 2024), lossless. The first
+                child ranks as its parent, the rest by their log-probabilities made non-increasing in draw
+                order, so the kept siblings are a prefix of the draws. Where q runs out of support (a
+                request's small top-k) the remaining children are the likeliest other tokens, without q.
 
 Everything stays on the device (masks, positions, ranking, draws, the d2t mapping); the host reads the tree
 (tokens, parents, q) once, with read_rollout, at the end. The tree nodes' KV is dropped: the next round's exact
@@ -68,42 +71,54 @@ def tree_shape(params: TreeParams, draft_vocab: int) -> tuple[int, int, int]:
 def _children(model: Eagle3Draft, out: torch.Tensor, k: int, temperature: float | None, draws: Draws | None,
               top_n: int, level: int) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """The children of b expanded nodes, from their outputs `out` [b, H], at depth `level` -> their draft ids
-    [b, k] and log-probabilities [b, k] (tempered); with `draws`, column 0 drawn from q with the uniform of
-    that depth (ranked as its parent: log-probability 0), and q (draft ids [b, W], probs [b, W]) as draft_q
-    gives it; else the top_k and None."""
+    [b, k] and ranking scores [b, k]; with `draws`, all k drawn from q WITHOUT replacement, child j from q_j =
+    q without children 0..j-1, renormalised (recursive rejection without replacement, as RSD: the target
+    tries them in that order, each with its q_j), child j with uniform j of that depth, and their q_j (draft
+    ids [b, k, W], probs [b, k, W], each row's support a prefix); a node whose q runs out of support gets its
+    likeliest remaining tokens, without q. Else the top_k and None.
+
+    Ranking: a greedy node's children by their log-probability; a sampled node's first child as its parent
+    (log-probability 0: the sampled chain always stays in the tree), the others by theirs, made non-increasing
+    in draw order, so that the kept ones are a prefix of the draws, in draw order."""
     logits = model.draft_logits(out)
     logp = (logits.float() if temperature is None else logits.float() / temperature).log_softmax(-1)
-    top = logp.topk(k)
     if draws is None:
+        top = logp.topk(k)
         return top.indices, top.values, None
-    ids, probs = draft_q(logits, draws.settings, top_n)  # [b, W]: as the chain's pick draws
-    drawn = ids.gather(1, draw(probs, draws.uniforms[0, level - 1].expand(ids.shape[0]))[:, None])  # [b, 1]
-    # its siblings: the top_k without it, or without the last of them when it is not among them (a stable
-    # argsort of the dropped flag, on the device: no boolean indexing, which would sync)
-    same = top.indices == drawn
-    dropped = torch.where(same.any(1, keepdim=True), same, torch.arange(k, device=logp.device) == k - 1)
-    rest = top.indices.gather(1, dropped.long().argsort(dim=1, stable=True)[:, : k - 1])
-    children = torch.cat([drawn, rest], 1)
-    # the drawn child ranks with its parent's score (log 1): the chain of drawn children, what a sampled chain
-    # would verify, is always kept and expanded, so the tree accepts at least what that chain would
+    ids, left = draft_q(logits, draws.settings, top_n)  # [b, W]: as the chain's pick draws
+    b, columns = ids.shape[0], torch.arange(ids.shape[1], device=logp.device)
+    kids: list[torch.Tensor] = []
+    q_ids, q_probs = [], []
+    for j in range(k):
+        mass = left.sum(-1, keepdim=True)  # [b, 1]: what q_j has left to draw from
+        valid = mass[:, 0] > 0
+        column = draw(left, draws.uniforms[j, level - 1].expand(b)).clamp(min=0)  # [b]
+        taken = logp.scatter(1, torch.stack(kids, 1), float("-inf")) if kids else logp
+        kids.append(torch.where(valid, ids.gather(1, column[:, None])[:, 0], taken.argmax(-1)))
+        q_ids.append(ids)
+        q_probs.append(torch.where(valid[:, None], left / mass.clamp(min=1e-30), 0.0))
+        # the drawn column to the end, zeroed: the support stays a prefix (draw and q_support read it so)
+        order = (columns[None] == column[:, None]).long().argsort(dim=1, stable=True)
+        ids, left = ids.gather(1, order), left.gather(1, order)
+        left = torch.cat([left[:, :-1], torch.zeros_like(left[:, -1:])], 1)
+    children = torch.stack(kids, 1)  # [b, k]
     ranked = logp.gather(1, children).index_fill(1, torch.zeros(1, dtype=torch.long, device=logp.device), 0.0)
-    return children, ranked, (ids, probs)
+    return children, ranked.cummin(1).values, (torch.stack(q_ids, 1), torch.stack(q_probs, 1))
 
 
 def grow_tree(model: Eagle3Draft, a: torch.Tensor, kv: DraftKV, position: torch.Tensor, params: TreeParams,
               temperature: float | None = None, draws: Draws | None = None, top_n: int = 0) -> Tree:
     """The tree after a lone session's extend: `a` [1, 1, H] its last output, `kv` its committed KV, `position`
-    [1, 1] where its first draft goes. A sampled session's: `temperature`, and `draws` (draws_for its one row
-    from that position, at least `depth` uniforms) with the q cut `top_n` draw each expanded node's first
-    child. The nodes' KV is cropped off `kv` again before this returns."""
+    [1, 1] where its first draft goes. A sampled session's: `temperature`, and `draws` (its settings, and
+    uniforms [top_k, depth]: draw j of each depth) with the q cut `top_n` draw each expanded node's children.
+    The nodes' KV is cropped off `kv` again before this returns."""
     k, depth, n = tree_shape(params, model.config.draft_vocab_size)
     device, committed = a.device, kv.length
     ids, logp, q = _children(model, a[0, -1:], k, temperature, draws, top_n, 1)  # level 1: [1, k]
     scores, draft_ids = [logp[0]], [ids[0]]
     parents = [torch.full((k,), -1, dtype=torch.long, device=device)]  # candidate index of each one's parent
     levels = [torch.full((k,), 1, dtype=torch.long, device=device)]
-    drawn = torch.arange(k, device=device) == 0  # [k]: the candidates drawn from q (column 0 of each node's)
-    q_rows, q_ids, q_probs = [torch.where(drawn, 0, -1)], [q[0]] if q else [], [q[1]] if q else []
+    q_ids, q_probs = ([q[0][0]], [q[1][0]]) if q else ([], [])  # each candidate's q_j, in candidate order
     # the frontier: the nodes fed next, as candidate indices, with their scores, inputs and ancestry
     frontier, score = torch.arange(k, device=device), logp[0]
     hidden, tokens = a[:, -1:].expand(1, k, a.shape[-1]), model.to_target_ids(ids)  # [1, k, H], [1, k]
@@ -119,12 +134,9 @@ def grow_tree(model: Eagle3Draft, a: torch.Tensor, kv: DraftKV, position: torch.
         draft_ids.append(ids.flatten())
         parents.append(frontier[:, None].expand(k, k).flatten())
         levels.append(torch.full((k * k,), level, dtype=torch.long, device=device))
-        if q:  # node r's drawn child: q row (rows so far) + r
-            rows_so_far = 1 + (level - 2) * k
-            q_rows.append(torch.where(drawn, torch.arange(rows_so_far, rows_so_far + k, device=device)[:, None],
-                                      -1).flatten())
-            q_ids.append(q[0])
-            q_probs.append(q[1])
+        if q:  # [k, k, W] -> [k * k, W]: candidate r * k + j's q_j
+            q_ids.append(q[0].flatten(0, 1))
+            q_probs.append(q[1].flatten(0, 1))
         if level < depth:  # the next frontier: the best k children, fed after their parents
             best = cumulative.topk(k)
             rows = best.indices // k  # the frontier node each descends from
@@ -142,9 +154,7 @@ def grow_tree(model: Eagle3Draft, a: torch.Tensor, kv: DraftKV, position: torch.
     parent = parents_[kept]
     parent = torch.where(parent >= 0, index[parent.clamp(min=0)], parent)
     tree = Tree(model.to_target_ids(torch.cat(draft_ids)[kept]), parent, scores_[kept])
-    if q_ids:  # each kept node's q row, cut to nothing where it was not drawn
-        row = torch.cat(q_rows)[kept]  # [n]
-        probs = torch.cat(q_probs)[row.clamp(min=0)]  # [n, W]
-        tree.q = (model.to_target_ids(torch.cat(q_ids)[row.clamp(min=0)]), probs,
-                  torch.where(row >= 0, (probs > 0).sum(-1), 0))
+    if q_ids:  # each kept node's q_j; a support of 0 where it was not drawn (its parent's q ran out)
+        probs = torch.cat(q_probs)[kept]  # [n, W]
+        tree.q = (model.to_target_ids(torch.cat(q_ids)[kept]), probs, (probs > 0).sum(-1))
     return tree

@@ -63,10 +63,10 @@ class Drafts(list):
     `parents`: a draft tree (EAGLE-2) instead of a chain: parents[i] is the index of d_{i+1}'s parent
     among the drafts, -1 for a child of the root t, and every parent comes before its children (so a
     chain is parents [-1, 0, 1, ...]). None: a chain. A tree's siblings are distinct tokens. A greedy
-    tree's are the draft's top-k (q None); a sampled tree's first child at each node is drawn from the
-    draft's q and the rest are its top-k without it: q then has one entry per node, the DraftProbs of a
-    drawn node and an empty one for the others. The target tries the drawn child by min(1, p/q) and the
-    others one-hot on what is left (target_server/acceptance.py): lossless either way."""
+    tree's are the draft's top-k (q None); a sampled tree's are drawn from the draft's q without
+    replacement: q then has one entry per node, the q_j it was drawn from (an empty one for a node that
+    was not drawn). The target tries the drawn children in order by min(1, p/q_j), then the others
+    one-hot on what is left (target_server/acceptance.py): lossless either way."""
 
     def __init__(self, tokens=(), q: list[DraftProbs] | None = None, parents: list[int] | None = None):
         super().__init__(tokens)

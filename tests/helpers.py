@@ -129,25 +129,33 @@ class SamplingOracleDraft:
         return self._rollout(session_id, list(self.context[session_id]), num_draft_tokens)
 
     def _tree(self, session_id: str, rollout: list[int], tree) -> Drafts:
-        """A sampled tree as the draft engine grows one: at each node a first child drawn from q (with that
-        q), then its own top_k without it (no q); the drawn child and the likeliest other expanded."""
+        """A sampled tree as the draft engine grows one: at each node its children drawn from q without
+        replacement (child j from q without children 0..j-1, with that q_j), and where q runs out (a small
+        top-k) its likeliest other tokens without q; the first two children expanded."""
         sampler, tokens, parents, q, frontier = self.samplers[session_id], [], [], [], [(-1, rollout)]
         for _ in range(tree.depth):
             expand = []
             for parent, context in frontier:
                 ids, probs = draft_q(self._logits(context)[None], [sampler], self.top_n)  # [1, N]
-                drawn = int(ids[0, int(draw(probs, [sampler.uniform(len(context))])[0])])
-                support = int((probs > 0).sum())
-                others = [t for t in self._logits(context).topk(tree.top_k).indices.tolist() if t != drawn]
-                for j, token in enumerate([drawn, *others][: tree.top_k]):
+                children: list[int] = []
+                for j in range(tree.top_k):
                     if len(tokens) == tree.nodes:
                         break
-                    tokens.append(token)
+                    left = [(i, p) for i, p in zip(ids[0].tolist(), probs[0].tolist(), strict=True)
+                            if p > 0 and i not in children]
+                    if left:
+                        row = torch.tensor([p for _, p in left], dtype=torch.float64)
+                        row = row / row.sum()
+                        children.append(left[int(draw(row[None], [sampler.uniform(len(context), j)])[0])][0])
+                        q.append(DraftProbs([i for i, _ in left], row.tolist()))
+                    else:
+                        logits = self._logits(context)
+                        children.append(next(t for t in logits.argsort(descending=True).tolist() if t not in children))
+                        q.append(DraftProbs([], []))
+                    tokens.append(children[-1])
                     parents.append(parent)
-                    q.append(DraftProbs(ids[0, :support].tolist(), probs[0, :support].tolist()) if j == 0
-                             else DraftProbs([], []))
                     if j < 2:
-                        expand.append((len(tokens) - 1, [*context, token]))
+                        expand.append((len(tokens) - 1, [*context, children[-1]]))
             frontier = expand[:2]
         return Drafts(tokens, q, parents)
 

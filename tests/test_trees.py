@@ -86,10 +86,10 @@ TREE_CASES = [("t1", "alone"), ("t0.7", "batched"), ("t0.7-top_k8-top_p0.9", "al
 
 @pytest.mark.parametrize("name, mode", TREE_CASES, ids=[f"{n}-{m}" for n, m in TREE_CASES])
 def test_sampled_trees_keep_the_targets_law(generator, hf_target, name, mode):
-    """Trees whose first child at each node is drawn from q (with it) and the rest are the draft's top-k:
-    the drawn child by min(1, p/q), the others one-hot on what is left (target_server/acceptance.py) sample
-    the target's law: the same chi-square check as chains (tests/test_speculative_sampling.py), 3 positions
-    a case, alone and batched."""
+    """Trees whose children are drawn from q without replacement, each with its q_j, as the draft engine
+    draws them: each tried in draw order by min(1, p/q_j) with residual max(0, p - q_j)
+    (target_server/acceptance.py), they sample the target's law: the same chi-square check as chains
+    (tests/test_speculative_sampling.py), 3 positions a case, alone and batched."""
     params = SETTINGS[name]
     draft = SamplingOracleDraft(hf_target, PROMPT[0], top_n=8)
     tree = TreeParams(nodes=8, depth=2, top_k=3)
