@@ -80,25 +80,12 @@ class TreeParams(BaseModel):
     depth: int = 7
     top_k: int = 10
 
-    @field_validator("nodes")
+    @field_validator("nodes", "depth", "top_k")
     @classmethod
-    def _nodes(cls, v: int) -> int:
-        if not 1 <= v <= MAX_TREE_NODES:
-            raise ValueError(f"tree nodes must be in [1, {MAX_TREE_NODES}], got {v}")
-        return v
-
-    @field_validator("depth")
-    @classmethod
-    def _depth(cls, v: int) -> int:
-        if not 1 <= v <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"tree depth must be in [1, {MAX_DRAFT_TOKENS}], got {v}")
-        return v
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int) -> int:
-        if not 1 <= v <= MAX_TREE_NODES:
-            raise ValueError(f"tree top_k must be in [1, {MAX_TREE_NODES}], got {v}")
+    def _in_range(cls, v: int, info) -> int:
+        top = MAX_DRAFT_TOKENS if info.field_name == "depth" else MAX_TREE_NODES
+        if not 1 <= v <= top:
+            raise ValueError(f"tree {info.field_name} must be in [1, {top}], got {v}")
         return v
 
 

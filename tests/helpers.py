@@ -10,6 +10,16 @@ from draft_server.sampling import DraftSampler, draft_q, draw
 from tandem.protocol import Branch, DraftProbs, Drafts
 
 
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square test of counts against probs (a token of probability 0 must count 0)."""
+    assert int(counts[probs == 0].sum()) == 0, "a token of probability 0 was committed"
+    support = probs > 0
+    expected = float(counts.sum()) * probs[support].double()
+    stat = ((counts[support].double() - expected) ** 2 / expected).sum()
+    df = torch.tensor((int(support.sum()) - 1) / 2, dtype=torch.float64)  # half the degrees of freedom
+    return float(torch.special.gammaincc(df, stat / 2))
+
+
 class OracleDraft:
     """A DraftBackend that proposes the target's own greedy continuation, each token replaced with
     probability `corrupt` by one of the target's other top-5 choices. High, varied acceptance

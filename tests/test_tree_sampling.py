@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import chi_square_p
 
 from tandem.params import SamplingParams
 from tandem.protocol import DraftProbs
@@ -27,16 +28,6 @@ V = 12
 # node 1's children: node 4 (q_child's top besides g), node 5 (g, drawn from q_child: tried first)
 PARENTS = [-1, -1, -1, 0, 0]
 PROMPT = [0, 17, 42, 99, 7, 230, 11, 64, 301, 5, 88]
-
-
-def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's chi-square test of counts against probs (a token of probability 0 must count 0)."""
-    assert int(counts[probs == 0].sum()) == 0, "a token of probability 0 was committed"
-    support = probs > 0
-    expected = float(counts.sum()) * probs[support].double()
-    stat = ((counts[support].double() - expected) ** 2 / expected).sum()
-    df = torch.tensor((int(support.sum()) - 1) / 2, dtype=torch.float64)  # half the degrees of freedom
-    return float(torch.special.gammaincc(df, stat / 2))
 
 
 def draft_tree(seed: int, q_root: torch.Tensor, q_child: torch.Tensor) -> list[int]:

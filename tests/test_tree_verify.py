@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from helpers import chi_square_p
 from test_native import hf_generate
 from transformers import MistralConfig, MistralForCausalLM
 
@@ -313,16 +314,6 @@ def test_concurrent_trees_and_chains_batch_as_they_run_alone(engines, hf_target)
     with ThreadPoolExecutor(len(prompts)) as pool:
         outputs = list(pool.map(one, range(len(prompts))))
     assert outputs == [ref[:len(out)] for out, ref in zip(outputs, expected, strict=True)]
-
-
-def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's chi-square test of counts against probs (categories of probability 0 must count 0)."""
-    assert int(counts[probs == 0].sum()) == 0, "a token of probability 0 was committed"
-    support = probs > 0
-    expected = float(counts.sum()) * probs[support].double()
-    stat = ((counts[support].double() - expected) ** 2 / expected).sum()
-    df = torch.tensor((int(support.sum()) - 1) / 2, dtype=torch.float64)  # half the degrees of freedom
-    return float(torch.special.gammaincc(df, stat / 2))
 
 
 def test_sampled_tree_acceptance_commits_the_targets_distribution():
