@@ -4,7 +4,8 @@ Three things cut a request's K, each for its own reason:
   the limit        never draft past max_new_tokens: a verify commits up to K+1 tokens
   adaptive K       under load a verify of K+1 tokens for each of n sessions costs more than the drafts
                    win (vLLM's speculative_disable_by_batch_size); `adaptive_k` keeps n*(K+1) in a budget
-  the gate         drafts that are rarely accepted cost more than they win (`AcceptanceGate`)
+  the gate         drafts that are rarely accepted cost more than they win (`AcceptanceGate`), or rounds
+                   with drafts commit fewer tokens a second than target-only rounds at the same load
 A generation that adaptive K or the gate cuts to 0 is *shed*: it runs target-only from then on (its
 draft KV would fall behind otherwise). `KPolicy.k_for_round()` answers for one generation, round by round.
 
@@ -37,6 +38,11 @@ def adaptive_k(budget: int, running: Callable[[], int]) -> Callable[[int], int]:
     return k_for
 
 
+def load_bucket(running: int) -> int:
+    """Generations running, rounded up to a power of two: the load a measured rate belongs to."""
+    return 1 << max(0, running - 1).bit_length()
+
+
 class AcceptanceGate:
     """K by what the drafts win: speculation runs only where the drafts accepted pay for drafting them.
 
@@ -54,6 +60,18 @@ class AcceptanceGate:
     speculates at the requested K until the counts say otherwise. While the gate is shut one request
     in `PROBE_EVERY` speculates for its first `PROBE_ROUNDS` rounds anyway, so that a change of
     traffic (a prompt mix the head knows) can open it again. Old counts fade (halved past HALF_LIFE rounds).
+
+    Measured cost. `cost` is a prior; the gate also times the rounds themselves, per kind of request and
+    per load (the generations running, in powers of two: `load_bucket`), as tokens committed per second of
+    round (from one round's start to the next: drafting, verify, relays and the client's share). A
+    target-only round counts only while no generation drafts and a drafting one only while all do: in a
+    mixed batch a target-only round waits for the others' wide verify, and neither would say what the
+    server does when everyone runs that way. Where both have RATE_ROUNDS rounds at the server's present
+    load, (1) target-only faster than the drafting rounds by RATE_MARGIN sheds every generation of that
+    kind (on a CPU at 16 sessions a verify of 16 x (K+1) tokens costs what drafts win, and more at
+    temperature 1), and (2) the cost per draft token is the one measured, (chain round / target-only
+    round - 1) / K, instead of the prior. One shed in REOPEN_EVERY forgets the drafting rounds' rate at
+    that load, so that the next generations measure it again (the head or the traffic may have changed).
     """
 
     MIN_ROUNDS = 16
@@ -61,10 +79,18 @@ class AcceptanceGate:
     PROBE_EVERY = 32
     PROBE_ROUNDS = 4
     HALF_LIFE = 4096
+    RATE_ROUNDS = 32
+    RATE_WEIGHT = 0.05
+    RATE_MARGIN = 1.02
+    REOPEN_EVERY = 256
 
     def __init__(self, cost: float = SPEC_DRAFT_COST):
         self.cost = cost
         self._lock = threading.Lock()
+        self._running = self._drafting = 0  # generations under way; those of them that draft
+        # (greedy, load bucket, "target" | "chain" | "tree") -> [rounds, tokens/round, seconds/round, drafts/round]
+        self._rates: dict[tuple[bool, int, str], list[float]] = {}
+        self._sheds = itertools.count(1)
         # greedy / sampled -> per position k (1-based): rounds that verified draft k, and that accepted it
         self._tried = {g: [0] * (MAX_DRAFT_TOKENS + 1) for g in (True, False)}
         self._accepted = {g: [0] * (MAX_DRAFT_TOKENS + 1) for g in (True, False)}
@@ -80,14 +106,72 @@ class AcceptanceGate:
                 for counts in (tried, ok):
                     counts[:] = [c // 2 for c in counts]
 
+    def enter(self, drafting: bool) -> None:
+        """A generation starts (drafting or not); `leave` when it ends, `stop_drafting` when it sheds."""
+        with self._lock:
+            self._running += 1
+            self._drafting += drafting
+
+    def stop_drafting(self) -> None:
+        with self._lock:
+            self._drafting -= 1
+
+    def leave(self, drafting: bool) -> None:
+        with self._lock:
+            self._running -= 1
+            self._drafting -= drafting
+
+    def record_round(self, greedy: bool, kind: str, committed: int, drafted: int, seconds: float) -> None:
+        """One round of `kind` ("target", "chain", "tree"): `committed` tokens in `seconds`. Kept only where
+        the whole server runs that way (target-only: nobody drafts; chain or tree: everybody does)."""
+        with self._lock:
+            clean = self._drafting == 0 if kind == "target" else self._drafting == self._running
+            if not clean:
+                return
+            key = (greedy, load_bucket(self._running), kind)
+            seen = self._rates.setdefault(key, [0, float(committed), seconds, float(drafted)])
+            seen[0] += 1
+            for i, value in ((1, committed), (2, seconds), (3, drafted)):
+                seen[i] += self.RATE_WEIGHT * (value - seen[i])
+
+    def _rate(self, key: tuple[bool, int, str]) -> list[float] | None:
+        seen = self._rates.get(key)
+        return seen if seen is not None and seen[0] >= self.RATE_ROUNDS else None
+
+    def outpaced(self, greedy: bool) -> bool:
+        """Whether target-only rounds commit tokens faster than drafting ones at the server's load, by
+        RATE_MARGIN, as measured: then this generation should shed."""
+        with self._lock:
+            bucket = load_bucket(self._running)
+            target = self._rate((greedy, bucket, "target"))
+            drafting = [r for kind in ("chain", "tree") if (r := self._rate((greedy, bucket, kind))) is not None]
+            if target is None or not drafting:
+                return False
+            if target[1] / target[2] <= self.RATE_MARGIN * max(r[1] / r[2] for r in drafting):
+                return False
+            if next(self._sheds) % self.REOPEN_EVERY == 0:
+                for kind in ("chain", "tree"):
+                    self._rates.pop((greedy, bucket, kind), None)
+            return True
+
+    def cost_now(self, greedy: bool) -> float:
+        """One draft token's cost as a share of a target-only round: measured at the server's load where
+        both kinds of round have been, else the prior."""
+        bucket = load_bucket(self._running)
+        target, chain = self._rate((greedy, bucket, "target")), self._rate((greedy, bucket, "chain"))
+        if target is None or chain is None or chain[3] < 1:
+            return self.cost
+        return min(4.0, max(0.0, (chain[2] / target[2] - 1) / chain[3]))
+
     def best_k(self, greedy: bool, requested: int) -> int:
         with self._lock:
+            cost = self.cost_now(greedy)
             tried, ok = self._tried[greedy], self._accepted[greedy]
             scores, expected, reach = [1.0], 1.0, 1.0  # K = 0: one token for one round
             for k in range(1, requested + 1):
                 reach *= ok[k] / tried[k] if tried[k] >= self.MIN_ROUNDS else 1.0
                 expected += reach
-                scores.append(expected / (1 + self.cost * k))
+                scores.append(expected / (1 + cost * k))
         best = max(range(len(scores)), key=scores.__getitem__)
         # the cost is an estimate: a smaller K than the request's only when it is clearly better
         return requested if scores[requested] >= scores[best] / self.MARGIN else best
@@ -184,8 +268,12 @@ class KPolicy:
         if self.asked and has_draft:
             # too busy already, or the drafts have not paid lately: no features, no draft session at all
             self.shed = (self.k_for is not None and self.k_for(self.requested) == 0) or (
-                self.gate is not None and not self.probing and self.gate.best_k(self.greedy, self.requested) == 0
+                self.gate is not None and not self.probing
+                and (self.gate.best_k(self.greedy, self.requested) == 0 or self.gate.outpaced(self.greedy))
             )
+        self._counted = self.drafting and self.gate is not None  # as the gate counts it: drafting or not
+        if self.gate is not None:
+            self.gate.enter(self._counted)
 
     @property
     def drafting(self) -> bool:
@@ -204,8 +292,11 @@ class KPolicy:
             if self.k_for is not None:
                 k = self.k_for(k)
             if k > 0 and self.gate is not None and rounds >= self.probing:
-                k = self.gate.best_k(self.greedy, k)
+                k = 0 if self.gate.outpaced(self.greedy) else self.gate.best_k(self.greedy, k)
             self.shed = k == 0
+        if self._counted and (self.shed or not draft_alive):
+            self._counted = False
+            self.gate.stop_drafting()
         return k
 
     def tree_for_round(self, k: int, produced: int) -> TreeParams | None:
@@ -219,8 +310,18 @@ class KPolicy:
         return self.tree if depth == self.tree.depth else self.tree.model_copy(update={"depth": depth})
 
     def record(self, drafted: int, accepted: int, seconds: float, tree: bool = False) -> None:
-        """A drafting round: `accepted` of `drafted` drafts (a tree's: the accepted path), in `seconds`."""
-        if self.gate is not None and drafted and not tree:  # the gate's counts are per chain position
-            self.gate.record(self.greedy, drafted, accepted)
+        """A round: `accepted` of `drafted` drafts (a tree's: the accepted path; none: target-only); `seconds`
+        from this round's start to the next's."""
+        if self.gate is not None:
+            if drafted and not tree:  # the gate's counts are per chain position
+                self.gate.record(self.greedy, drafted, accepted)
+            kind = "tree" if tree else "chain" if drafted else "target"
+            self.gate.record_round(self.greedy, kind, accepted + 1, drafted, seconds)
         if self.trees is not None and drafted and self.tree is not None:
             self.trees.record(self.greedy, tree, accepted + 1, seconds)
+
+    def close(self) -> None:
+        """The generation ended: the gate stops counting it."""
+        if self.gate is not None:
+            self.gate.leave(self._counted)
+            self._counted = False

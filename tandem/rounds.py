@@ -190,13 +190,15 @@ def run_rounds(
         return drafter is not None and drafter.alive
 
     try:
-        wide = {"verify_tokens": 1 + policy.tree.nodes} if alive() and policy.tree is not None else {}
-        prefill = target.prefill(session, request.prompt_ids, request.sampling, alive(), max_new_tokens=limit, **wide)
+        widest = 1 + policy.tree.nodes if alive() and policy.tree is not None else None  # a tree's verify
+        prefill = target.prefill(session, request.prompt_ids, request.sampling, alive(), max_new_tokens=limit,
+                                 verify_tokens=widest)
         token = prefill.token
         new_tokens, finish = stopper.take([token])
         yield RoundEvent(new_tokens, stats, finish, _cut(prefill.logprobs, new_tokens))
         if alive():
             drafter.feed(prefill.features, [*request.prompt_ids[1:], token])
+        started = time.perf_counter()  # a round's time runs to the next round's start: the client's share too
         while finish is None:
             # draft
             k = policy.k_for_round(stopper.produced, stats.num_rounds, alive())
@@ -204,7 +206,7 @@ def run_rounds(
                 stats.num_rounds_load_shed += 1
                 if drafter is not None:
                     drafter.release()
-            drafts, started = Drafts(), time.perf_counter()
+            drafts = Drafts()
             if k > 0 and alive():
                 tree = policy.tree_for_round(k, stopper.produced)
                 branches = _ahead_branches(speculation, drafter, k, limit - stopper.produced) if tree is None else 0
@@ -216,7 +218,9 @@ def run_rounds(
             # commit
             accepted = len(verdict.accepted)
             stats.count_round(len(drafts), accepted, drafts.parents is not None)
-            policy.record(len(drafts), accepted, time.perf_counter() - started, drafts.parents is not None)
+            now = time.perf_counter()
+            policy.record(len(drafts), accepted, now - started, drafts.parents is not None)
+            started = now
             hit = drafter.settle(accepted, verdict.bonus) if drafter is not None else None
             if hit is not None:
                 stats.num_overlap_rounds += 1
@@ -228,6 +232,7 @@ def run_rounds(
             new_tokens, finish = stopper.take(committed)
             yield RoundEvent(new_tokens, stats, finish, _cut(verdict.logprobs, new_tokens))
     finally:
+        policy.close()
         target.release(session)
         if drafter is not None:
             drafter.release()

@@ -360,6 +360,38 @@ def test_the_acceptance_gate_keeps_the_k_that_pays():
     assert probes.count(AcceptanceGate.PROBE_ROUNDS) == 2 and probes.count(0) == len(probes) - 2
 
 
+def test_the_gate_sheds_where_target_only_rounds_are_measured_faster():
+    """Rates by load, counted only where the whole server runs one way: target-only rounds faster than
+    the drafting ones shed; the cost per draft token becomes the measured one."""
+    from tandem.policy import AcceptanceGate, load_bucket
+
+    assert [load_bucket(n) for n in (0, 1, 2, 3, 4, 5, 16, 17)] == [1, 1, 2, 4, 4, 8, 16, 32]
+    gate, rounds = AcceptanceGate(0.3), AcceptanceGate.RATE_ROUNDS
+    for _ in range(4):
+        gate.enter(False)
+    for _ in range(rounds):  # 4 target-only generations: 100 tokens/s each
+        gate.record_round(False, "target", 1, 0, 0.010)
+    gate.enter(True)  # a mixed batch: neither kind of round says what the server would do all one way
+    for _ in range(rounds):
+        gate.record_round(False, "chain", 4, 3, 0.001)
+        gate.record_round(False, "target", 1, 0, 0.100)
+    assert not gate.outpaced(False)  # the target-only rate is 100 tokens/s, no drafting rate yet at load 8
+    gate.leave(True)
+    for _ in range(4):
+        gate.leave(False)
+    for _ in range(4):
+        gate.enter(True)
+    assert gate.cost_now(False) == 0.3  # nothing measured with drafts at load 4 yet: the prior
+    for _ in range(rounds):  # 4 drafting generations at temperature > 0: 2 tokens in 30 ms, 67 tokens/s
+        gate.record_round(False, "chain", 2, 3, 0.030)
+        gate.record_round(True, "chain", 4, 3, 0.030)
+    assert gate.cost_now(False) == pytest.approx((0.030 / 0.010 - 1) / 3)
+    assert gate.outpaced(False)
+    assert not gate.outpaced(True)  # no target-only greedy rounds measured: nothing to compare with
+    gate.enter(True)  # load 5 -> bucket 8: nothing measured there
+    assert not gate.outpaced(False) and gate.cost_now(False) == 0.3
+
+
 def test_a_head_that_is_never_accepted_is_shed_and_the_output_stays(generator, hf_target):
     """The tiny pair's random head: once each position has been tried MIN_ROUNDS times the gate stops
     drafting, mid-request, and later requests never open a draft session; every output is still the
