@@ -121,6 +121,12 @@ class AcceptanceGate:
             self._running -= 1
             self._drafting -= drafting
 
+    @property
+    def load(self) -> tuple[int, int]:
+        """(generations running, of them drafting), as the gate counts them."""
+        with self._lock:
+            return self._running, self._drafting
+
     def record_round(self, greedy: bool, kind: str, committed: int, drafted: int, seconds: float) -> None:
         """One round of `kind` ("target", "chain", "tree"): `committed` tokens in `seconds`. Kept only where
         the whole server runs that way (target-only: nobody drafts; chain or tree: everybody does)."""

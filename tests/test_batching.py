@@ -412,3 +412,11 @@ def test_a_head_that_is_never_accepted_is_shed_and_the_output_stays(generator, h
     assert stats[0].num_draft_tokens == 3 * AcceptanceGate.MIN_ROUNDS and stats[0].num_rounds_load_shed > 0
     assert all(s.num_draft_tokens == 0 and s.num_rounds_load_shed == s.num_rounds for s in stats[1:])
     assert generator.draft.num_sessions == 0
+    assert gate.load == (0, 0)  # every generation left the gate's count, shed or not
+    gate = AcceptanceGate(0.3)
+    request = GenerationRequest(prompt_ids=prompts[0], max_new_tokens=24, num_draft_tokens=3)
+    rounds = run_rounds(generator.target, generator.draft, request, speculation=Speculation(gate=gate))
+    next(rounds)
+    assert gate.load == (1, 1)
+    rounds.close()  # a client that goes away mid-generation
+    assert gate.load == (0, 0)
