@@ -29,6 +29,7 @@ class Outcome:
     overlap_rounds: int = 0
     overlap_hits: int = 0
     tree_rounds: int = 0  # verify rounds of a draft tree
+    shed_rounds: int = 0  # rounds run target-only because adaptive K or the acceptance gate shed the drafts
 
 
 class ServicesRunner:
@@ -93,6 +94,7 @@ class InProcessRunner:
 def _outcome(token_ids: list[int], s: dict) -> Outcome:
     return Outcome(len(token_ids), s["num_rounds"], s["num_accepted_tokens"], s["accepted_per_position"],
                    drafted=s["num_draft_tokens"], tree_rounds=s.get("num_tree_rounds", 0),
+                   shed_rounds=s.get("num_rounds_load_shed", 0),
                    overlap_rounds=s.get("num_overlap_rounds", 0), overlap_hits=s.get("num_overlap_hits", 0))
 
 

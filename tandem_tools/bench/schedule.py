@@ -98,6 +98,7 @@ class Case:
             "overlap": self.overlap,
             **({"tree": self.tree.nodes, "tree_depth": self.tree.depth, "tree_top_k": self.tree.top_k,
                 "tree_rounds": sum(o.tree_rounds for o in self.outcomes)} if self.tree is not None else {}),
+            "shed_rounds": round(sum(o.shed_rounds for o in self.outcomes) / rounds, 4) if rounds else 0.0,
             "overlap_hit_rate": round(self.overlap_hits / self.overlap_rounds, 4) if self.overlap_rounds else None,
             "tokens_per_s": tokens / self.seconds if self.seconds else 0.0,
             "mean_acceptance_length": mean_acceptance_length(accepted, rounds),

@@ -28,6 +28,8 @@ def markdown_table(runs: list[dict]) -> str:
         positions = " ".join(f"{p:.2f}" for p in r["accepted_per_position"]) or "-"
         k = f"N={r['tree']} (depth {r['tree_depth']}, top-k {r['tree_top_k']}; {r['tree_rounds']} tree rounds)" \
             if r.get("tree") else r["K"]
+        if r.get("shed_rounds"):
+            k = f"{k} ({r['shed_rounds']:.0%} of rounds shed)"
         lines.append(
             f"| {r['stack']} | {r['mode']} | {k} | {r['temperature']:g} | {r['concurrency']} "
             f"| {_overlap_cell(r)} | {r['tokens_per_s']:.1f} | {'-' if s is None else f'{s:.2f}x'} "
