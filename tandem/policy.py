@@ -70,8 +70,9 @@ class AcceptanceGate:
     load, (1) target-only faster than the drafting rounds by RATE_MARGIN sheds every generation of that
     kind (on a CPU at 16 sessions a verify of 16 x (K+1) tokens costs what drafts win, and more at
     temperature 1), and (2) the cost per draft token is the one measured, (chain round / target-only
-    round - 1) / K, instead of the prior. One shed in REOPEN_EVERY forgets the drafting rounds' rate at
-    that load, so that the next generations measure it again (the head or the traffic may have changed).
+    round - 1) / K, instead of the prior. One generation in EXPLORE_EVERY that would shed at its start
+    drafts instead (see `outpaced`), and one shed in REOPEN_EVERY forgets the drafting rounds' rate at that
+    load, so that the next generations measure it again (the head or the traffic may have changed).
     """
 
     MIN_ROUNDS = 16
@@ -79,10 +80,11 @@ class AcceptanceGate:
     PROBE_EVERY = 32
     PROBE_ROUNDS = 4
     HALF_LIFE = 4096
-    RATE_ROUNDS = 32
-    RATE_WEIGHT = 0.05
-    RATE_MARGIN = 1.02
+    RATE_ROUNDS = 64
+    RATE_WEIGHT = 0.02
+    RATE_MARGIN = 1.10
     REOPEN_EVERY = 256
+    EXPLORE_EVERY = 8
 
     def __init__(self, cost: float = SPEC_DRAFT_COST):
         self.cost = cost
@@ -144,9 +146,12 @@ class AcceptanceGate:
         seen = self._rates.get(key)
         return seen if seen is not None and seen[0] >= self.RATE_ROUNDS else None
 
-    def outpaced(self, greedy: bool) -> bool:
+    def outpaced(self, greedy: bool, starting: bool = False) -> bool | None:
         """Whether target-only rounds commit tokens faster than drafting ones at the server's load, by
-        RATE_MARGIN, as measured: then this generation should shed."""
+        RATE_MARGIN, as measured: then this generation should shed. None (only for a generation `starting`):
+        it would, but this one explores instead, drafting all its life, so that the drafting rate is measured
+        again (one in EXPLORE_EVERY; alone on the server its rounds count, and one noisy measurement does
+        not shed drafting there for good)."""
         with self._lock:
             bucket = load_bucket(self._running)
             target = self._rate((greedy, bucket, "target"))
@@ -155,7 +160,10 @@ class AcceptanceGate:
                 return False
             if target[1] / target[2] <= self.RATE_MARGIN * max(r[1] / r[2] for r in drafting):
                 return False
-            if next(self._sheds) % self.REOPEN_EVERY == 0:
+            sheds = next(self._sheds)
+            if starting and sheds % self.EXPLORE_EVERY == 0:
+                return None
+            if sheds % self.REOPEN_EVERY == 0:
                 for kind in ("chain", "tree"):
                     self._rates.pop((greedy, bucket, kind), None)
             return True
@@ -270,12 +278,14 @@ class KPolicy:
         self.tree = None if speculation.overlap else (request.tree or speculation.default_tree)
         self.asked = request.speculate and request.num_draft_tokens > 0
         self.probing = self.gate.probe() if self.gate is not None and self.asked and has_draft else 0
-        self.shed = False
+        self.shed = self.exploring = False
         if self.asked and has_draft:
             # too busy already, or the drafts have not paid lately: no features, no draft session at all
+            gated = self.gate is not None and not self.probing
+            rates = self.gate.outpaced(self.greedy, starting=True) if gated else False
+            self.exploring = rates is None  # drafts all its life: the gate measures drafting again
             self.shed = (self.k_for is not None and self.k_for(self.requested) == 0) or (
-                self.gate is not None and not self.probing
-                and (self.gate.best_k(self.greedy, self.requested) == 0 or self.gate.outpaced(self.greedy))
+                gated and (self.gate.best_k(self.greedy, self.requested) == 0 or rates is True)
             )
         self._counted = self.drafting and self.gate is not None  # as the gate counts it: drafting or not
         if self.gate is not None:
@@ -298,7 +308,7 @@ class KPolicy:
             if self.k_for is not None:
                 k = self.k_for(k)
             if k > 0 and self.gate is not None and rounds >= self.probing:
-                k = 0 if self.gate.outpaced(self.greedy) else self.gate.best_k(self.greedy, k)
+                k = 0 if not self.exploring and self.gate.outpaced(self.greedy) else self.gate.best_k(self.greedy, k)
             self.shed = k == 0
         if self._counted and (self.shed or not draft_alive):
             self._counted = False

@@ -387,6 +387,8 @@ def test_the_gate_sheds_where_target_only_rounds_are_measured_faster():
         gate.record_round(True, "chain", 4, 3, 0.030)
     assert gate.cost_now(False) == pytest.approx((0.030 / 0.010 - 1) / 3)
     assert gate.outpaced(False)
+    starts = [gate.outpaced(False, starting=True) for _ in range(2 * AcceptanceGate.EXPLORE_EVERY)]
+    assert starts.count(None) == 2 and starts.count(True) == len(starts) - 2  # one in 8 starts explores
     assert not gate.outpaced(True)  # no target-only greedy rounds measured: nothing to compare with
     gate.enter(True)  # load 5 -> bucket 8: nothing measured there
     assert not gate.outpaced(False) and gate.cost_now(False) == 0.3
