@@ -21,22 +21,25 @@ def speedups(runs: list[dict]) -> list[float | None]:
 def markdown_table(runs: list[dict]) -> str:
     lines = [
         ("| stack | mode | K | temperature | concurrency | overlap (hit rate) | tokens/s | speedup "
-         "| latency p50 / p99 (s) | mean acceptance length | acceptance per draft | accepted per position |"),
-        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|",
+         "| latency p50 / p99 (s) | mean acceptance length | acceptance per draft | accepted per position "
+         "| rounds shed |"),
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r, s in zip(runs, speedups(runs)):
         positions = " ".join(f"{p:.2f}" for p in r["accepted_per_position"]) or "-"
         k = f"N={r['tree']} (depth {r['tree_depth']}, top-k {r['tree_top_k']}; {r['tree_rounds']} tree rounds)" \
             if r.get("tree") else r["K"]
-        if r.get("shed_rounds"):
-            k = f"{k} ({r['shed_rounds']:.0%} of rounds shed)"
         lines.append(
             f"| {r['stack']} | {r['mode']} | {k} | {r['temperature']:g} | {r['concurrency']} "
             f"| {_overlap_cell(r)} | {r['tokens_per_s']:.1f} | {'-' if s is None else f'{s:.2f}x'} "
             f"| {r['latency_p50_s']:.2f} / {r['latency_p99_s']:.2f} | {r['mean_acceptance_length']:.2f} "
-            f"| {_rate(r.get('acceptance_per_draft'))} | {positions} |"
+            f"| {_rate(r.get('acceptance_per_draft'))} | {positions} | {_share(r.get('shed_rounds'))} |"
         )
     return "\n".join(lines)
+
+
+def _share(value: float | None) -> str:
+    return f"{value:.0%}" if value else "-"
 
 
 def _rate(value: float | None) -> str:
