@@ -38,6 +38,28 @@ def adaptive_k(budget: int, running: Callable[[], int]) -> Callable[[int], int]:
     return k_for
 
 
+class RoundAverage:
+    """Moving averages over one kind of round: tokens committed, seconds, drafts; the last weighs `weight`."""
+
+    __slots__ = ("drafts", "rounds", "seconds", "tokens")
+
+    def __init__(self):
+        self.rounds = 0
+        self.tokens = self.seconds = self.drafts = 0.0
+
+    def add(self, tokens: int, seconds: float, drafts: int, weight: float) -> None:
+        w = weight if self.rounds else 1.0  # the first round sets them
+        self.rounds += 1
+        self.tokens += w * (tokens - self.tokens)
+        self.seconds += w * (seconds - self.seconds)
+        self.drafts += w * (drafts - self.drafts)
+
+    @property
+    def rate(self) -> float:
+        """Tokens committed per second."""
+        return self.tokens / max(self.seconds, 1e-9)
+
+
 def load_bucket(running: int) -> int:
     """Generations running, rounded up to a power of two: the load a measured rate belongs to."""
     return 1 << max(0, running - 1).bit_length()
@@ -90,8 +112,7 @@ class AcceptanceGate:
         self.cost = cost
         self._lock = threading.Lock()
         self._running = self._drafting = 0  # generations under way; those of them that draft
-        # (greedy, load bucket, "target" | "chain" | "tree") -> [rounds, tokens/round, seconds/round, drafts/round]
-        self._rates: dict[tuple[bool, int, str], list[float]] = {}
+        self._rates: dict[tuple[bool, int, str], RoundAverage] = {}  # (greedy, load bucket, kind of round)
         self._sheds = itertools.count(1)
         # greedy / sampled -> per position k (1-based): rounds that verified draft k, and that accepted it
         self._tried = {g: [0] * (MAX_DRAFT_TOKENS + 1) for g in (True, False)}
@@ -137,14 +158,11 @@ class AcceptanceGate:
             if not clean:
                 return
             key = (greedy, load_bucket(self._running), kind)
-            seen = self._rates.setdefault(key, [0, float(committed), seconds, float(drafted)])
-            seen[0] += 1
-            for i, value in ((1, committed), (2, seconds), (3, drafted)):
-                seen[i] += self.RATE_WEIGHT * (value - seen[i])
+            self._rates.setdefault(key, RoundAverage()).add(committed, seconds, drafted, self.RATE_WEIGHT)
 
-    def _rate(self, key: tuple[bool, int, str]) -> list[float] | None:
+    def _rate(self, key: tuple[bool, int, str]) -> RoundAverage | None:
         seen = self._rates.get(key)
-        return seen if seen is not None and seen[0] >= self.RATE_ROUNDS else None
+        return seen if seen is not None and seen.rounds >= self.RATE_ROUNDS else None
 
     def outpaced(self, greedy: bool, starting: bool = False) -> bool | None:
         """Whether target-only rounds commit tokens faster than drafting ones at the server's load, by
@@ -158,7 +176,7 @@ class AcceptanceGate:
             drafting = [r for kind in ("chain", "tree") if (r := self._rate((greedy, bucket, kind))) is not None]
             if target is None or not drafting:
                 return False
-            if target[1] / target[2] <= self.RATE_MARGIN * max(r[1] / r[2] for r in drafting):
+            if target.rate <= self.RATE_MARGIN * max(r.rate for r in drafting):
                 return False
             sheds = next(self._sheds)
             if starting and sheds % self.EXPLORE_EVERY == 0:
@@ -173,9 +191,9 @@ class AcceptanceGate:
         both kinds of round have been, else the prior."""
         bucket = load_bucket(self._running)
         target, chain = self._rate((greedy, bucket, "target")), self._rate((greedy, bucket, "chain"))
-        if target is None or chain is None or chain[3] < 1:
+        if target is None or chain is None or chain.drafts < 1:
             return self.cost
-        return min(4.0, max(0.0, (chain[2] / target[2] - 1) / chain[3]))
+        return min(4.0, max(0.0, (chain.seconds / target.seconds - 1) / chain.drafts))
 
     def best_k(self, greedy: bool, requested: int) -> int:
         with self._lock:
@@ -211,31 +229,25 @@ class TreeGate:
 
     def __init__(self):
         self._lock = threading.Lock()
-        # (greedy, tree) -> [rounds, tokens per round, seconds per round]
-        self._seen: dict[tuple[bool, bool], list[float]] = {}
+        self._seen: dict[tuple[bool, bool], RoundAverage] = {}  # (greedy, tree)
         self._rounds = itertools.count()
 
     def record(self, greedy: bool, tree: bool, committed: int, seconds: float) -> None:
         with self._lock:
-            seen = self._seen.setdefault((greedy, tree), [0, float(committed), seconds])
-            seen[0] += 1
-            seen[1] += self.WEIGHT * (committed - seen[1])
-            seen[2] += self.WEIGHT * (seconds - seen[2])
+            self._seen.setdefault((greedy, tree), RoundAverage()).add(committed, seconds, 0, self.WEIGHT)
 
     def rate(self, greedy: bool, tree: bool) -> float | None:
         """Tokens per second measured for that shape (None: not enough rounds yet)."""
         with self._lock:
             seen = self._seen.get((greedy, tree))
-        if seen is None or seen[0] < self.MIN_ROUNDS:
-            return None
-        return seen[1] / max(seen[2], 1e-9)
+        return seen.rate if seen is not None and seen.rounds >= self.MIN_ROUNDS else None
 
     def use_tree(self, greedy: bool) -> bool:
         n = next(self._rounds)
         tree, chain = self.rate(greedy, True), self.rate(greedy, False)
         if tree is None or chain is None:  # still measuring: the one with fewer rounds
             with self._lock:
-                rounds = {t: self._seen.get((greedy, t), [0])[0] for t in (True, False)}
+                rounds = {t: self._seen.get((greedy, t), RoundAverage()).rounds for t in (True, False)}
             return rounds[True] <= rounds[False]
         better = tree > chain
         return better != (n % self.EXPLORE_EVERY == 0)
@@ -281,12 +293,13 @@ class KPolicy:
         self.shed = self.exploring = False
         if self.asked and has_draft:
             # too busy already, or the drafts have not paid lately: no features, no draft session at all
-            gated = self.gate is not None and not self.probing
-            rates = self.gate.outpaced(self.greedy, starting=True) if gated else False
+            busy = self.k_for is not None and self.k_for(self.requested) == 0
+            gated = self.gate is not None and not self.probing and not busy
+            shut = gated and self.gate.best_k(self.greedy, self.requested) == 0
+            # asked only of a generation nothing else sheds: the gate counts its sheds and explorers
+            rates = self.gate.outpaced(self.greedy, starting=True) if gated and not shut else False
             self.exploring = rates is None  # drafts all its life: the gate measures drafting again
-            self.shed = (self.k_for is not None and self.k_for(self.requested) == 0) or (
-                gated and (self.gate.best_k(self.greedy, self.requested) == 0 or rates is True)
-            )
+            self.shed = busy or shut or rates is True
         self._counted = self.drafting and self.gate is not None  # as the gate counts it: drafting or not
         if self.gate is not None:
             self.gate.enter(self._counted)
