@@ -42,7 +42,7 @@ from draft_server.model import DraftKV, Eagle3Draft
 from draft_server.rollout import draws_for, read_rollout, rollout
 from draft_server.sampling import DraftSampler
 from draft_server.steps import _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
-from draft_server.tree import grow_tree
+from draft_server.tree import SiblingRates, grow_tree
 from tandem.batching import Batcher
 from tandem.config import DRAFT_Q_TOP_N
 from tandem.dtypes import TORCH_DTYPES
@@ -94,6 +94,7 @@ class DraftEngine(SessionOwner):
         # (K, sampled) -> how many verifies accepted 0..K drafts: acceptance runs in streaks (the draft's
         # own probabilities are flat even where it is right), so the outcomes are ranked by this
         self._outcomes: dict[tuple[int, bool], list[int]] = {}
+        self.sibling_rates = SiblingRates()  # what a sampled tree's j-th draw at each depth is worth
         d2t = self.model.d2t
         # target id -> draft id, -1 outside the draft vocabulary
         self._draft_id = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=d2t.device)
@@ -143,6 +144,9 @@ class DraftEngine(SessionOwner):
         session = self.sessions.get(session_id)
         if not create and tree is None and not session.tree:  # a tree's outcome is not a chain's
             self._count_outcome(session, num_draft_tokens, m - 1)
+        if session.last_tree is not None:  # the pairs the verify of a sampled tree committed: its path
+            self.sibling_rates.count(*session.last_tree, next_tokens)
+            session.last_tree = None
         session.tree = tree is not None
         step = _Step(session, features, list(next_tokens), num_draft_tokens, tree)
         # a session's first extend carries the whole prompt: padding the other sessions' few pairs to it
@@ -311,15 +315,19 @@ class DraftEngine(SessionOwner):
         session, sampler = step.session, step.session.sampler  # sampled: children drawn from q
         first = session.length + len(step.next_tokens)
         draws = draws_for([sampler], [first], step.tree.depth, self.draft_vocab, self.device)  # uploaded now
+        values = None
         if draws is not None:  # draw j of each depth with stream j (j = 0: keyed as the chain's drafts)
             k = min(step.tree.top_k, self.draft_vocab)
             draws = replace(draws, uniforms=torch.tensor([[sampler.uniform(first + n, j) for n in range(
                 step.tree.depth)] for j in range(k)], dtype=torch.float64, device=self.device))
+            values = self.sibling_rates.log_values(step.tree.depth, k).to(self.device)
         a, position = self._extend(step)
         tree = grow_tree(self.model, a, session.kv, position, step.tree, sampler and sampler.temperature, draws,
-                         self.q_top_n)
+                         self.q_top_n, values)
         tokens, q, (parents,) = read_rollout(tree.tokens, tree.q, tree.parents)  # q: one per node, or None
         session.proposed = []  # no chain for an ahead to assume
+        if sampler is not None:
+            session.last_tree = (tokens, parents)
         return Drafts(tokens, q, parents)
 
     @torch.inference_mode()

@@ -26,6 +26,9 @@ class _Session:
     # logits proposed them, [K, H]: an ahead assuming those drafts feeds them as the drafts' inputs
     proposed: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
     tree: bool = False  # its last propose drafted a tree: no chain for an ahead to assume, no K to count
+    # a sampled session's last tree (its nodes' target ids, parents), until the next propose says which path
+    # the target took (SiblingRates)
+    last_tree: tuple[list[int], list[int]] | None = None
 
 
 @dataclass

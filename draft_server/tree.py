@@ -24,10 +24,18 @@ The ranking is the log-softmax of the draft's logits (a sampled session's divide
                 uniform j of the position the child takes (DraftSampler.uniform(position, j); j = 0 is the
                 chain's draft's; nodes of one depth share them). Each kept child carries its q_j, and the
                 target tries them in draw order, each by min(1, p/q_j) with residual max(0, p - q_j):
-                recursive rejection without replacement (RSD, Jeon et al. 2024), lossless. The first
-                child ranks as its parent, the rest by their log-probabilities made non-increasing in draw
-                order, so the kept siblings are a prefix of the draws. Where q runs out of support (a
-                request's small top-k) the remaining children are the likeliest other tokens, without q.
+                recursive rejection without replacement (RSD, Jeon et al. 2024), lossless. Where q runs
+                out of support (a request's small top-k) the remaining children are the likeliest other
+                tokens, without q.
+    values      a drawn child's log-probability says little about whether the target takes it: what it is
+                worth is how often the j-th drawn child at depth d has been accepted once its parent was
+                reached, which the engine counts from its trees' outcomes (`SiblingRates`: child j is tried
+                when children 0..j-1 were rejected; its worth u = P(0..j-1 rejected) P(j accepted)). A sampled
+                node's score is its parent's plus log u of its (depth, draw), the draft's log-probability only
+                breaking ties, made non-increasing in draw order, so the kept siblings are a prefix of the
+                draws. The best N by these scores are the N nodes likeliest to be accepted, what the expected
+                tokens a round add up from (EAGLE-2's argument, with measured rates for the draft's
+                confidence, as Sequoia's trees use).
 
 Everything stays on the device (masks, positions, ranking, draws, the d2t mapping); the host reads the tree
 (tokens, parents, q) once, with read_rollout, at the end. The tree nodes' KV is dropped: the next round's exact
@@ -37,6 +45,7 @@ expansions after level 1; here `depth` is the tree's greatest depth, as TreePara
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -68,8 +77,61 @@ def tree_shape(params: TreeParams, draft_vocab: int) -> tuple[int, int, int]:
     return k, depth, min(params.nodes, k + (depth - 1) * k * k)
 
 
+class SiblingRates:
+    """How often a sampled tree's j-th drawn child at depth d was accepted once tried (its parent reached
+    and children 0..j-1 rejected), counted from the committed tokens that follow each tree. A prior of
+    PRIOR_ACCEPTED in PRIOR_TRIED; the counts halve past HALF_LIFE tries of a first child, so they follow the
+    traffic. Counted by the sessions' threads, read by the batch's."""
+
+    PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0
+    HALF_LIFE = 4096
+
+    def __init__(self):
+        self.tried: dict[tuple[int, int], float] = {}
+        self.accepted: dict[tuple[int, int], float] = {}
+        self._lock = threading.Lock()
+
+    def count(self, tokens: list[int], parents: list[int], committed: list[int]) -> None:
+        """A tree (its nodes' target ids, parents as Tree.parents: -1 a child of the root) and the tokens
+        the verify committed after its root (the accepted path, then the recovered or bonus token)."""
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(parents):
+            children.setdefault(parent, []).append(node)
+        tried, accepted, node = [], [], -1
+        for depth, token in enumerate(committed, 1):
+            kids = children.get(node, [])
+            taken = next((j for j, kid in enumerate(kids) if tokens[kid] == token), None)  # siblings are distinct
+            tried += [(depth, j) for j in range(len(kids) if taken is None else taken + 1)]
+            if taken is None:
+                break  # every child rejected (or none): the token is the recovered one
+            accepted.append((depth, taken))
+            node = kids[taken]
+        with self._lock:
+            for counts, keys in ((self.tried, tried), (self.accepted, accepted)):
+                for key in keys:
+                    counts[key] = counts.get(key, 0.0) + 1
+            if self.tried.get((1, 0), 0.0) > self.HALF_LIFE:
+                for counts in (self.tried, self.accepted):
+                    counts.update((key, n / 2) for key, n in counts.items())
+
+    def log_values(self, depth: int, k: int) -> torch.Tensor:
+        """[depth, k]: log u of the j-th drawn child at each depth, u = P(children 0..j-1 rejected) P(j
+        accepted), each rate (accepted + PRIOR_ACCEPTED) / (tried + PRIOR_TRIED)."""
+        with self._lock:
+            rates = torch.tensor([[(self.accepted.get((d, j), 0.0) + self.PRIOR_ACCEPTED)
+                                   / (self.tried.get((d, j), 0.0) + self.PRIOR_TRIED) for j in range(k)]
+                                  for d in range(1, depth + 1)], dtype=torch.float64)
+        rejected = torch.cumprod(1 - rates, 1)
+        before = torch.cat([torch.ones(depth, 1, dtype=torch.float64), rejected[:, :-1]], 1)
+        return (before * rates).clamp(min=1e-12).log().float()
+
+
+TIE_BREAK = 1e-3  # a sampled node's log-probability, weighed into its score to order equal worths
+
+
 def _children(model: Eagle3Draft, out: torch.Tensor, k: int, temperature: float | None, draws: Draws | None,
-              top_n: int, level: int) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+              top_n: int, level: int, values: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """The children of b expanded nodes, from their outputs `out` [b, H], at depth `level` -> their draft ids
     [b, k] and ranking scores [b, k]; with `draws`, all k drawn from q WITHOUT replacement, child j from q_j =
     q without children 0..j-1, renormalised (recursive rejection without replacement, as RSD: the target
@@ -77,9 +139,9 @@ def _children(model: Eagle3Draft, out: torch.Tensor, k: int, temperature: float 
     ids [b, k, W], probs [b, k, W], each row's support a prefix); a node whose q runs out of support gets its
     likeliest remaining tokens, without q. Else the top_k and None.
 
-    Ranking: a greedy node's children by their log-probability; a sampled node's first child as its parent
-    (log-probability 0: the sampled chain always stays in the tree), the others by theirs, made non-increasing
-    in draw order, so that the kept ones are a prefix of the draws, in draw order."""
+    Ranking: a greedy node's children by their log-probability; a sampled node's by `values` [depth, k] (log u
+    of each draw at each depth: SiblingRates; None: all 0), their log-probabilities weighing TIE_BREAK, made
+    non-increasing in draw order, so that the kept ones are a prefix of the draws, in draw order."""
     logits = model.draft_logits(out)
     logp = (logits.float() if temperature is None else logits.float() / temperature).log_softmax(-1)
     if draws is None:
@@ -102,19 +164,22 @@ def _children(model: Eagle3Draft, out: torch.Tensor, k: int, temperature: float 
         ids, left = ids.gather(1, order), left.gather(1, order)
         left = torch.cat([left[:, :-1], torch.zeros_like(left[:, -1:])], 1)
     children = torch.stack(kids, 1)  # [b, k]
-    ranked = logp.gather(1, children).index_fill(1, torch.zeros(1, dtype=torch.long, device=logp.device), 0.0)
+    ranked = TIE_BREAK * logp.gather(1, children)
+    if values is not None:
+        ranked = ranked + values[level - 1, :k].to(ranked.device)
     return children, ranked.cummin(1).values, (torch.stack(q_ids, 1), torch.stack(q_probs, 1))
 
 
 def grow_tree(model: Eagle3Draft, a: torch.Tensor, kv: DraftKV, position: torch.Tensor, params: TreeParams,
-              temperature: float | None = None, draws: Draws | None = None, top_n: int = 0) -> Tree:
+              temperature: float | None = None, draws: Draws | None = None, top_n: int = 0,
+              values: torch.Tensor | None = None) -> Tree:
     """The tree after a lone session's extend: `a` [1, 1, H] its last output, `kv` its committed KV, `position`
     [1, 1] where its first draft goes. A sampled session's: `temperature`, and `draws` (its settings, and
-    uniforms [top_k, depth]: draw j of each depth) with the q cut `top_n` draw each expanded node's children.
-    The nodes' KV is cropped off `kv` again before this returns."""
+    uniforms [top_k, depth]: draw j of each depth) with the q cut `top_n` draw each expanded node's children,
+    ranked by `values` (SiblingRates.log_values). The nodes' KV is cropped off `kv` again before this returns."""
     k, depth, n = tree_shape(params, model.config.draft_vocab_size)
     device, committed = a.device, kv.length
-    ids, logp, q = _children(model, a[0, -1:], k, temperature, draws, top_n, 1)  # level 1: [1, k]
+    ids, logp, q = _children(model, a[0, -1:], k, temperature, draws, top_n, 1, values)  # level 1: [1, k]
     scores, draft_ids = [logp[0]], [ids[0]]
     parents = [torch.full((k,), -1, dtype=torch.long, device=device)]  # candidate index of each one's parent
     levels = [torch.full((k,), 1, dtype=torch.long, device=device)]
@@ -128,7 +193,7 @@ def grow_tree(model: Eagle3Draft, a: torch.Tensor, kv: DraftKV, position: torch.
     offset = k  # candidates so far
     for level in range(2, depth + 1):
         out = model(hidden, tokens, position.expand(1, k) + (level - 2), kv, torch.cat([context, ancestry], 1))
-        ids, logp, q = _children(model, out[0], k, temperature, draws, top_n, level)  # [k, k]: each node's children
+        ids, logp, q = _children(model, out[0], k, temperature, draws, top_n, level, values)  # [k, k]
         cumulative = (score[:, None] + logp).flatten()  # [k * k]
         scores.append(cumulative)
         draft_ids.append(ids.flatten())

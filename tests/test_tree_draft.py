@@ -17,7 +17,7 @@ from draft_server.model import DraftKV
 from draft_server.rollout import rollout
 from draft_server.sampling import DraftSampler, draft_q, draw
 from draft_server.steps import _Step
-from draft_server.tree import grow_tree, tree_shape
+from draft_server.tree import TIE_BREAK, SiblingRates, grow_tree, tree_shape
 from tandem.params import SamplingParams, TreeParams
 from tandem.protocol import check_tree, tree_depths
 from tandem.sessions import InvalidRequest
@@ -33,7 +33,9 @@ def module_engine(tiny_dir) -> DraftEngine:
 
 @pytest.fixture
 def engine(module_engine):
-    """The module's engine, every session a test opened released after it, passed or not."""
+    """The module's engine, every session a test opened released after it, passed or not, and its sampled
+    trees' counts fresh."""
+    module_engine.sibling_rates = SiblingRates()
     yield module_engine
     for name in module_engine.session_ids():
         module_engine.release(name)
@@ -110,9 +112,10 @@ def _naive_tree(engine, chains: Chains, params, sampler=None, qs=None) -> dict[t
     """Every candidate of an EAGLE-2 tree, grown path by path on the host: path -> cumulative score. A sampled
     session's (`sampler`): each expanded path's children drawn from draft_q at the chain's logits without
     replacement, draw j with stream j of the position they take, each q_j (target ids, probs) put in `qs`
-    under the child's path; where q runs out, the likeliest other tokens. The first child ranks as its
-    parent, the others by log p, non-increasing in draw order (tree.py)."""
+    under the child's path; where q runs out, the likeliest other tokens. Draw j at depth d ranks by the
+    engine's measured worth of such a draw plus TIE_BREAK log p, non-increasing in draw order (tree.py)."""
     k, depth, _ = tree_shape(params, engine.draft_vocab)
+    values = engine.sibling_rates.log_values(depth, k).tolist()
     to_target = engine.model.to_target_ids
     candidates, frontier = {}, [((), 0.0)]
     for d in range(depth):
@@ -135,7 +138,8 @@ def _naive_tree(engine, chains: Chains, params, sampler=None, qs=None) -> dict[t
                     else:  # q ran out: the likeliest other token, no q
                         child = next(i for i in logp.argsort(descending=True).tolist() if i not in children)
                     children.append(child)
-                    ranks.append(0.0 if j == 0 else min(ranks[-1], float(logp[child])))
+                    rank = values[d][j] + TIE_BREAK * float(logp[child])
+                    ranks.append(rank if j == 0 else min(ranks[-1], rank))
             level += [((*path, int(to_target(i))), score + r) for i, r in zip(children, ranks, strict=True)]
         candidates.update(level)
         frontier = level if d == 0 else sorted(level, key=lambda c: -c[1])[:k]  # level 1 all, then the best k
@@ -159,6 +163,7 @@ def _check(engine, history, drafts, params, scores=None, sampling=None):
         children.setdefault(parent, []).append(token)
     assert all(len(set(c)) == len(c) <= k for c in children.values()), children
     chains = Chains(engine, history, sampler and sampler.temperature)
+    values = engine.sibling_rates.log_values(depth, k).tolist()  # as the tree was grown: no propose since
     paths = _paths(list(drafts), parents)
     qs: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
     candidates = _naive_tree(engine, chains, params, sampler, qs)
@@ -175,7 +180,10 @@ def _check(engine, history, drafts, params, scores=None, sampling=None):
         else:  # the likeliest: among its parent's top_k (a sampled node's whose q ran out: among the top 2k)
             assert logp[draft_id] >= logp.topk(k if sampler is None else 2 * k).values[-1] - 1e-5
         first = parent not in last_rank
-        rank = 0.0 if first and sampler is not None else float(logp[draft_id])  # the first drawn: as its parent
+        rank = float(logp[draft_id])
+        if sampler is not None:  # draw j (its place among its kept siblings) at its depth: its measured worth
+            j = sum(p == parent for p in parents[:i])
+            rank = values[depths[i] - 1][j] + TIE_BREAK * rank
         last_rank[parent] = rank = rank if first else min(rank, last_rank[parent])
         expected.append((expected[parent] if parent >= 0 else 0.0) + rank)
     if scores is not None:
@@ -367,3 +375,25 @@ def test_exact_ties_at_the_cut_keep_the_parents():
         paths = set(_paths(tree.tokens.tolist(), tree.parents.tolist()))
         assert {(0,), (1,)} <= paths <= {(0,), (1,), (0, 0), (1, 2)} and len(paths) == nodes
         assert tree.scores.tolist() == pytest.approx([-0.6931] * nodes, abs=1e-4)
+
+
+def test_sibling_rates_count_the_path_the_target_took():
+    """Draw j at depth d is tried when draws 0..j-1 there were rejected; its worth is P(those rejected) times
+    its own rate, each rate with a prior of 1 accepted in 2."""
+    rates, tokens, parents = SiblingRates(), [10, 11, 12, 13], [-1, -1, 0, 0]
+    rates.count(tokens, parents, [11, 5])  # the root's second child, then the recovered token at a leaf
+    rates.count(tokens, parents, [10, 13, 7])  # the first child, then its second
+    rates.count(tokens, parents, [9])  # both of the root's children rejected
+    assert rates.tried == {(1, 0): 3, (1, 1): 2, (2, 0): 1, (2, 1): 1}
+    assert rates.accepted == {(1, 1): 1, (1, 0): 1, (2, 1): 1}
+    worth = rates.log_values(2, 2).exp()
+    assert worth.flatten().tolist() == pytest.approx([2 / 5, 3 / 5 * 2 / 4, 1 / 3, 2 / 3 * 2 / 3])
+
+
+def test_a_sampled_tree_is_counted_at_the_next_propose(engine):
+    history = _history(engine, 6, sizes=(5, 2, 3))
+    tree = _draft(engine, "counted", history[:2], sampling=SAMPLED, tree=TreeParams(nodes=8, depth=3, top_k=2))
+    assert engine.sibling_rates.tried == {}
+    engine.propose("counted", history[2][0][:2], [tree[0], 7], 3)  # the first child taken, then a recovered token
+    assert engine.sibling_rates.accepted == {(1, 0): 1} and engine.sibling_rates.tried[(1, 0)] == 1
+    assert engine.sessions.get("counted").last_tree is None  # a chain came next: nothing more to count
