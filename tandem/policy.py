@@ -39,9 +39,7 @@ def adaptive_k(budget: int, running: Callable[[], int]) -> Callable[[int], int]:
 
 
 class RoundAverage:
-    """Averages over one kind of round: tokens committed, seconds, drafts. The plain mean of the first
-    1 / `weight` rounds, then moving averages in which the last round weighs `weight` (a moving average from
-    the first round on would let that one round weigh (1 - weight)^n after n: 74% after 16 at 0.02)."""
+    """Moving averages over one kind of round: tokens committed, seconds, drafts; the last weighs `weight`."""
 
     __slots__ = ("drafts", "rounds", "seconds", "tokens")
 
@@ -50,7 +48,7 @@ class RoundAverage:
         self.tokens = self.seconds = self.drafts = 0.0
 
     def add(self, tokens: int, seconds: float, drafts: int, weight: float) -> None:
-        w = max(weight, 1.0 / (self.rounds + 1))
+        w = weight if self.rounds else 1.0  # the first round sets them
         self.rounds += 1
         self.tokens += w * (tokens - self.tokens)
         self.seconds += w * (seconds - self.seconds)
@@ -94,10 +92,9 @@ class AcceptanceGate:
     load, (1) target-only faster than the drafting rounds by RATE_MARGIN sheds every generation of that
     kind (on a CPU at 16 sessions a verify of 16 x (K+1) tokens costs what drafts win, and more at
     temperature 1), and (2) the cost per draft token is the one measured, (chain round / target-only
-    round - 1) / K, instead of the prior. A gap of CLEAR_MARGIN sheds after CLEAR_ROUNDS rounds already.
-    Alone on the server, one generation in EXPLORE_EVERY that would shed at its start drafts instead (see
-    `outpaced`), and one shed in REOPEN_EVERY forgets the drafting rounds' rate at that load, so that the
-    next generations measure it again (the head or the traffic may have changed).
+    round - 1) / K, instead of the prior. One generation in EXPLORE_EVERY that would shed at its start
+    drafts instead (see `outpaced`), and one shed in REOPEN_EVERY forgets the drafting rounds' rate at that
+    load, so that the next generations measure it again (the head or the traffic may have changed).
     """
 
     MIN_ROUNDS = 16
@@ -108,11 +105,8 @@ class AcceptanceGate:
     RATE_ROUNDS = 64
     RATE_WEIGHT = 0.02
     RATE_MARGIN = 1.10
-    CLEAR_ROUNDS = 16
-    CLEAR_MARGIN = 1.30
     REOPEN_EVERY = 256
     EXPLORE_EVERY = 8
-    CLEAR_EXPLORE_EVERY = 32
 
     def __init__(self, cost: float = SPEC_DRAFT_COST):
         self.cost = cost
@@ -171,38 +165,26 @@ class AcceptanceGate:
         return seen if seen is not None and seen.rounds >= self.RATE_ROUNDS else None
 
     def outpaced(self, greedy: bool, starting: bool = False) -> bool | None:
-        """Whether target-only rounds commit tokens faster than drafting ones at the server's load, as
-        measured (`_behind`): then this generation should shed. None (only for a generation `starting`, alone
-        on the server): it would, but this one explores instead, drafting all its life, so that the drafting
-        rate is measured again and one noisy measurement does not shed drafting there for good: one in
-        EXPLORE_EVERY, or in CLEAR_EXPLORE_EVERY where drafting is behind by CLEAR_MARGIN. Under load an
-        explorer's rounds would not count (the others run target-only); there the drafting rates are
-        forgotten one shed in REOPEN_EVERY, and the next generations measure them again."""
+        """Whether target-only rounds commit tokens faster than drafting ones at the server's load, by
+        RATE_MARGIN, as measured: then this generation should shed. None (only for a generation `starting`):
+        it would, but this one explores instead, drafting all its life, so that the drafting rate is measured
+        again (one in EXPLORE_EVERY; alone on the server its rounds count, and one noisy measurement does
+        not shed drafting there for good)."""
         with self._lock:
             bucket = load_bucket(self._running)
-            behind = self._behind(greedy, bucket)
-            if behind is None:
+            target = self._rate((greedy, bucket, "target"))
+            drafting = [r for kind in ("chain", "tree") if (r := self._rate((greedy, bucket, kind))) is not None]
+            if target is None or not drafting:
+                return False
+            if target.rate <= self.RATE_MARGIN * max(r.rate for r in drafting):
                 return False
             sheds = next(self._sheds)
-            every = self.CLEAR_EXPLORE_EVERY if behind >= self.CLEAR_MARGIN else self.EXPLORE_EVERY
-            if starting and bucket == 1 and sheds % every == 0:
+            if starting and sheds % self.EXPLORE_EVERY == 0:
                 return None
             if sheds % self.REOPEN_EVERY == 0:
                 for kind in ("chain", "tree"):
                     self._rates.pop((greedy, bucket, kind), None)
             return True
-
-    def _behind(self, greedy: bool, bucket: int) -> float | None:
-        """How many times faster target-only rounds are than the best drafting ones at `bucket`, where that is
-        measured: by RATE_MARGIN over RATE_ROUNDS rounds of each, or by CLEAR_MARGIN over CLEAR_ROUNDS (a
-        chain at 0.7x is plain after a few rounds; 10% takes more). None: not shown."""
-        target = self._rates.get((greedy, bucket, "target"))
-        drafting = [r for kind in ("chain", "tree") if (r := self._rates.get((greedy, bucket, kind))) is not None]
-        for rounds, margin in ((self.RATE_ROUNDS, self.RATE_MARGIN), (self.CLEAR_ROUNDS, self.CLEAR_MARGIN)):
-            seen = [r.rate for r in drafting if r.rounds >= rounds]
-            if target is not None and target.rounds >= rounds and seen and target.rate > margin * max(seen):
-                return target.rate / max(seen)
-        return None
 
     def cost_now(self, greedy: bool) -> float:
         """One draft token's cost as a share of a target-only round: measured at the server's load where
@@ -238,8 +220,7 @@ class TreeGate:
     committed and of the round's wall time (the draft's propose and the target's verify, with whatever
     batching and transfer they met). Until each has `MIN_ROUNDS` rounds the two alternate; then the
     better runs, and the other one round in `EXPLORE_EVERY`, so that a change (load, a prompt mix the head
-    knows better) is seen. Each average weighs the last rounds by `WEIGHT` (after a plain mean of the first
-    1 / WEIGHT: RoundAverage).
+    knows better) is seen. Each average weighs the last rounds by `WEIGHT`.
     """
 
     MIN_ROUNDS = 8
