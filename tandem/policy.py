@@ -216,11 +216,15 @@ class AcceptanceGate:
 class TreeGate:
     """Tree or chain, round by round, by the committed tokens per second each has measured.
 
-    Per kind of request (greedy / sampled) and per shape it keeps a moving average of the tokens a round
-    committed and of the round's wall time (the draft's propose and the target's verify, with whatever
-    batching and transfer they met). Until each has `MIN_ROUNDS` rounds the two alternate; then the
-    better runs, and the other one round in `EXPLORE_EVERY`, so that a change (load, a prompt mix the head
-    knows better) is seen. Each average weighs the last rounds by `WEIGHT`.
+    Per kind of request (greedy / sampled) it keeps moving averages of the tokens a round committed and of
+    the round's wall time (the draft's propose and the target's verify, with whatever batching and transfer
+    they met), for trees and chains, from PAIRS of rounds: a generation's tree round next to its chain round,
+    both added at once. What a round commits depends on the text far more than on its shape (the same chain
+    commits 5 tokens a round on one prompt and 2 on the next), so two averages kept apart, one fed every
+    round and the other one round in EXPLORE_EVERY, compared different texts: a few hard prompts under the
+    chain made a slower tree look faster for hundreds of rounds. Until MIN_ROUNDS pairs the rounds
+    alternate; then the better runs, and the other one round in `EXPLORE_EVERY`, each such round making a
+    pair with the one before it (and the one after). Each average weighs the last pairs by `WEIGHT`.
     """
 
     MIN_ROUNDS = 8
@@ -232,23 +236,28 @@ class TreeGate:
         self._seen: dict[tuple[bool, bool], RoundAverage] = {}  # (greedy, tree)
         self._rounds = itertools.count()
 
-    def record(self, greedy: bool, tree: bool, committed: int, seconds: float) -> None:
+    def record(self, greedy: bool, tree: bool, committed: int, seconds: float,
+               before: tuple[bool, int, float] | None = None) -> None:
+        """A drafting round of `tree` shape, and `before`, the same generation's drafting round before it
+        (tree, committed, seconds): counted only as a pair of one tree and one chain round."""
+        if before is None or before[0] == tree:
+            return
         with self._lock:
-            self._seen.setdefault((greedy, tree), RoundAverage()).add(committed, seconds, 0, self.WEIGHT)
+            for shape, tokens, time in ((tree, committed, seconds), before):
+                self._seen.setdefault((greedy, shape), RoundAverage()).add(tokens, time, 0, self.WEIGHT)
 
     def rate(self, greedy: bool, tree: bool) -> float | None:
-        """Tokens per second measured for that shape (None: not enough rounds yet)."""
+        """Tokens per second measured for that shape (None: not enough pairs yet)."""
         with self._lock:
             seen = self._seen.get((greedy, tree))
         return seen.rate if seen is not None and seen.rounds >= self.MIN_ROUNDS else None
 
-    def use_tree(self, greedy: bool) -> bool:
+    def use_tree(self, greedy: bool, last: bool | None = None) -> bool:
+        """Whether this round of a generation is a tree; `last`: the shape of its last drafting round."""
         n = next(self._rounds)
         tree, chain = self.rate(greedy, True), self.rate(greedy, False)
-        if tree is None or chain is None:  # still measuring: the one with fewer rounds
-            with self._lock:
-                rounds = {t: self._seen.get((greedy, t), RoundAverage()).rounds for t in (True, False)}
-            return rounds[True] <= rounds[False]
+        if tree is None or chain is None:  # still measuring: each generation alternates, making pairs
+            return not last if last is not None else True
         better = tree > chain
         return better != (n % self.EXPLORE_EVERY == 0)
 
@@ -291,6 +300,8 @@ class KPolicy:
         self.asked = request.speculate and request.num_draft_tokens > 0
         self.probing = self.gate.probe() if self.gate is not None and self.asked and has_draft else 0
         self.shed = self.exploring = False
+        self._before: tuple[bool, int, float] | None = None  # its last drafting round, for the tree gate's pairs
+        self._tail = False  # this round's drafts are cut short by max_new_tokens (`record` does not time it)
         if self.asked and has_draft:
             # too busy already, or the drafts have not paid lately: no features, no draft session at all
             busy = self.k_for is not None and self.k_for(self.requested) == 0
@@ -317,6 +328,7 @@ class KPolicy:
         if not self.drafting:
             return 0
         k = min(self.requested, self.limit - produced - 1)
+        self._tail = k < self.requested  # the generation's end cuts its drafts: not a round to time
         if draft_alive and k > 0:
             if self.k_for is not None:
                 k = self.k_for(k)
@@ -333,21 +345,27 @@ class KPolicy:
         the limit leaves room for (a verify commits up to depth + 1 tokens)."""
         if self.tree is None or k == 0 or (self.fits is not None and not self.fits(self.tree.nodes + 1)):
             return None  # under load a tree's wide verify slows every session's batch: chains (adaptive K)
-        if self.trees is not None and not self.trees.use_tree(self.greedy):
+        if self.trees is not None and not self.trees.use_tree(self.greedy, None if self._before is None else self._before[0]):
             return None
         depth = min(self.tree.depth, self.limit - produced - 1)
+        self._tail = self._tail or depth < self.tree.depth
         return self.tree if depth == self.tree.depth else self.tree.model_copy(update={"depth": depth})
 
     def record(self, drafted: int, accepted: int, seconds: float, tree: bool = False) -> None:
         """A round: `accepted` of `drafted` drafts (a tree's: the accepted path; none: target-only); `seconds`
-        from this round's start to the next's."""
+        from this round's start to the next's. The gates time it unless max_new_tokens cut its drafts short:
+        such rounds say how a generation ends, not what drafting does (a bench's short warm-up generations
+        are nearly all such rounds, and timed they shed greedy chains that ran 1.6x target-only)."""
         if self.gate is not None:
             if drafted and not tree:  # the gate's counts are per chain position
                 self.gate.record(self.greedy, drafted, accepted)
             kind = "tree" if tree else "chain" if drafted else "target"
-            self.gate.record_round(self.greedy, kind, accepted + 1, drafted, seconds)
+            if not self._tail:
+                self.gate.record_round(self.greedy, kind, accepted + 1, drafted, seconds)
         if self.trees is not None and drafted and self.tree is not None:
-            self.trees.record(self.greedy, tree, accepted + 1, seconds)
+            if not self._tail:
+                self.trees.record(self.greedy, tree, accepted + 1, seconds, self._before)
+            self._before = None if self._tail else (tree, accepted + 1, seconds)
 
     def close(self) -> None:
         """The generation ended: the gate stops counting it."""

@@ -422,3 +422,29 @@ def test_a_head_that_is_never_accepted_is_shed_and_the_output_stays(generator, h
     assert gate.load == (1, 1)
     rounds.close()  # a client that goes away mid-generation
     assert gate.load == (0, 0)
+
+
+def test_rounds_that_max_new_tokens_cuts_short_are_not_timed():
+    """A generation's last rounds, whose drafts its length cuts short, say how it ends, not what drafting
+    does: the gates time full rounds only (a bench's 8-token warm-ups had shed chains that ran 1.6x)."""
+    from tandem.params import GenerationRequest, TreeParams
+    from tandem.policy import AcceptanceGate, KPolicy, Speculation, TreeGate
+
+    gate = AcceptanceGate(0.3)
+    request = GenerationRequest(prompt_ids=[1], max_new_tokens=8, num_draft_tokens=5)
+    policy = KPolicy(request, Speculation(gate=gate), limit=8, has_draft=True)
+    assert policy.k_for_round(1, 0, True) == 5
+    policy.record(5, 4, 0.010)
+    assert policy.k_for_round(6, 1, True) == 1  # 2 tokens left: one draft and the bonus
+    policy.record(1, 1, 0.010)
+    assert gate._rates[(True, 1, "chain")].rounds == 1
+    tree = GenerationRequest(prompt_ids=[1], max_new_tokens=8, num_draft_tokens=5,
+                             tree=TreeParams(nodes=8, depth=5, top_k=2))
+    trees = TreeGate()
+    policy = KPolicy(tree, Speculation(trees=trees), limit=8, has_draft=True)
+    shapes = []
+    for produced in (1, 3):  # a tree, then a chain cut short: no pair
+        k = policy.k_for_round(produced, 0, True)
+        shapes.append(policy.tree_for_round(k, produced) is not None)
+        policy.record(k, 1, 0.010, tree=shapes[-1])
+    assert shapes == [True, False] and trees._seen == {}

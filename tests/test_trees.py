@@ -109,16 +109,25 @@ def test_sampled_trees_keep_the_targets_law(generator, hf_target, name, mode):
 
 
 def test_the_tree_gate_runs_the_faster_shape():
-    gate, choices = TreeGate(), []
-    for _ in range(2 * gate.MIN_ROUNDS):  # measuring: they alternate
-        tree = gate.use_tree(True)
+    """Measured from pairs of a generation's rounds, a tree round next to a chain round: what a round commits
+    depends on the text, and only pairs compare the shapes on the same text."""
+    gate, choices, last = TreeGate(), [], None
+    for i in range(2 * gate.MIN_ROUNDS + 1):  # measuring: the generation alternates
+        tree = gate.use_tree(True, None if last is None else last[0])
         choices.append(tree)
-        # a tree commits 3 tokens in 30 ms (100/s), a chain 2 in 10 ms (200/s)
-        gate.record(True, tree, 3 if tree else 2, 0.030 if tree else 0.010)
-    assert sum(choices) == gate.MIN_ROUNDS
-    runs = [gate.use_tree(True) for _ in range(10 * gate.EXPLORE_EVERY)]
+        text = 3 if i % 4 < 2 else 1  # easy text, then hard: 3x the tokens a round
+        # a tree commits 1.2x the chain's tokens in 1.5x its time: the chain is faster on any text
+        committed, seconds = (1.2 * text, 0.015) if tree else (text, 0.010)
+        gate.record(True, tree, committed, seconds, last)
+        last = (tree, committed, seconds)
+    assert choices[:4] == [True, False, True, False]
+    runs = [gate.use_tree(True, False) for _ in range(10 * gate.EXPLORE_EVERY)]
     assert sum(runs) == 10  # the chain, and the tree one round in EXPLORE_EVERY
     assert gate.rate(False, True) is None  # sampled requests are measured apart
+    before = gate.rate(True, False)
+    gate.record(True, False, 6, 0.010, (False, 6, 0.010))  # two chain rounds: no pair, nothing counted
+    gate.record(True, False, 6, 0.010)
+    assert gate.rate(True, False) == before
 
 
 def test_overlap_runs_chains(generator, hf_target, greedy_reference):
