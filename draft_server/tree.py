@@ -54,6 +54,7 @@ from draft_server.model import DraftKV, Eagle3Draft
 from draft_server.rollout import Draws
 from draft_server.sampling import draft_q, draw
 from tandem.params import TreeParams
+from tandem.protocol import tree_children
 
 
 @dataclass
@@ -94,13 +95,11 @@ class SiblingRates:
     def count(self, tokens: list[int], parents: list[int], committed: list[int]) -> None:
         """A tree (its nodes' target ids, parents as Tree.parents: -1 a child of the root) and the tokens
         the verify committed after its root (the accepted path, then the recovered or bonus token)."""
-        children: dict[int, list[int]] = {}
-        for node, parent in enumerate(parents):
-            children.setdefault(parent, []).append(node)
-        tried, accepted, node = [], [], -1
+        children = tree_children(parents)  # node 0 the root, node i + 1 the draft tokens[i]
+        tried, accepted, node = [], [], 0
         for depth, token in enumerate(committed, 1):
-            kids = children.get(node, [])
-            taken = next((j for j, kid in enumerate(kids) if tokens[kid] == token), None)  # siblings are distinct
+            kids = children[node]
+            taken = next((j for j, kid in enumerate(kids) if tokens[kid - 1] == token), None)  # siblings differ
             tried += [(depth, j) for j in range(len(kids) if taken is None else taken + 1)]
             if taken is None:
                 break  # every child rejected (or none): the token is the recovered one
@@ -166,7 +165,7 @@ def _children(model: Eagle3Draft, out: torch.Tensor, k: int, temperature: float 
     children = torch.stack(kids, 1)  # [b, k]
     ranked = TIE_BREAK * logp.gather(1, children)
     if values is not None:
-        ranked = ranked + values[level - 1, :k].to(ranked.device)
+        ranked = ranked + values[level - 1, :k]
     return children, ranked.cummin(1).values, (torch.stack(q_ids, 1), torch.stack(q_probs, 1))
 
 

@@ -87,6 +87,15 @@ def check_tree(parents: list[int], n: int) -> str | None:
     return None
 
 
+def tree_children(parents: list[int]) -> list[list[int]]:
+    """Drafts.parents -> each node's children in the drafts' order (node 0 the root t, node i + 1 the
+    draft d_{i+1})."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, parent in enumerate(parents):
+        children[parent + 1].append(i + 1)
+    return children
+
+
 def tree_depths(parents: list[int]) -> list[int]:
     """Each draft's depth in its tree: 1 for a child of the root."""
     depths: list[int] = []

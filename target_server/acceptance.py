@@ -50,7 +50,7 @@ from transformers.generation.logits_process import (
 )
 
 from tandem.params import SamplingParams
-from tandem.protocol import DraftProbs, TokenLogprob, check_tree
+from tandem.protocol import DraftProbs, TokenLogprob, check_tree, tree_children
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -124,15 +124,6 @@ def accept_sampled(
             final = residual
     bonus = torch.multinomial(final / final.sum(), 1, generator=generator)
     return accepted, int(bonus)
-
-
-def tree_children(parents: list[int]) -> list[list[int]]:
-    """Drafts.parents -> each node's children in the drafts' order (node 0 the root t, node i + 1 the
-    draft d_{i+1})."""
-    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
-    for i, parent in enumerate(parents):
-        children[parent + 1].append(i + 1)
-    return children
 
 
 def tree_problem(drafts: list[int], parents: list[int], max_nodes: int) -> str | None:
