@@ -19,9 +19,10 @@ from coordinator.monitor import Monitor, Pair
 from coordinator.probe import RequestObserver, RequestProbe
 from tandem.config import CoordinatorSettings
 from tandem.errors import Abort, InvalidRequest, OutOfRange
+from tandem.gates import AcceptanceGate, TreeGate
 from tandem.metrics import CoordinatorMetrics
 from tandem.params import MAX_STOP_LENGTH, MAX_STOP_STRINGS, GenerationRequest, parse_tree
-from tandem.policy import AcceptanceGate, Speculation, TreeGate, adaptive_k
+from tandem.policy import Speculation, adaptive_k
 from tandem.rounds import run_rounds
 from tandem.service import Service
 from tandem.text import TextDelta, text_deltas

@@ -146,7 +146,7 @@ def check_address(v: str) -> str:
 # default leaves K alone up to 64 (256 // 64 - 1 = 3). A GPU's knee is elsewhere: measure it with
 # `tandem bench --concurrency ...` and TANDEM_COORDINATOR_SPEC_TOKEN_BUDGET=0, then set the budget.
 SPEC_TOKEN_BUDGET = 256
-# Acceptance gate (tandem.policy.AcceptanceGate): one draft token's cost as a share of a verify
+# Acceptance gate (tandem.gates.AcceptanceGate): one draft token's cost as a share of a verify
 # round, drafting and moving the features included. Measured on the 2-core CPU: a K=3 round of the
 # demo pair takes about twice a target-only round (1 + 0.3 * 3 = 1.9), as does one of the tiny pair.
 # On GPUs, where a one-layer head is far cheaper than the target, it is smaller: measure it as
@@ -298,7 +298,7 @@ class CoordinatorSettings(ServiceSettings):
     # with overlap over without: 1.12x and 1.09x at 1 request, 0.78x at 2, 0.86x at 4, 0.58x at 16).
     overlap_max_running: int = Field(1, ge=1)
     # EAGLE-2 draft trees: the tree of requests that name none, NODES[,DEPTH[,TOP_K]] (none: chains), and
-    # whether the tree gate (tandem/policy.py) chooses tree or chain each round by their measured speed.
+    # whether the tree gate (tandem/gates.py) chooses tree or chain each round by their measured speed.
     tree: TreeSpec | None = Field(None, description=TREE_HELP)
     tree_policy: bool = Field(True, description=TREE_POLICY_HELP)
     # The OpenAI-compatible HTTP front (coordinator/http/) on this port of the same --host; off unless given.

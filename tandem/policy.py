@@ -17,13 +17,12 @@ have measured on this server: tokens committed per second of round, drafting and
 
 from __future__ import annotations
 
-import itertools
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tandem.config import OVERLAP_BRANCHES, SPEC_DRAFT_COST
-from tandem.params import MAX_DRAFT_TOKENS, GenerationRequest, TreeParams
+from tandem.config import OVERLAP_BRANCHES
+from tandem.gates import AcceptanceGate, TreeGate
+from tandem.params import GenerationRequest, TreeParams
 
 
 def adaptive_k(budget: int, running: Callable[[], int]) -> Callable[[int], int]:
@@ -36,230 +35,6 @@ def adaptive_k(budget: int, running: Callable[[], int]) -> Callable[[int], int]:
         return min(requested, max(0, budget // max(1, running()) - 1))
 
     return k_for
-
-
-class RoundAverage:
-    """Moving averages over one kind of round: tokens committed, seconds, drafts; the last weighs `weight`."""
-
-    __slots__ = ("drafts", "rounds", "seconds", "tokens")
-
-    def __init__(self):
-        self.rounds = 0
-        self.tokens = self.seconds = self.drafts = 0.0
-
-    def add(self, tokens: int, seconds: float, drafts: int, weight: float) -> None:
-        w = weight if self.rounds else 1.0  # the first round sets them
-        self.rounds += 1
-        self.tokens += w * (tokens - self.tokens)
-        self.seconds += w * (seconds - self.seconds)
-        self.drafts += w * (drafts - self.drafts)
-
-    @property
-    def rate(self) -> float:
-        """Tokens committed per second."""
-        return self.tokens / max(self.seconds, 1e-9)
-
-
-def load_bucket(running: int) -> int:
-    """Generations running, rounded up to a power of two: the load a measured rate belongs to."""
-    return 1 << max(0, running - 1).bit_length()
-
-
-class AcceptanceGate:
-    """K by what the drafts win: speculation runs only where the drafts accepted pay for drafting them.
-
-    Over the server's verify rounds (greedy and sampled requests apart: a head is accepted far more
-    often at temperature 0), it counts for each draft position k how often draft k was verified after
-    k-1 accepted ones, and how often it was accepted: p_k. With K drafts a round commits
-    E(K) = 1 + p_1 + p_1 p_2 + ... tokens and costs 1 + cost * K verify rounds' time (`cost`: one draft
-    token's share, drafting and its transfer included), so K is the one that maximises
-    E(K) / (1 + cost * K), and 0 (target-only) when none beats 1; the request's own K stays unless
-    another is better by MARGIN. On the 2-core CPU with the demo pair a K=3 round costs about two
-    target-only rounds (cost 0.3); with a random head (the tiny pair) EAGLE-3 ran at 0.55x
-    target-only, and sampling at temperature 1 with the demo head at 0.59x.
-
-    Until a position has been tried `MIN_ROUNDS` times it counts as always accepted, so a new server
-    speculates at the requested K until the counts say otherwise. While the gate is shut one request
-    in `PROBE_EVERY` speculates for its first `PROBE_ROUNDS` rounds anyway, so that a change of
-    traffic (a prompt mix the head knows) can open it again. Old counts fade (halved past HALF_LIFE rounds).
-
-    Measured cost. `cost` is a prior; the gate also times the rounds themselves, per kind of request and
-    per load (the generations running, in powers of two: `load_bucket`), as tokens committed per second of
-    round (from one round's start to the next: drafting, verify, relays and the client's share). A
-    target-only round counts only while no generation drafts and a drafting one only while all do: in a
-    mixed batch a target-only round waits for the others' wide verify, and neither would say what the
-    server does when everyone runs that way. Where both have RATE_ROUNDS rounds at the server's present
-    load, (1) target-only faster than the drafting rounds by RATE_MARGIN sheds every generation of that
-    kind (on a CPU at 16 sessions a verify of 16 x (K+1) tokens costs what drafts win, and more at
-    temperature 1), and (2) the cost per draft token is the one measured, (chain round / target-only
-    round - 1) / K, instead of the prior. One generation in EXPLORE_EVERY that would shed at its start
-    drafts instead (see `outpaced`), and one shed in REOPEN_EVERY forgets the drafting rounds' rate at that
-    load, so that the next generations measure it again (the head or the traffic may have changed).
-    """
-
-    MIN_ROUNDS = 16
-    MARGIN = 1.05
-    PROBE_EVERY = 32
-    PROBE_ROUNDS = 4
-    HALF_LIFE = 4096
-    RATE_ROUNDS = 64
-    RATE_WEIGHT = 0.02
-    RATE_MARGIN = 1.10
-    REOPEN_EVERY = 256
-    EXPLORE_EVERY = 8
-
-    def __init__(self, cost: float = SPEC_DRAFT_COST):
-        self.cost = cost
-        self._lock = threading.Lock()
-        self._running = self._drafting = 0  # generations under way; those of them that draft
-        self._rates: dict[tuple[bool, int, str], RoundAverage] = {}  # (greedy, load bucket, kind of round)
-        self._sheds = itertools.count(1)
-        # greedy / sampled -> per position k (1-based): rounds that verified draft k, and that accepted it
-        self._tried = {g: [0] * (MAX_DRAFT_TOKENS + 1) for g in (True, False)}
-        self._accepted = {g: [0] * (MAX_DRAFT_TOKENS + 1) for g in (True, False)}
-        self._requests = itertools.count()
-
-    def record(self, greedy: bool, drafted: int, accepted: int) -> None:
-        with self._lock:
-            tried, ok = self._tried[greedy], self._accepted[greedy]
-            for k in range(1, min(drafted, accepted + 1) + 1):
-                tried[k] += 1
-                ok[k] += k <= accepted
-            if tried[1] > self.HALF_LIFE:
-                for counts in (tried, ok):
-                    counts[:] = [c // 2 for c in counts]
-
-    def enter(self, drafting: bool) -> None:
-        """A generation starts (drafting or not); `leave` when it ends, `stop_drafting` when it sheds."""
-        with self._lock:
-            self._running += 1
-            self._drafting += drafting
-
-    def stop_drafting(self) -> None:
-        with self._lock:
-            self._drafting -= 1
-
-    def leave(self, drafting: bool) -> None:
-        with self._lock:
-            self._running -= 1
-            self._drafting -= drafting
-
-    @property
-    def load(self) -> tuple[int, int]:
-        """(generations running, of them drafting), as the gate counts them."""
-        with self._lock:
-            return self._running, self._drafting
-
-    def record_round(self, greedy: bool, kind: str, committed: int, drafted: int, seconds: float) -> None:
-        """One round of `kind` ("target", "chain", "tree"): `committed` tokens in `seconds`. Kept only where
-        the whole server runs that way (target-only: nobody drafts; chain or tree: everybody does)."""
-        with self._lock:
-            clean = self._drafting == 0 if kind == "target" else self._drafting == self._running
-            if not clean:
-                return
-            key = (greedy, load_bucket(self._running), kind)
-            self._rates.setdefault(key, RoundAverage()).add(committed, seconds, drafted, self.RATE_WEIGHT)
-
-    def _rate(self, key: tuple[bool, int, str]) -> RoundAverage | None:
-        seen = self._rates.get(key)
-        return seen if seen is not None and seen.rounds >= self.RATE_ROUNDS else None
-
-    def outpaced(self, greedy: bool, starting: bool = False) -> bool | None:
-        """Whether target-only rounds commit tokens faster than drafting ones at the server's load, by
-        RATE_MARGIN, as measured: then this generation should shed. None (only for a generation `starting`):
-        it would, but this one explores instead, drafting all its life, so that the drafting rate is measured
-        again (one in EXPLORE_EVERY; alone on the server its rounds count, and one noisy measurement does
-        not shed drafting there for good)."""
-        with self._lock:
-            bucket = load_bucket(self._running)
-            target = self._rate((greedy, bucket, "target"))
-            drafting = [r for kind in ("chain", "tree") if (r := self._rate((greedy, bucket, kind))) is not None]
-            if target is None or not drafting:
-                return False
-            if target.rate <= self.RATE_MARGIN * max(r.rate for r in drafting):
-                return False
-            sheds = next(self._sheds)
-            if starting and sheds % self.EXPLORE_EVERY == 0:
-                return None
-            if sheds % self.REOPEN_EVERY == 0:
-                for kind in ("chain", "tree"):
-                    self._rates.pop((greedy, bucket, kind), None)
-            return True
-
-    def cost_now(self, greedy: bool) -> float:
-        """One draft token's cost as a share of a target-only round: measured at the server's load where
-        both kinds of round have been, else the prior."""
-        bucket = load_bucket(self._running)
-        target, chain = self._rate((greedy, bucket, "target")), self._rate((greedy, bucket, "chain"))
-        if target is None or chain is None or chain.drafts < 1:
-            return self.cost
-        return min(4.0, max(0.0, (chain.seconds / target.seconds - 1) / chain.drafts))
-
-    def best_k(self, greedy: bool, requested: int) -> int:
-        with self._lock:
-            cost = self.cost_now(greedy)
-            tried, ok = self._tried[greedy], self._accepted[greedy]
-            scores, expected, reach = [1.0], 1.0, 1.0  # K = 0: one token for one round
-            for k in range(1, requested + 1):
-                reach *= ok[k] / tried[k] if tried[k] >= self.MIN_ROUNDS else 1.0
-                expected += reach
-                scores.append(expected / (1 + cost * k))
-        best = max(range(len(scores)), key=scores.__getitem__)
-        # the cost is an estimate: a smaller K than the request's only when it is clearly better
-        return requested if scores[requested] >= scores[best] / self.MARGIN else best
-
-    def probe(self) -> int:
-        """Rounds this new request speculates before the gate decides: PROBE_ROUNDS for one in PROBE_EVERY."""
-        return self.PROBE_ROUNDS if next(self._requests) % self.PROBE_EVERY == 0 else 0
-
-
-class TreeGate:
-    """Tree or chain, round by round, by the committed tokens per second each has measured.
-
-    Per kind of request (greedy / sampled) it keeps moving averages of the tokens a round committed and of
-    the round's wall time (the draft's propose and the target's verify, with whatever batching and transfer
-    they met), for trees and chains, from PAIRS of rounds: a generation's tree round next to its chain round,
-    both added at once. What a round commits depends on the text far more than on its shape (the same chain
-    commits 5 tokens a round on one prompt and 2 on the next), so two averages kept apart, one fed every
-    round and the other one round in EXPLORE_EVERY, compared different texts: a few hard prompts under the
-    chain made a slower tree look faster for hundreds of rounds. Until MIN_ROUNDS pairs the rounds
-    alternate; then the better runs, and the other one round in `EXPLORE_EVERY`, each such round making a
-    pair with the one before it (and the one after). Each average weighs the last pairs by `WEIGHT`.
-    """
-
-    MIN_ROUNDS = 8
-    EXPLORE_EVERY = 16
-    WEIGHT = 0.05
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._seen: dict[tuple[bool, bool], RoundAverage] = {}  # (greedy, tree)
-        self._rounds = itertools.count()
-
-    def record(self, greedy: bool, tree: bool, committed: int, seconds: float,
-               before: tuple[bool, int, float] | None = None) -> None:
-        """A drafting round of `tree` shape, and `before`, the same generation's drafting round before it
-        (tree, committed, seconds): counted only as a pair of one tree and one chain round."""
-        if before is None or before[0] == tree:
-            return
-        with self._lock:
-            for shape, tokens, time in ((tree, committed, seconds), before):
-                self._seen.setdefault((greedy, shape), RoundAverage()).add(tokens, time, 0, self.WEIGHT)
-
-    def rate(self, greedy: bool, tree: bool) -> float | None:
-        """Tokens per second measured for that shape (None: not enough pairs yet)."""
-        with self._lock:
-            seen = self._seen.get((greedy, tree))
-        return seen.rate if seen is not None and seen.rounds >= self.MIN_ROUNDS else None
-
-    def use_tree(self, greedy: bool, last: bool | None = None) -> bool:
-        """Whether this round of a generation is a tree; `last`: the shape of its last drafting round."""
-        n = next(self._rounds)
-        tree, chain = self.rate(greedy, True), self.rate(greedy, False)
-        if tree is None or chain is None:  # still measuring: each generation alternates, making pairs
-            return not last if last is not None else True
-        better = tree > chain
-        return better != (n % self.EXPLORE_EVERY == 0)
 
 
 @dataclass(frozen=True)
@@ -313,7 +88,7 @@ class KPolicy:
             self.shed = busy or shut or rates is True
         self._counted = self.drafting and self.gate is not None  # as the gate counts it: drafting or not
         if self.gate is not None:
-            self.gate.enter(self._counted)
+            self.gate.enter(self._counted, self.greedy)
 
     @property
     def drafting(self) -> bool:
@@ -360,8 +135,7 @@ class KPolicy:
             if drafted and not tree:  # the gate's counts are per chain position
                 self.gate.record(self.greedy, drafted, accepted)
             kind = "tree" if tree else "chain" if drafted else "target"
-            if not self._tail:
-                self.gate.record_round(self.greedy, kind, accepted + 1, drafted, seconds)
+            self.gate.record_round(self.greedy, kind, accepted + 1, drafted, seconds, timed=not self._tail)
         if self.trees is not None and drafted and self.tree is not None:
             if not self._tail:
                 self.trees.record(self.greedy, tree, accepted + 1, seconds, self._before)
@@ -370,5 +144,5 @@ class KPolicy:
     def close(self) -> None:
         """The generation ended: the gate stops counting it."""
         if self.gate is not None:
-            self.gate.leave(self._counted)
+            self.gate.leave(self._counted, self.greedy)
             self._counted = False

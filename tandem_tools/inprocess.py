@@ -11,9 +11,10 @@ from pydantic import BaseModel
 
 from draft_server.engine import DraftEngine
 from tandem.config import SPEC_DRAFT_COST
+from tandem.gates import AcceptanceGate, TreeGate
 from tandem.pairing import TargetShape, check_pair
 from tandem.params import GenerationRequest
-from tandem.policy import AcceptanceGate, Speculation, TreeGate
+from tandem.policy import Speculation
 from tandem.rounds import RoundEvent, run_rounds
 from target_server.engine import TargetEngine
 

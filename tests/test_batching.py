@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -346,7 +347,7 @@ def test_a_generation_that_starts_under_full_load_never_opens_a_draft_session(ge
 
 
 def test_the_acceptance_gate_keeps_the_k_that_pays():
-    from tandem.policy import AcceptanceGate
+    from tandem.gates import AcceptanceGate
 
     gate = AcceptanceGate(0.3)
     assert gate.best_k(True, 5) == 5  # nothing seen yet: speculate
@@ -360,45 +361,94 @@ def test_the_acceptance_gate_keeps_the_k_that_pays():
     assert probes.count(AcceptanceGate.PROBE_ROUNDS) == 2 and probes.count(0) == len(probes) - 2
 
 
-def test_the_gate_sheds_where_target_only_rounds_are_measured_faster():
-    """Rates by load, counted only where the whole server runs one way: target-only rounds faster than
-    the drafting ones shed; the cost per draft token becomes the measured one."""
-    from tandem.policy import AcceptanceGate, load_bucket
+def test_the_gate_sheds_where_the_server_runs_faster_target_only():
+    """The whole server's tokens per second, counted only while it all runs one way (prefills and gaps
+    included): target-only faster than drafting sheds; the cost per draft token is the measured one."""
+    from tandem.gates import AcceptanceGate, load_bucket
 
     assert [load_bucket(n) for n in (0, 1, 2, 3, 4, 5, 16, 17)] == [1, 1, 2, 4, 4, 8, 16, 32]
-    gate, rounds = AcceptanceGate(0.3), AcceptanceGate.RATE_ROUNDS
+    clock = types.SimpleNamespace(now=0.0)
+    gate = AcceptanceGate(0.3, clock=lambda: clock.now)
+
+    def steps(n: int, kind: str, tokens: list[int], seconds: float, gap: float = 0.0, greedy: bool = False):
+        """n batched steps of `seconds`, session i committing tokens[i] each, `gap` seconds idle after each."""
+        for _ in range(n):
+            clock.now += seconds
+            for t in tokens:
+                gate.record_round(greedy, kind, t, 3 if kind == "chain" else 0, seconds)
+            clock.now += gap
+
+    enough = AcceptanceGate.SERVED_TOKENS  # tokens per generation running, before a rate counts
     for _ in range(4):
-        gate.enter(False)
-    for _ in range(rounds):  # 4 target-only generations: 100 tokens/s each
-        gate.record_round(False, "target", 1, 0, 0.010)
-    gate.enter(True)  # a mixed batch: neither kind of round says what the server would do all one way
-    for _ in range(rounds):
-        gate.record_round(False, "chain", 4, 3, 0.001)
-        gate.record_round(False, "target", 1, 0, 0.100)
-    assert not gate.outpaced(False)  # the target-only rate is 100 tokens/s, no drafting rate yet at load 8
-    gate.leave(True)
+        gate.enter(False, greedy=False)
+    # 4 target-only generations, 100 tokens/s each a round, but 20 ms of prefill after each 10 ms step:
+    # the server makes 4 tokens in 30 ms, 133 tokens/s
+    steps(enough, "target", [1] * 4, 0.010, gap=0.020)
+    gate.enter(True, greedy=False)  # a mixed batch: neither kind says what the server would do all one way
+    steps(enough, "chain", [4] * 5, 0.001)
+    assert not gate.outpaced(False)  # no drafting rate at load 8
+    gate.leave(True, greedy=False)
     for _ in range(4):
-        gate.leave(False)
+        gate.leave(False, greedy=False)
     for _ in range(4):
-        gate.enter(True)
-    assert gate.cost_now(False) == 0.3  # nothing measured with drafts at load 4 yet: the prior
-    for _ in range(rounds):  # 4 drafting generations at temperature > 0: 2 tokens in 30 ms, 67 tokens/s
-        gate.record_round(False, "chain", 2, 3, 0.030)
-        gate.record_round(True, "chain", 4, 3, 0.030)
-    assert gate.cost_now(False) == pytest.approx((0.030 / 0.010 - 1) / 3)
+        gate.enter(True, greedy=False)
+    assert gate.round_costs(False, 3) == pytest.approx([1, 1.3, 1.6, 1.9])  # nothing measured at load 4: the prior
+    # 4 drafting generations: 1.5 tokens in 40 ms each, 38 tokens/s a session where a target-only round
+    # made 100, but the server makes 6 tokens in 40 ms, 150 tokens/s against 133: no shed
+    steps(enough, "chain", [2, 1, 2, 1], 0.040)
+    assert gate.round_costs(False, 5) == pytest.approx([1, 2, 3, 4, 4.3, 4.6])  # K=3 measured, between and past it
+    assert gate.outpaced(False) is False
+    steps(4 * enough, "chain", [1, 1, 1, 1], 0.040)  # now 100 tokens/s: target-only is a third faster
     assert gate.outpaced(False)
     starts = [gate.outpaced(False, starting=True) for _ in range(2 * AcceptanceGate.EXPLORE_EVERY)]
-    assert starts.count(None) == 2 and starts.count(True) == len(starts) - 2  # one in 8 starts explores
-    assert not gate.outpaced(True)  # no target-only greedy rounds measured: nothing to compare with
-    gate.enter(True)  # load 5 -> bucket 8: nothing measured there
-    assert not gate.outpaced(False) and gate.cost_now(False) == 0.3
+    assert all(starts)  # no explorer under load: its rounds would be mixed, never counted
+    assert not gate.outpaced(True)  # nothing greedy measured: nothing to compare with
+    gate.enter(True, greedy=False)  # load 5 -> bucket 8: nothing measured there
+    assert not gate.outpaced(False) and gate.round_costs(False, 1) == pytest.approx([1, 1.3])
+    gate.enter(True, greedy=True)  # greedy and sampled together: nothing the server does counts
+    steps(enough, "chain", [1] * 6, 0.030)
+    assert gate._served[False, 8, "drafting"].tokens == 0 and (True, 8, "drafting") not in gate._served
+    for drafting, greedy in [(True, False)] * 5 + [(True, True)]:
+        gate.leave(drafting, greedy)
+    gate.enter(False, greedy=False)  # alone: one in 8 starts that would shed explores
+    steps(enough, "target", [1], 0.010)
+    gate.leave(False, greedy=False)
+    gate.enter(True, greedy=False)
+    steps(enough, "chain", [1], 0.020)
+    gate.leave(True, greedy=False)
+    starts = [gate.outpaced(False, starting=True) for _ in range(2 * AcceptanceGate.EXPLORE_EVERY)]
+    assert starts.count(None) == 2 and starts.count(True) == len(starts) - 2
+
+
+def test_the_gate_costs_each_k_as_measured():
+    """A drafting round pays a fixed share besides its drafts: K=1 measured at 1.8 target-only rounds does not
+    make K=3 cost 1 + 3 x 0.8 (that shed chains running 1.08x target-only at temperature 1)."""
+    from tandem.gates import AcceptanceGate
+
+    gate = AcceptanceGate(0.3)
+    gate.enter(False, greedy=False)
+    for _ in range(AcceptanceGate.RATE_ROUNDS):
+        gate.record_round(False, "target", 1, 0, 0.010)
+    gate.leave(False, greedy=False)
+    gate.enter(True, greedy=False)
+    for accepted, times in ((0, 30), (1, 32), (2, 9), (3, 29)):  # p = 0.70, 0.54, 0.76
+        for _ in range(times):
+            gate.record(False, 3, accepted)
+    for _ in range(AcceptanceGate.K_ROUNDS):
+        gate.record_round(False, "chain", 2, 1, 0.018)
+    assert gate.round_costs(False, 3) == pytest.approx([1, 1.8, 2.1, 2.4])  # past K=1: the prior per draft
+    for _ in range(AcceptanceGate.K_ROUNDS):
+        gate.record_round(False, "chain", 3, 3, 0.022)
+    assert gate.round_costs(False, 3) == pytest.approx([1, 1.8, 2.0, 2.2])
+    assert gate.best_k(False, 3) == 3  # 2.37 tokens for 2.2 rounds (K=1: 1.7 for 1.8)
 
 
 def test_a_head_that_is_never_accepted_is_shed_and_the_output_stays(generator, hf_target):
     """The tiny pair's random head: once each position has been tried MIN_ROUNDS times the gate stops
     drafting, mid-request, and later requests never open a draft session; every output is still the
     target's own."""
-    from tandem.policy import AcceptanceGate, Speculation
+    from tandem.gates import AcceptanceGate
+    from tandem.policy import Speculation
     from tandem.rounds import run_rounds
 
     gate = AcceptanceGate(0.3)
@@ -427,8 +477,9 @@ def test_a_head_that_is_never_accepted_is_shed_and_the_output_stays(generator, h
 def test_rounds_that_max_new_tokens_cuts_short_are_not_timed():
     """A generation's last rounds, whose drafts its length cuts short, say how it ends, not what drafting
     does: the gates time full rounds only (a bench's 8-token warm-ups had shed chains that ran 1.6x)."""
+    from tandem.gates import AcceptanceGate, TreeGate
     from tandem.params import GenerationRequest, TreeParams
-    from tandem.policy import AcceptanceGate, KPolicy, Speculation, TreeGate
+    from tandem.policy import KPolicy, Speculation
 
     gate = AcceptanceGate(0.3)
     request = GenerationRequest(prompt_ids=[1], max_new_tokens=8, num_draft_tokens=5)
@@ -437,7 +488,7 @@ def test_rounds_that_max_new_tokens_cuts_short_are_not_timed():
     policy.record(5, 4, 0.010)
     assert policy.k_for_round(6, 1, True) == 1  # 2 tokens left: one draft and the bonus
     policy.record(1, 1, 0.010)
-    assert gate._rates[(True, 1, "chain")].rounds == 1
+    assert gate._rates[True, 1, "chain", 5].rounds == 1 and (True, 1, "chain", 1) not in gate._rates
     tree = GenerationRequest(prompt_ids=[1], max_new_tokens=8, num_draft_tokens=5,
                              tree=TreeParams(nodes=8, depth=5, top_k=2))
     trees = TreeGate()

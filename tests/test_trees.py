@@ -14,8 +14,9 @@ from test_speculative_sampling import ALPHA, POSITIONS, PROMPT, RUNS, SETTINGS, 
 
 from tandem.config import CoordinatorSettings, load_settings
 from tandem.convert import parents_from_pb, parents_to_pb
+from tandem.gates import TreeGate
 from tandem.params import GenerationRequest, SamplingParams, TreeParams, parse_tree
-from tandem.policy import Speculation, TreeGate
+from tandem.policy import Speculation
 from tandem.rounds import run_rounds
 from tandem.traffic import parts_of
 from tandem.v1 import draft_pb2

@@ -1,0 +1,334 @@
+"""What the K policy measures (tandem/policy.py decides with it): the acceptance gate, which counts how often
+each draft position is accepted and times the server running target-only and drafting, and the tree gate,
+which times trees against chains."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
+from tandem.config import SPEC_DRAFT_COST
+from tandem.params import MAX_DRAFT_TOKENS
+
+
+class RoundAverage:
+    """Moving averages over one kind of round: tokens committed, seconds; the last weighs `weight`, or
+    1/rounds while that is more (a plain mean over the first 1/weight rounds: from the first round on,
+    the first one still weighed 74% after 16 at weight 0.02, and a generation's first round, its draft's
+    first call, is its slowest)."""
+
+    __slots__ = ("rounds", "seconds", "tokens")
+
+    def __init__(self):
+        self.rounds = 0
+        self.tokens = self.seconds = 0.0
+
+    def add(self, tokens: int, seconds: float, weight: float) -> None:
+        self.rounds += 1
+        w = max(weight, 1 / self.rounds)
+        self.tokens += w * (tokens - self.tokens)
+        self.seconds += w * (seconds - self.seconds)
+
+    @property
+    def rate(self) -> float:
+        """Tokens committed per second."""
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+class ServerRate:
+    """Tokens the whole server committed and the seconds it ran, while it ran one way at one load (see
+    `AcceptanceGate.outpaced`); both halve past `horizon` tokens, so the rate follows the last ones."""
+
+    __slots__ = ("horizon", "seconds", "tokens")
+
+    def __init__(self, horizon: int):
+        self.horizon = horizon
+        self.tokens = 0
+        self.seconds = 0.0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+        if self.tokens > self.horizon:
+            self.tokens, self.seconds = self.tokens // 2, self.seconds / 2
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+def load_bucket(running: int) -> int:
+    """Generations running, rounded up to a power of two: the load a measured rate belongs to."""
+    return 1 << max(0, running - 1).bit_length()
+
+
+class AcceptanceGate:
+    """K by what the drafts win: speculation runs only where the drafts accepted pay for drafting them.
+
+    Over the server's verify rounds (greedy and sampled requests apart: a head is accepted far more
+    often at temperature 0), it counts for each draft position k how often draft k was verified after
+    k-1 accepted ones, and how often it was accepted: p_k. With K drafts a round commits
+    E(K) = 1 + p_1 + p_1 p_2 + ... tokens and costs C(K) target-only rounds' time (measured, see below;
+    until then the prior 1 + cost * K, `cost`: one draft token's share, drafting and its transfer
+    included), so K is the one that maximises E(K) / C(K), and 0 (target-only) when none beats 1; the request's own K stays unless
+    another is better by MARGIN. On the 2-core CPU with the demo pair a K=3 round costs about two
+    target-only rounds (cost 0.3); with a random head (the tiny pair) EAGLE-3 ran at 0.55x
+    target-only, and sampling at temperature 1 with the demo head at 0.59x.
+
+    Until a position has been tried `MIN_ROUNDS` times it counts as always accepted, so a new server
+    speculates at the requested K until the counts say otherwise. While the gate is shut one request
+    in `PROBE_EVERY` speculates for its first `PROBE_ROUNDS` rounds anyway, so that a change of
+    traffic (a prompt mix the head knows) can open it again. Old counts fade (halved past HALF_LIFE rounds).
+
+    Measured rates. Per kind of request and per load (the generations running, in powers of two:
+    `load_bucket`), the gate keeps two things, each only while the whole server runs one way (all greedy
+    or all sampled; nobody drafting or everybody: in a mixed batch a target-only session waits for the
+    others' wide verify, and neither says what the server does when it all runs one way):
+    (1) The whole server's tokens per second (`ServerRate`): every token committed, over all the time the
+    server ran that way, prefills and the gaps between generations included. Where target-only and
+    drafting both have SERVED_TOKENS tokens per generation at the present load (a few generations'
+    worth, so that their prefills weigh as they do), target-only faster by RATE_MARGIN (more while
+    drafting has little: FRESH_MARGIN) sheds every generation of that kind (on a CPU at 16 sessions a verify of 16 x (K+1) tokens
+    can cost what the drafts win, and more at temperature 1). Rounds timed one by one would not do here:
+    per session at load 16 they overstated target-only by a quarter (97 tokens/s a session where the run
+    made 78: no prefills, no gaps) and shed greedy chains that ran 1.07x target-only.
+    (2) Each kind of round's own time (`RoundAverage`, from one round's start to the next: drafting,
+    verify, relays and the client's share), chain rounds per K: where target-only rounds have RATE_ROUNDS,
+    the cost of a round of K drafts is the one measured (`round_costs`) instead of the prior 1 + cost * K.
+    One generation in EXPLORE_EVERY that would shed at its start alone drafts instead (see `outpaced`), and one
+    shed in REOPEN_EVERY forgets the server's drafting rate at that load, so that the next generations
+    measure it again (the head or the traffic may have changed).
+    """
+
+    MIN_ROUNDS = 16
+    MARGIN = 1.05
+    PROBE_EVERY = 32
+    PROBE_ROUNDS = 4
+    HALF_LIFE = 4096
+    RATE_ROUNDS = 64
+    RATE_WEIGHT = 0.02
+    RATE_MARGIN = 1.10
+    K_ROUNDS = 16  # chain rounds of one K before their time counts
+    REOPEN_EVERY = 256
+    EXPLORE_EVERY = 8
+    # the whole server's rate needs SERVED_TOKENS per generation running (2048 tokens at load 16) and
+    # follows about the last 16 times that (`ServerRate` horizon)
+    SERVED_TOKENS = 128
+    # the first tokens come with generations starting together (a client's first wave, a bench's warm-up):
+    # up to 40% more margin there, FRESH_MARGIN * SERVED_TOKENS / tokens (at load 16 greedy chains measured
+    # 10.4% slower than target-only over their first 4096 tokens, and ran 1.07x faster over the whole run;
+    # sampled chains at 0.63x must shed within the first tokens)
+    FRESH_MARGIN = 0.4
+
+    def __init__(self, cost: float = SPEC_DRAFT_COST, clock: Callable[[], float] = time.perf_counter):
+        self.cost = cost
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._running = self._drafting = self._greedy = 0  # generations under way; drafting; greedy
+        # one round's time: (greedy, load bucket, kind of round, drafts) -> its moving averages
+        self._rates: dict[tuple[bool, int, str, int], RoundAverage] = {}
+        # the whole server's tokens and seconds while it runs one way: (greedy, load bucket, "target"/"drafting")
+        self._served: dict[tuple[bool, int, str], ServerRate] = {}
+        self._state: tuple[bool, int, str] | None = None  # how the server runs now (None: mixed, or idle)
+        self._since = clock()  # ... since then
+        self._sheds = itertools.count(1)
+        # greedy / sampled -> per position k (1-based): rounds that verified draft k, and that accepted it
+        self._tried = {g: [0] * (MAX_DRAFT_TOKENS + 1) for g in (True, False)}
+        self._accepted = {g: [0] * (MAX_DRAFT_TOKENS + 1) for g in (True, False)}
+        self._requests = itertools.count()
+
+    def record(self, greedy: bool, drafted: int, accepted: int) -> None:
+        with self._lock:
+            tried, ok = self._tried[greedy], self._accepted[greedy]
+            for k in range(1, min(drafted, accepted + 1) + 1):
+                tried[k] += 1
+                ok[k] += k <= accepted
+            if tried[1] > self.HALF_LIFE:
+                for counts in (tried, ok):
+                    counts[:] = [c // 2 for c in counts]
+
+    def enter(self, drafting: bool, greedy: bool) -> None:
+        """A generation starts (drafting or not); `leave` when it ends, `stop_drafting` when it sheds."""
+        self._count(1, int(drafting), int(greedy))
+
+    def stop_drafting(self) -> None:
+        self._count(0, -1, 0)
+
+    def leave(self, drafting: bool, greedy: bool) -> None:
+        self._count(-1, -int(drafting), -int(greedy))
+
+    def _count(self, running: int, drafting: int, greedy: int) -> None:
+        with self._lock:
+            self._tick()
+            self._running += running
+            self._drafting += drafting
+            self._greedy += greedy
+            kind = "target" if self._drafting == 0 else "drafting" if self._drafting == self._running else None
+            alike = self._greedy in (0, self._running)  # greedy and sampled ones are timed apart
+            self._state = ((self._greedy > 0, load_bucket(self._running), kind)
+                           if self._running and kind and alike else None)
+
+    def _tick(self) -> ServerRate | None:
+        """The time since the last change goes to the way the server ran (under the lock): its ServerRate."""
+        now = self._clock()
+        served = None
+        if self._state is not None:
+            served = self._served.setdefault(self._state, ServerRate(16 * self.SERVED_TOKENS * self._state[1]))
+            served.seconds += now - self._since
+        self._since = now
+        return served
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(generations running, of them drafting), as the gate counts them."""
+        with self._lock:
+            return self._running, self._drafting
+
+    def record_round(self, greedy: bool, kind: str, committed: int, drafted: int, seconds: float,
+                     timed: bool = True) -> None:
+        """One round of `kind` ("target", "chain", "tree"): `committed` tokens in `seconds` (`timed`: a full
+        round, one whose drafts max_new_tokens did not cut). The server's tokens count every round; the
+        round's own rate only where the whole server runs that way (target-only: nobody drafts; chain or
+        tree: everybody does)."""
+        with self._lock:
+            served = self._tick()
+            if served is not None:
+                served.add(committed)
+            clean = self._drafting == 0 if kind == "target" else self._drafting == self._running
+            if not clean or not timed:
+                return
+            key = (greedy, load_bucket(self._running), kind, drafted)
+            self._rates.setdefault(key, RoundAverage()).add(committed, seconds, self.RATE_WEIGHT)
+
+    def _seconds(self, key: tuple[bool, int, str, int], rounds: int) -> float | None:
+        seen = self._rates.get(key)
+        return seen.seconds if seen is not None and seen.rounds >= rounds else None
+
+    def _served_rate(self, key: tuple[bool, int, str]) -> ServerRate | None:
+        seen = self._served.get(key)
+        return seen if seen is not None and seen.tokens >= self.SERVED_TOKENS * key[1] else None
+
+    def outpaced(self, greedy: bool, starting: bool = False) -> bool | None:
+        """Whether the whole server commits tokens faster running target-only than drafting, by RATE_MARGIN
+        and FRESH_MARGIN more while drafting has its first tokens only, at its present load, as measured:
+        then this generation should shed. None (only for a generation `starting`): it would, but this one
+        explores instead, drafting all its life, so that the drafting rate is measured again (one in
+        EXPLORE_EVERY, alone on the server: there its rounds count, and one noisy measurement does not shed
+        drafting for good; under load an explorer's rounds are mixed, never counted, and its wide verify
+        slowed the others: 0.78x target-only at 16 sampled sessions; REOPEN_EVERY measures there)."""
+        with self._lock:
+            bucket = load_bucket(self._running)
+            target = self._served_rate((greedy, bucket, "target"))
+            drafting = self._served_rate((greedy, bucket, "drafting"))
+            if target is None or drafting is None:
+                return False
+            margin = self.RATE_MARGIN + self.FRESH_MARGIN * self.SERVED_TOKENS * bucket / drafting.tokens
+            if target.rate <= margin * drafting.rate:
+                return False
+            sheds = next(self._sheds)
+            if starting and bucket == 1 and sheds % self.EXPLORE_EVERY == 0:
+                return None
+            if sheds % self.REOPEN_EVERY == 0:
+                self._served.pop((greedy, bucket, "drafting"), None)
+            return True
+
+    def round_costs(self, greedy: bool, requested: int) -> list[float]:
+        """A round's time with k = 0..requested drafts, in target-only rounds, at the server's load: measured
+        for each K that chain rounds have run (K_ROUNDS of them), linear between those (and K = 0, 1 round),
+        past the largest by the prior `cost` per draft; all the prior, 1 + cost * k, until target-only rounds
+        are measured. Not linear in k from one K: a drafting round pays a fixed share (a propose, a relay)
+        besides its drafts, so one K's cost per draft overstated the others' (a services round at K=1 cost
+        1.8 target-only rounds at temperature 1, and the gate shed K=3 chains that ran 1.08x)."""
+        bucket = load_bucket(self._running)
+        target = self._seconds((greedy, bucket, "target", 0), self.RATE_ROUNDS)
+        prior = [1 + self.cost * k for k in range(requested + 1)]
+        if target is None:
+            return prior
+        known = {0: 1.0}
+        for k in range(1, requested + 1):
+            if (seconds := self._seconds((greedy, bucket, "chain", k), self.K_ROUNDS)) is not None:
+                known[k] = seconds / target
+        costs = []
+        for k in range(requested + 1):
+            below = max(j for j in known if j <= k)
+            above = min((j for j in known if j >= k), default=None)
+            if above is None:
+                costs.append(known[below] + self.cost * (k - below))
+            elif above == below:
+                costs.append(known[k])
+            else:
+                costs.append(known[below] + (known[above] - known[below]) * (k - below) / (above - below))
+        return costs
+
+    def best_k(self, greedy: bool, requested: int) -> int:
+        """The K that commits the most tokens a second by the counts and round costs. 0 (target-only) is a
+        choice only alone on the server: under load a session's round times leave out what the batch's other
+        generations cost it (prefills, the gaps between generations), and at 16 greedy sessions they said K=5
+        chains (4.5 tokens a round) lost to target-only, which they beat by 9%; there the server's own
+        rates decide (`outpaced`)."""
+        with self._lock:
+            costs = self.round_costs(greedy, requested)
+            alone = load_bucket(self._running) == 1
+            tried, ok = self._tried[greedy], self._accepted[greedy]
+            scores, expected, reach = [1.0 if alone else 0.0], 1.0, 1.0  # K = 0: one token for one round
+            for k in range(1, requested + 1):
+                reach *= ok[k] / tried[k] if tried[k] >= self.MIN_ROUNDS else 1.0
+                expected += reach
+                scores.append(expected / costs[k])
+        best = max(range(len(scores)), key=scores.__getitem__)
+        # the cost is an estimate: a smaller K than the request's only when it is clearly better
+        return requested if scores[requested] >= scores[best] / self.MARGIN else best
+
+    def probe(self) -> int:
+        """Rounds this new request speculates before the gate decides: PROBE_ROUNDS for one in PROBE_EVERY."""
+        return self.PROBE_ROUNDS if next(self._requests) % self.PROBE_EVERY == 0 else 0
+
+
+class TreeGate:
+    """Tree or chain, round by round, by the committed tokens per second each has measured.
+
+    Per kind of request (greedy / sampled) it keeps moving averages of the tokens a round committed and of
+    the round's wall time (the draft's propose and the target's verify, with whatever batching and transfer
+    they met), for trees and chains, from PAIRS of rounds: a generation's tree round next to its chain round,
+    both added at once. What a round commits depends on the text far more than on its shape (the same chain
+    commits 5 tokens a round on one prompt and 2 on the next), so two averages kept apart, one fed every
+    round and the other one round in EXPLORE_EVERY, compared different texts: a few hard prompts under the
+    chain made a slower tree look faster for hundreds of rounds. Until MIN_ROUNDS pairs the rounds
+    alternate; then the better runs, and the other one round in `EXPLORE_EVERY`, each such round making a
+    pair with the one before it (and the one after). Each average weighs the last pairs by `WEIGHT`.
+    """
+
+    MIN_ROUNDS = 8
+    EXPLORE_EVERY = 16
+    WEIGHT = 0.05
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[bool, bool], RoundAverage] = {}  # (greedy, tree)
+        self._rounds = itertools.count()
+
+    def record(self, greedy: bool, tree: bool, committed: int, seconds: float,
+               before: tuple[bool, int, float] | None = None) -> None:
+        """A drafting round of `tree` shape, and `before`, the same generation's drafting round before it
+        (tree, committed, seconds): counted only as a pair of one tree and one chain round."""
+        if before is None or before[0] == tree:
+            return
+        with self._lock:
+            for shape, tokens, time in ((tree, committed, seconds), before):
+                self._seen.setdefault((greedy, shape), RoundAverage()).add(tokens, time, self.WEIGHT)
+
+    def rate(self, greedy: bool, tree: bool) -> float | None:
+        """Tokens per second measured for that shape (None: not enough pairs yet)."""
+        with self._lock:
+            seen = self._seen.get((greedy, tree))
+        return seen.rate if seen is not None and seen.rounds >= self.MIN_ROUNDS else None
+
+    def use_tree(self, greedy: bool, last: bool | None = None) -> bool:
+        """Whether this round of a generation is a tree; `last`: the shape of its last drafting round."""
+        n = next(self._rounds)
+        tree, chain = self.rate(greedy, True), self.rate(greedy, False)
+        if tree is None or chain is None:  # still measuring: each generation alternates, making pairs
+            return not last if last is not None else True
+        better = tree > chain
+        return better != (n % self.EXPLORE_EVERY == 0)
