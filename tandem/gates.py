@@ -39,17 +39,19 @@ class RoundAverage:
 
 class ServerRate:
     """Tokens the whole server committed and the seconds it ran, while it ran one way at one load (see
-    `AcceptanceGate.outpaced`); both halve past `horizon` tokens, so the rate follows the last ones."""
+    `AcceptanceGate.outpaced`); both halve past `horizon` tokens, so the rate follows the last ones.
+    `since` (drafting's): target-only tokens the server committed at that load since this one last grew."""
 
-    __slots__ = ("horizon", "seconds", "tokens")
+    __slots__ = ("horizon", "seconds", "since", "tokens")
 
     def __init__(self, horizon: int):
         self.horizon = horizon
-        self.tokens = 0
+        self.tokens = self.since = 0
         self.seconds = 0.0
 
     def add(self, tokens: int) -> None:
         self.tokens += tokens
+        self.since = 0
         if self.tokens > self.horizon:
             self.tokens, self.seconds = self.tokens // 2, self.seconds / 2
 
@@ -77,7 +79,7 @@ class AcceptanceGate:
     target-only, and sampling at temperature 1 with the demo head at 0.59x.
 
     Until a position has been tried `MIN_ROUNDS` times it counts as always accepted, so a new server
-    speculates at the requested K until the counts say otherwise. While the gate is shut one request
+    speculates at the requested K until the counts say otherwise. While they shut it, one request
     in `PROBE_EVERY` speculates for its first `PROBE_ROUNDS` rounds anyway, so that a change of
     traffic (a prompt mix the head knows) can open it again. Old counts fade (halved past HALF_LIFE rounds).
 
@@ -96,9 +98,10 @@ class AcceptanceGate:
     (2) Each kind of round's own time (`RoundAverage`, from one round's start to the next: drafting,
     verify, relays and the client's share), chain rounds per K: where target-only rounds have RATE_ROUNDS,
     the cost of a round of K drafts is the one measured (`round_costs`) instead of the prior 1 + cost * K.
-    One generation in EXPLORE_EVERY that would shed at its start alone drafts instead (see `outpaced`), and one
-    shed in REOPEN_EVERY forgets the server's drafting rate at that load, so that the next generations
-    measure it again (the head or the traffic may have changed).
+    One generation in EXPLORE_EVERY that would shed at its start alone drafts instead (see `outpaced`), and the
+    gate forgets the server's drafting rate at a load once target-only has committed REOPEN_TOKENS per
+    generation running there since it was measured, so that the next generations measure it again (the
+    head or the traffic may have changed; at worst a few percent of that traffic runs the slower way).
     """
 
     MIN_ROUNDS = 16
@@ -110,16 +113,16 @@ class AcceptanceGate:
     RATE_WEIGHT = 0.02
     RATE_MARGIN = 1.10
     K_ROUNDS = 16  # chain rounds of one K before their time counts
-    REOPEN_EVERY = 256
+    REOPEN_TOKENS = 4096  # per generation running: 65536 at load 16
     EXPLORE_EVERY = 8
-    # the whole server's rate needs SERVED_TOKENS per generation running (2048 tokens at load 16) and
+    # the whole server's rate needs SERVED_TOKENS per generation running (1024 tokens at load 16) and
     # follows about the last 16 times that (`ServerRate` horizon)
-    SERVED_TOKENS = 128
+    SERVED_TOKENS = 64
     # the first tokens come with generations starting together (a client's first wave, a bench's warm-up):
-    # up to 40% more margin there, FRESH_MARGIN * SERVED_TOKENS / tokens (at load 16 greedy chains measured
-    # 10.4% slower than target-only over their first 4096 tokens, and ran 1.07x faster over the whole run;
-    # sampled chains at 0.63x must shed within the first tokens)
-    FRESH_MARGIN = 0.4
+    # up to 30% more margin there, FRESH_MARGIN * SERVED_TOKENS / tokens (at load 16 greedy chains measured
+    # up to 10.6% slower than target-only over their first 1000-4000 tokens, then 3-9% faster; sampled
+    # chains 1.36-1.48x slower all along)
+    FRESH_MARGIN = 0.3
 
     def __init__(self, cost: float = SPEC_DRAFT_COST, clock: Callable[[], float] = time.perf_counter):
         self.cost = cost
@@ -195,6 +198,9 @@ class AcceptanceGate:
             served = self._tick()
             if served is not None:
                 served.add(committed)
+                drafting = self._served.get((*self._state[:2], "drafting")) if self._state[2] == "target" else None
+                if drafting is not None:
+                    drafting.since += committed  # target-only tokens since drafting was measured (`outpaced`)
             clean = self._drafting == 0 if kind == "target" else self._drafting == self._running
             if not clean or not timed:
                 return
@@ -206,8 +212,11 @@ class AcceptanceGate:
         return seen.seconds if seen is not None and seen.rounds >= rounds else None
 
     def _served_rate(self, key: tuple[bool, int, str]) -> ServerRate | None:
+        """The server's rate at that (greedy, load, way) once measured: target-only needs half the tokens
+        (its first ones weigh against it, not for it: a rate that sheds only gets slower)."""
         seen = self._served.get(key)
-        return seen if seen is not None and seen.tokens >= self.SERVED_TOKENS * key[1] else None
+        enough = self.SERVED_TOKENS * key[1] // (2 if key[2] == "target" else 1)
+        return seen if seen is not None and seen.tokens >= enough else None
 
     def outpaced(self, greedy: bool, starting: bool = False) -> bool | None:
         """Whether the whole server commits tokens faster running target-only than drafting, by RATE_MARGIN
@@ -216,11 +225,14 @@ class AcceptanceGate:
         explores instead, drafting all its life, so that the drafting rate is measured again (one in
         EXPLORE_EVERY, alone on the server: there its rounds count, and one noisy measurement does not shed
         drafting for good; under load an explorer's rounds are mixed, never counted, and its wide verify
-        slowed the others: 0.78x target-only at 16 sampled sessions; REOPEN_EVERY measures there)."""
+        slowed the others: 0.78x target-only at 16 sampled sessions; REOPEN_TOKENS measures there)."""
         with self._lock:
             bucket = load_bucket(self._running)
             target = self._served_rate((greedy, bucket, "target"))
             drafting = self._served_rate((greedy, bucket, "drafting"))
+            if drafting is not None and drafting.since > self.REOPEN_TOKENS * bucket:
+                del self._served[greedy, bucket, "drafting"]  # measured long ago: the next ones measure it again
+                return False
             if target is None or drafting is None:
                 return False
             margin = self.RATE_MARGIN + self.FRESH_MARGIN * self.SERVED_TOKENS * bucket / drafting.tokens
@@ -229,8 +241,6 @@ class AcceptanceGate:
             sheds = next(self._sheds)
             if starting and bucket == 1 and sheds % self.EXPLORE_EVERY == 0:
                 return None
-            if sheds % self.REOPEN_EVERY == 0:
-                self._served.pop((greedy, bucket, "drafting"), None)
             return True
 
     def round_costs(self, greedy: bool, requested: int) -> list[float]:
@@ -281,8 +291,9 @@ class AcceptanceGate:
         return requested if scores[requested] >= scores[best] / self.MARGIN else best
 
     def probe(self) -> int:
-        """Rounds this new request speculates before the gate decides: PROBE_ROUNDS for one in PROBE_EVERY."""
-        return self.PROBE_ROUNDS if next(self._requests) % self.PROBE_EVERY == 0 else 0
+        """Rounds a new request that the counts shut out speculates anyway: PROBE_ROUNDS for one in PROBE_EVERY
+        (only those: a probe under load, where the server's rates shed, only widened the others' verify)."""
+        return self.PROBE_ROUNDS if (next(self._requests) + 1) % self.PROBE_EVERY == 0 else 0
 
 
 class TreeGate:

@@ -73,19 +73,20 @@ class KPolicy:
         # overlap's ahead step drafts chains: a generation that overlaps runs chains
         self.tree = None if speculation.overlap else (request.tree or speculation.default_tree)
         self.asked = request.speculate and request.num_draft_tokens > 0
-        self.probing = self.gate.probe() if self.gate is not None and self.asked and has_draft else 0
+        self.probing = 0  # rounds it drafts before the gate decides: a probe of a gate that its counts shut
         self.shed = self.exploring = False
         self._before: tuple[bool, int, float] | None = None  # its last drafting round, for the tree gate's pairs
         self._tail = False  # this round's drafts are cut short by max_new_tokens (`record` does not time it)
         if self.asked and has_draft:
             # too busy already, or the drafts have not paid lately: no features, no draft session at all
             busy = self.k_for is not None and self.k_for(self.requested) == 0
-            gated = self.gate is not None and not self.probing and not busy
+            gated = self.gate is not None and not busy
             shut = gated and self.gate.best_k(self.greedy, self.requested) == 0
+            self.probing = self.gate.probe() if shut else 0
             # asked only of a generation nothing else sheds: the gate counts its sheds and explorers
             rates = self.gate.outpaced(self.greedy, starting=True) if gated and not shut else False
             self.exploring = rates is None  # drafts all its life: the gate measures drafting again
-            self.shed = busy or shut or rates is True
+            self.shed = busy or (shut and not self.probing) or rates is True
         self._counted = self.drafting and self.gate is not None  # as the gate counts it: drafting or not
         if self.gate is not None:
             self.gate.enter(self._counted, self.greedy)

@@ -381,9 +381,9 @@ def test_the_gate_sheds_where_the_server_runs_faster_target_only():
     enough = AcceptanceGate.SERVED_TOKENS  # tokens per generation running, before a rate counts
     for _ in range(4):
         gate.enter(False, greedy=False)
-    # 4 target-only generations, 100 tokens/s each a round, but 20 ms of prefill after each 10 ms step:
-    # the server makes 4 tokens in 30 ms, 133 tokens/s
-    steps(enough, "target", [1] * 4, 0.010, gap=0.020)
+    # 4 target-only generations, 100 tokens/s each a round, but 10 ms of prefill after each 10 ms step:
+    # the server makes 4 tokens in 20 ms, 200 tokens/s
+    steps(enough, "target", [1] * 4, 0.010, gap=0.010)
     gate.enter(True, greedy=False)  # a mixed batch: neither kind says what the server would do all one way
     steps(enough, "chain", [4] * 5, 0.001)
     assert not gate.outpaced(False)  # no drafting rate at load 8
@@ -393,12 +393,12 @@ def test_the_gate_sheds_where_the_server_runs_faster_target_only():
     for _ in range(4):
         gate.enter(True, greedy=False)
     assert gate.round_costs(False, 3) == pytest.approx([1, 1.3, 1.6, 1.9])  # nothing measured at load 4: the prior
-    # 4 drafting generations: 1.5 tokens in 40 ms each, 38 tokens/s a session where a target-only round
-    # made 100, but the server makes 6 tokens in 40 ms, 150 tokens/s against 133: no shed
-    steps(enough, "chain", [2, 1, 2, 1], 0.040)
+    # 4 drafting generations: 2.5 tokens in 40 ms each, 62 tokens/s a session where a target-only round
+    # made 100, but the server makes 10 tokens in 40 ms, 250 tokens/s against 200: no shed
+    steps(enough, "chain", [3, 2, 3, 2], 0.040)
     assert gate.round_costs(False, 5) == pytest.approx([1, 2, 3, 4, 4.3, 4.6])  # K=3 measured, between and past it
     assert gate.outpaced(False) is False
-    steps(4 * enough, "chain", [1, 1, 1, 1], 0.040)  # now 100 tokens/s: target-only is a third faster
+    steps(4 * enough, "chain", [1, 1, 1, 1], 0.040)  # now 100 tokens/s: target-only is twice as fast
     assert gate.outpaced(False)
     starts = [gate.outpaced(False, starting=True) for _ in range(2 * AcceptanceGate.EXPLORE_EVERY)]
     assert all(starts)  # no explorer under load: its rounds would be mixed, never counted
@@ -418,6 +418,11 @@ def test_the_gate_sheds_where_the_server_runs_faster_target_only():
     gate.leave(True, greedy=False)
     starts = [gate.outpaced(False, starting=True) for _ in range(2 * AcceptanceGate.EXPLORE_EVERY)]
     assert starts.count(None) == 2 and starts.count(True) == len(starts) - 2
+    for _ in range(4):  # back at load 4, target-only: the drafting rate there grows old and is measured again
+        gate.enter(False, greedy=False)
+    assert gate.outpaced(False)
+    steps(AcceptanceGate.REOPEN_TOKENS + 1, "target", [1] * 4, 0.010)
+    assert gate.outpaced(False) is False and (False, 4, "drafting") not in gate._served
 
 
 def test_the_gate_costs_each_k_as_measured():
