@@ -86,7 +86,8 @@ class AcceptanceGate:
     Measured rates. Per kind of request and per load (the generations running, in powers of two:
     `load_bucket`), the gate keeps two things, each only while the whole server runs one way (all greedy
     or all sampled; nobody drafting or everybody: in a mixed batch a target-only session waits for the
-    others' wide verify, and neither says what the server does when it all runs one way):
+    others' wide verify, and neither says what the server does when it all runs one way; for (1), all but
+    fewer than 1 in ALMOST):
     (1) The whole server's tokens per second (`ServerRate`): every token committed, over all the time the
     server ran that way, prefills and the gaps between generations included. Where target-only and
     drafting both have SERVED_TOKENS tokens per generation at the present load (a few generations'
@@ -123,6 +124,7 @@ class AcceptanceGate:
     # up to 10.6% slower than target-only over their first 1000-4000 tokens, then 3-9% faster; sampled
     # chains 1.36-1.48x slower all along)
     FRESH_MARGIN = 0.3
+    ALMOST = 8  # the server runs one way where fewer than 1 in 8 of its generations run the other
 
     def __init__(self, cost: float = SPEC_DRAFT_COST, clock: Callable[[], float] = time.perf_counter):
         self.cost = cost
@@ -167,7 +169,11 @@ class AcceptanceGate:
             self._running += running
             self._drafting += drafting
             self._greedy += greedy
-            kind = "target" if self._drafting == 0 else "drafting" if self._drafting == self._running else None
+            # all one way, or all but one in ALMOST (a burst's first generation, shed by what one request
+            # measured, had kept 15 drafting ones at 16 from being measured for its whole life)
+            odd = min(self._drafting, self._running - self._drafting)
+            way = "target" if self._drafting <= self._running - self._drafting else "drafting"
+            kind = way if odd == 0 or odd * self.ALMOST < self._running else None
             alike = self._greedy in (0, self._running)  # greedy and sampled ones are timed apart
             self._state = ((self._greedy > 0, load_bucket(self._running), kind)
                            if self._running and kind and alike else None)

@@ -423,6 +423,16 @@ def test_the_gate_sheds_where_the_server_runs_faster_target_only():
     assert gate.outpaced(False)
     steps(AcceptanceGate.REOPEN_TOKENS + 1, "target", [1] * 4, 0.010)
     assert gate.outpaced(False) is False and (False, 4, "drafting") not in gate._served
+    for _ in range(4):
+        gate.leave(False, greedy=False)
+    for drafting in [True] * 15 + [False]:  # a burst's first generation shed alone: the other 15 still count
+        gate.enter(drafting, greedy=False)
+    steps(1, "chain", [2] * 15 + [1], 0.040)
+    assert gate._served[False, 16, "drafting"].tokens == 31
+    for _ in range(2):
+        gate.enter(False, greedy=False)  # 3 of 18: mixed
+    steps(1, "chain", [2] * 15 + [1] * 3, 0.040)
+    assert gate._served[False, 16, "drafting"].tokens == 31 and gate._served[False, 32, "drafting"].tokens == 0
 
 
 def test_the_gate_costs_each_k_as_measured():
