@@ -87,7 +87,7 @@ class AcceptanceGate:
     `load_bucket`), the gate keeps two things, each only while the whole server runs one way (all greedy
     or all sampled; nobody drafting or everybody: in a mixed batch a target-only session waits for the
     others' wide verify, and neither says what the server does when it all runs one way; for (1), all but
-    fewer than 1 in ALMOST):
+    at most 1 in ALMOST):
     (1) The whole server's tokens per second (`ServerRate`): every token committed, over all the time the
     server ran that way, prefills and the gaps between generations included. Where target-only and
     drafting both have SERVED_TOKENS tokens per generation at the present load (a few generations'
@@ -124,7 +124,7 @@ class AcceptanceGate:
     # up to 10.6% slower than target-only over their first 1000-4000 tokens, then 3-9% faster; sampled
     # chains 1.36-1.48x slower all along)
     FRESH_MARGIN = 0.3
-    ALMOST = 8  # the server runs one way where fewer than 1 in 8 of its generations run the other
+    ALMOST = 8  # the server runs one way where at most 1 in 8 of its generations run the other
 
     def __init__(self, cost: float = SPEC_DRAFT_COST, clock: Callable[[], float] = time.perf_counter):
         self.cost = cost
@@ -169,11 +169,11 @@ class AcceptanceGate:
             self._running += running
             self._drafting += drafting
             self._greedy += greedy
-            # all one way, or all but one in ALMOST (a burst's first generation, shed by what one request
-            # measured, had kept 15 drafting ones at 16 from being measured for its whole life)
+            # all one way, or all but at most one in ALMOST (a burst's first two generations, shed by what
+            # one request measured, had kept 14 drafting ones at 16 from being measured for their whole life)
             odd = min(self._drafting, self._running - self._drafting)
             way = "target" if self._drafting <= self._running - self._drafting else "drafting"
-            kind = way if odd == 0 or odd * self.ALMOST < self._running else None
+            kind = way if odd * self.ALMOST <= self._running else None
             alike = self._greedy in (0, self._running)  # greedy and sampled ones are timed apart
             self._state = ((self._greedy > 0, load_bucket(self._running), kind)
                            if self._running and kind and alike else None)
@@ -278,16 +278,18 @@ class AcceptanceGate:
         return costs
 
     def best_k(self, greedy: bool, requested: int) -> int:
-        """The K that commits the most tokens a second by the counts and round costs. 0 (target-only) is a
-        choice only alone on the server: under load a session's round times leave out what the batch's other
-        generations cost it (prefills, the gaps between generations), and at 16 greedy sessions they said K=5
-        chains (4.5 tokens a round) lost to target-only, which they beat by 9%; there the server's own
-        rates decide (`outpaced`)."""
+        """The K that commits the most tokens a second by the counts and round costs. 0 (target-only) is not
+        a choice under load where the server has measured itself running target-only: a session's round times
+        leave out what the batch's other generations cost it (prefills, the gaps between generations), and at
+        16 greedy sessions they said K=5 chains (4.5 tokens a round) lost to target-only, which they beat by
+        9%; there the server's own rates decide (`outpaced`). Alone, or with no such rate (a server whose
+        requests all speculate), the counts do (a head that is never accepted sheds at any load)."""
         with self._lock:
             costs = self.round_costs(greedy, requested)
-            alone = load_bucket(self._running) == 1
+            bucket = load_bucket(self._running)
+            rates = bucket > 1 and self._served_rate((greedy, bucket, "target")) is not None
             tried, ok = self._tried[greedy], self._accepted[greedy]
-            scores, expected, reach = [1.0 if alone else 0.0], 1.0, 1.0  # K = 0: one token for one round
+            scores, expected, reach = [0.0 if rates else 1.0], 1.0, 1.0  # K = 0: one token for one round
             for k in range(1, requested + 1):
                 reach *= ok[k] / tried[k] if tried[k] >= self.MIN_ROUNDS else 1.0
                 expected += reach

@@ -430,9 +430,31 @@ def test_the_gate_sheds_where_the_server_runs_faster_target_only():
     steps(1, "chain", [2] * 15 + [1], 0.040)
     assert gate._served[False, 16, "drafting"].tokens == 31
     for _ in range(2):
-        gate.enter(False, greedy=False)  # 3 of 18: mixed
+        gate.enter(False, greedy=False)  # 3 of 18: mixed (2 of 17 would not be)
     steps(1, "chain", [2] * 15 + [1] * 3, 0.040)
     assert gate._served[False, 16, "drafting"].tokens == 31 and gate._served[False, 32, "drafting"].tokens == 0
+
+
+def test_under_load_target_only_is_the_server_rates_choice_once_measured():
+    """A head that is never accepted sheds at any load by the counts; under load, once the server has run
+    target-only there, drafting ends only by the server's rates (round rates under load mislead)."""
+    from tandem.gates import AcceptanceGate
+
+    clock = types.SimpleNamespace(now=0.0)
+    gate = AcceptanceGate(0.3, clock=lambda: clock.now)
+    for _ in range(4 * AcceptanceGate.MIN_ROUNDS):
+        gate.record(False, 3, 0)
+    for _ in range(4):
+        gate.enter(True, greedy=False)
+    assert gate.best_k(False, 3) == 0  # load 4, never run target-only there: the counts decide
+    for _ in range(4):
+        gate.leave(True, greedy=False)
+        gate.enter(False, greedy=False)
+    for _ in range(AcceptanceGate.SERVED_TOKENS):
+        clock.now += 0.010
+        for _ in range(4):
+            gate.record_round(False, "target", 1, 0, 0.010)
+    assert gate.best_k(False, 3) > 0 and not gate.outpaced(False)  # the drafting rate is still to measure
 
 
 def test_the_gate_costs_each_k_as_measured():
