@@ -258,23 +258,19 @@ class AcceptanceGate:
         1.8 target-only rounds at temperature 1, and the gate shed K=3 chains that ran 1.08x)."""
         bucket = load_bucket(self._running)
         target = self._seconds((greedy, bucket, "target", 0), self.RATE_ROUNDS)
-        prior = [1 + self.cost * k for k in range(requested + 1)]
-        if target is None:
-            return prior
-        known = {0: 1.0}
-        for k in range(1, requested + 1):
+        known = {0: 1.0}  # with nothing else known, the extrapolation below is the prior
+        for k in range(1, requested + 1 if target is not None else 1):
             if (seconds := self._seconds((greedy, bucket, "chain", k), self.K_ROUNDS)) is not None:
                 known[k] = seconds / target
         costs = []
         for k in range(requested + 1):
             below = max(j for j in known if j <= k)
             above = min((j for j in known if j >= k), default=None)
-            if above is None:
+            if above is None:  # past the largest K measured: the prior per draft
                 costs.append(known[below] + self.cost * (k - below))
-            elif above == below:
-                costs.append(known[k])
             else:
-                costs.append(known[below] + (known[above] - known[below]) * (k - below) / (above - below))
+                span = above - below
+                costs.append(known[below] + (known[above] - known[below]) * (k - below) / span if span else known[k])
         return costs
 
     def best_k(self, greedy: bool, requested: int) -> int:

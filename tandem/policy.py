@@ -76,7 +76,7 @@ class KPolicy:
         self.probing = 0  # rounds it drafts before the gate decides: a probe of a gate that its counts shut
         self.shed = self.exploring = False
         self._before: tuple[bool, int, float] | None = None  # its last drafting round, for the tree gate's pairs
-        self._tail = False  # this round's drafts are cut short by max_new_tokens (`record` does not time it)
+        self._tail = False  # this round's drafts are cut short by max_new_tokens (the gates do not time it)
         if self.asked and has_draft:
             # too busy already, or the drafts have not paid lately: no features, no draft session at all
             busy = self.k_for is not None and self.k_for(self.requested) == 0
