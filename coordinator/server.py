@@ -24,7 +24,7 @@ from tandem.pairing import PairMismatch
 from tandem.service import Service, StartupError, run_service
 from tandem.text import TextDelta
 from tandem.traffic import MeteredChannel
-from tandem.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tandem.v1 import coordinator_pb2, coordinator_pb2_grpc, target_pb2
 
 log = logging.getLogger("tandem.coordinator")
 
@@ -76,6 +76,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             max_context=pair.target_info.max_context,
             has_tokenizer=pair.tokenizer is not None,
             draft_attached=pair.draft is not None,
+            target_buckets_compiling=pair.target.ModelInfo(target_pb2.TargetInfoRequest(), timeout=10).buckets_compiling,
         )
 
     def Generate(self, request, context):
@@ -117,7 +118,8 @@ def connect(settings: CoordinatorSettings, service: Service, servicer: Coordinat
     def metered(channel: grpc.Channel, name: str) -> grpc.Channel:
         return MeteredChannel(channel, service.traffic, f"coordinator->{name}", f"{name}->coordinator")
 
-    monitor = Monitor(settings, on_target=service.set_serving, wrap_channel=metered)
+    monitor = Monitor(settings, on_target=service.set_serving, wrap_channel=metered,
+                      on_target_compiled=servicer.generations.forget_speeds)
     try:
         monitor.connect()
     except (TimeoutError, RuntimeError, PairMismatch, grpc.RpcError) as exc:

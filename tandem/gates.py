@@ -153,6 +153,14 @@ class AcceptanceGate:
                 for counts in (tried, ok):
                     counts[:] = [c // 2 for c in counts]
 
+    def forget_speeds(self) -> None:
+        """The server's speed changed (the target compiled its forward): round times and server rates are
+        measured again; the acceptance counts stay (the head accepts as it did)."""
+        with self._lock:
+            self._rates.clear()
+            self._served.clear()
+            self._since = self._clock()
+
     def enter(self, drafting: bool, greedy: bool) -> None:
         """A generation starts (drafting or not); `leave` when it ends, `stop_drafting` when it sheds."""
         self._count(1, int(drafting), int(greedy))
@@ -332,6 +340,10 @@ class TreeGate:
         with self._lock:
             for shape, tokens, time in ((tree, committed, seconds), before):
                 self._seen.setdefault((greedy, shape), RoundAverage()).add(tokens, time, self.WEIGHT)
+
+    def forget_speeds(self) -> None:
+        with self._lock:
+            self._seen.clear()
 
     def rate(self, greedy: bool, tree: bool) -> float | None:
         """Tokens per second measured for that shape (None: not enough pairs yet)."""

@@ -97,7 +97,8 @@ class TargetEngine(SessionOwner):
     """Loads a local HF checkpoint (config.json + safetensors, single or sharded) and serves sessions.
 
     `engine`: "native" (our model: the Llama family), "hf" (transformers'), "auto" (native where it can).
-    `compile` (None: TANDEM_COMPILE, else on a GPU only): torch.compile the native forward, once per bucket."""
+    `compile` (None: runners.compile_default): torch.compile the native forward, once per bucket; "background":
+    on a thread of its own, each bucket eager until its graph is ready (runners.WarmUp)."""
 
     def __init__(
         self,
@@ -110,7 +111,7 @@ class TargetEngine(SessionOwner):
         kv_cache_tokens: int | None = None,
         queue_timeout: float = 30.0,
         engine: Literal["auto", "native", "hf"] = "auto",
-        compile: bool | None = None,
+        compile: bool | str | None = None,
     ):
         self.model_dir = Path(model_dir)
         if dtype not in TORCH_DTYPES:
@@ -148,6 +149,12 @@ class TargetEngine(SessionOwner):
         self.kv_pool = self._pool(kv_cache_tokens)
         # One forward at a time (the model and the capture hooks are shared), batched across sessions.
         self.batcher: Batcher[_Step] = Batcher(self._run_batch, max_batch_size, max_batch_tokens)
+
+    @property
+    def buckets_compiling(self) -> int:
+        """Buckets of the compiled forward queued or compiling in the background (runners.WarmUp)."""
+        warm_up = getattr(self.runner, "warm_up", None)
+        return warm_up.pending if warm_up is not None else 0
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -81,6 +81,7 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
             device=str(engine.device),
             tokenizer_size=len(self.tokenizer_json),
             num_sessions=engine.num_sessions,
+            buckets_compiling=engine.buckets_compiling,
             transport=self.transport.caps if self.transport is not None else None,
             chat_template=self.chat_template,
             special_tokens=self.special_tokens,

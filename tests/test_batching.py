@@ -480,6 +480,33 @@ def test_the_gate_costs_each_k_as_measured():
     assert gate.best_k(False, 3) == 3  # 2.37 tokens for 2.2 rounds (K=1: 1.7 for 1.8)
 
 
+def test_the_gate_forgets_its_speeds_when_the_target_compiles_and_keeps_its_counts():
+    """A target that compiled its buckets (they ran eagerly while the gate timed them) is another server: round
+    times and server rates are measured again, from the prior; what the head accepts stays counted."""
+    from tandem.gates import AcceptanceGate, TreeGate
+
+    gate = AcceptanceGate(0.3)
+    gate.enter(False, greedy=True)
+    for _ in range(AcceptanceGate.RATE_ROUNDS):
+        gate.record_round(True, "target", 1, 0, 0.010)
+    gate.leave(False, greedy=True)
+    gate.enter(True, greedy=True)
+    for _ in range(40):
+        gate.record(True, 2, 2)
+    for _ in range(AcceptanceGate.K_ROUNDS):
+        gate.record_round(True, "chain", 3, 2, 0.080)  # timed while the bucket compiled
+    assert gate.round_costs(True, 2) == pytest.approx([1, 4.5, 8])
+    gate.forget_speeds()
+    assert gate.round_costs(True, 2) == pytest.approx([1, 1.3, 1.6]) and not gate._served
+    assert gate.best_k(True, 2) == 2  # the counts stayed: 3 tokens for 1.6 rounds
+    trees = TreeGate()
+    for _ in range(TreeGate.MIN_ROUNDS):
+        trees.record(True, True, 4, 0.01, before=(False, 3, 0.01))
+    assert trees.rate(True, True) is not None
+    trees.forget_speeds()
+    assert trees.rate(True, True) is None
+
+
 def test_a_head_that_is_never_accepted_is_shed_and_the_output_stays(generator, hf_target):
     """The tiny pair's random head: once each position has been tried MIN_ROUNDS times the gate stops
     drafting, mid-request, and later requests never open a draft session; every output is still the

@@ -228,6 +228,35 @@ def test_a_compiled_engine_takes_more_buckets_than_dynamos_default_from_the_batc
     assert tokens == [hf_generate(model, list(range(1, n + 1)), 1)[0] for n in sizes]
 
 
+def test_a_background_compile_runs_a_bucket_eagerly_until_its_graph_is_ready(checkpoints, monkeypatch):
+    """TANDEM_COMPILE=background (runners.WarmUp): a verify whose bucket has no graph yet runs eagerly and queues
+    the bucket, which compiles on a thread of its own (dynamo's "eager" backend here: the test is about the hand-
+    over); from then on the bucket runs compiled, prefills never do; generate's tokens all along, and the engine
+    says how many buckets are still compiling (ModelInfo's buckets_compiling)."""
+    compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: compile(model, **{**kw, "backend": "eager", "options": None}))
+    path, model = checkpoints["llama-gqa-llama3"]
+    target = TargetEngine(path, engine="native", aux_layer_ids=AUX, compile="background")
+    runner, threads = target.runner, []
+    graph = runner._forward
+
+    def compiled(*args):
+        threads.append(threading.current_thread().name)
+        return graph(*args)
+
+    runner._forward = compiled
+    oracle = OracleDraft(model, corrupt=0.3)
+    oracle.expect(7)
+    first, second = [7, 3, 9, 11], [7, 20, 21, 22, 23, 24]
+    assert target.buckets_compiling == 0
+    assert greedy_rounds(target, oracle, first, 8, 3) == hf_generate(model, first, 8)  # verifies of 4: one bucket
+    assert runner.warm_up.wait(120) and target.buckets_compiling == 0
+    assert runner.buckets == {(4, target.kv_pool.owner.shape[0])} and threads[0] == "tandem-compile"
+    threads.clear()
+    assert greedy_rounds(target, oracle, second, 8, 3) == hf_generate(model, second, 8)
+    assert threads and set(threads) == {threading.current_thread().name}  # the verifies, compiled; the prefill not
+
+
 def test_an_eager_cpu_engine_packs_its_linears_and_they_compute_what_nn_linear_does(checkpoints, monkeypatch):
     """oneDNN's prepacked weights (PackedLinear) for the projections and lm_head of an eager float32 CPU
     target (those of at least PACK_MIN_WEIGHTS weights; here all, the threshold lowered): the same products as

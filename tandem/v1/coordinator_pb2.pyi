@@ -89,17 +89,19 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("target_model", "draft_model", "vocab_size", "max_context", "has_tokenizer", "draft_attached")
+    __slots__ = ("target_model", "draft_model", "vocab_size", "max_context", "has_tokenizer", "draft_attached", "target_buckets_compiling")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    TARGET_BUCKETS_COMPILING_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     vocab_size: int
     max_context: int
     has_tokenizer: bool
     draft_attached: bool
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., draft_attached: _Optional[bool] = ...) -> None: ...
+    target_buckets_compiling: int
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., draft_attached: _Optional[bool] = ..., target_buckets_compiling: _Optional[int] = ...) -> None: ...

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +59,17 @@ class ServicesRunner:
             seed=seed, ignore_eos=True, speculate=mode != TARGET_ONLY, tree=tree,
         )
         return _outcome(result.token_ids, result.stats)
+
+    def settle(self, echo: Callable[[str], None]) -> bool:
+        """Wait while the target compiles the buckets it has met (they run eagerly meanwhile: not what is
+        measured); whether there were any."""
+        waited = False
+        while n := self.client.server_info().target_buckets_compiling:
+            if not waited:
+                echo(f"bench: the target is compiling {n} token bucket(s) of its forward; waiting ...")
+            waited = True
+            time.sleep(1.0)
+        return waited
 
     def close(self) -> None:
         from tandem_tools.serve import stop

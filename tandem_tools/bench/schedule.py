@@ -161,10 +161,14 @@ def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = 
             group = [case for case in cases if case.concurrency == c]
             requests = concurrency_requests(config.prompts, c)
             size = BLOCK_PER_CLIENT * c
-            for case in group:  # untimed, as vLLM's own warm-up: a compiled target meets this concurrency's buckets
-                runner = runners[case.stack, case.mode, case.overlap]
-                if not hasattr(runner, "run_block"):  # vLLM's worker warms up at every concurrency itself
-                    _run_block(case, runner, requests[:c], 0, c, config, timed=False)
+            for again in (False, True):
+                for case in group:  # untimed, as vLLM's own warm-up: a compiled target meets this concurrency's buckets
+                    runner = runners[case.stack, case.mode, case.overlap]
+                    if not hasattr(runner, "run_block"):  # vLLM's worker warms up at every concurrency itself
+                        _run_block(case, runner, requests[:c], 0, c, config, timed=False)
+                settled = [r.settle(echo) for r in {id(r): r for r in runners.values()}.values() if hasattr(r, "settle")]
+                if again or not any(settled):  # once more after a compile: the buckets it compiled, warm
+                    break
             for first in range(0, len(requests), size):
                 offset = (first // size) % len(group)
                 for case in group[offset:] + group[:offset]:  # rotated: no case always runs first
