@@ -270,7 +270,7 @@ class GrpcTarget:
         response, features = self._answer("verified")
         verified = response.verified
         return VerifyResult(accepted=list(verified.accepted), bonus=verified.bonus, features=features,
-                            logprobs=logprobs_from_pb(verified.logprobs))
+                            logprobs=logprobs_from_pb(verified.logprobs), warming=verified.warming)
 
     def release(self, session_id: str) -> bool:
         if self._cohorts is not None:

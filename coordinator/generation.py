@@ -114,12 +114,6 @@ class Generations:
             default_tree=parse_tree(settings.tree) if settings.tree else None,
         )
 
-    def forget_speeds(self) -> None:
-        """The target's speed changed (it compiled its buckets): the gates time everything again."""
-        for gate in (self.speculation.gate, self.speculation.trees):
-            if gate is not None:
-                gate.forget_speeds()
-
     def attach(self, monitor: Monitor) -> None:
         self.monitor = monitor
 

@@ -111,10 +111,8 @@ class Monitor:
         settings: CoordinatorSettings,
         on_target: Callable[[bool], None] = lambda up: None,
         wrap_channel: WrapChannel | None = None,
-        on_target_compiled: Callable[[], None] = lambda: None,
     ):
-        """`on_target(up)` is told when the target goes down and comes back (the coordinator's health);
-        `on_target_compiled()` when the target has compiled the buckets it was compiling (its speed changed)."""
+        """`on_target(up)` is told when the target goes down and comes back (the coordinator's health)."""
         options = channel_options(settings.max_message_mib)
         self.target = Link("target", settings.target_addr, options, target_pb2_grpc.TargetServiceStub, wrap_channel)
         self.draft = (
@@ -124,8 +122,6 @@ class Monitor:
         self.interval = settings.health_interval
         self.connect_timeout = settings.connect_timeout
         self._on_target = on_target
-        self._on_compiled = on_target_compiled
-        self._compiling = 0  # the target's buckets compiling at the last check
         self._tokenizer: Tokenizer | None = None
         self.transport = "grpc"  # the feature path target -> draft the last handshake set up
         self._current: Pair | None = None
@@ -213,8 +209,6 @@ class Monitor:
                 self._down(link, problem)
             else:
                 link.next_check = time.monotonic() + (0.0 if slow else self.interval)
-                if problem is None and link is self.target:
-                    self._check_compiling()
             return
         if problem is None:
             try:
@@ -231,19 +225,6 @@ class Monitor:
             link.reason = problem
             link.next_check = time.monotonic() + link.retry_in
             link.retry_in = min(link.retry_in * 2, RETRY_MAX)
-
-    def _check_compiling(self) -> None:
-        """A target compiling its forward's buckets runs them eagerly meanwhile: once it is done, what was timed
-        before (the acceptance gate's rates) is out of date."""
-        try:
-            info = target_pb2_grpc.TargetServiceStub(self.target.channel).ModelInfo(  # unmetered: not traffic
-                target_pb2.TargetInfoRequest(), timeout=CHECK_TIMEOUT)
-        except grpc.RpcError:
-            return
-        if self._compiling and not info.buckets_compiling:
-            log.info("the target compiled its buckets: speeds are measured again")
-            self._on_compiled()
-        self._compiling = info.buckets_compiling
 
     def _read_target(self) -> None:
         """What the target is, and its tokenizer; a draft that no longer fits it is detached."""

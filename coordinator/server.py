@@ -118,8 +118,7 @@ def connect(settings: CoordinatorSettings, service: Service, servicer: Coordinat
     def metered(channel: grpc.Channel, name: str) -> grpc.Channel:
         return MeteredChannel(channel, service.traffic, f"coordinator->{name}", f"{name}->coordinator")
 
-    monitor = Monitor(settings, on_target=service.set_serving, wrap_channel=metered,
-                      on_target_compiled=servicer.generations.forget_speeds)
+    monitor = Monitor(settings, on_target=service.set_serving, wrap_channel=metered)
     try:
         monitor.connect()
     except (TimeoutError, RuntimeError, PairMismatch, grpc.RpcError) as exc:

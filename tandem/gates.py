@@ -142,6 +142,7 @@ class AcceptanceGate:
         self._tried = {g: [0] * (MAX_DRAFT_TOKENS + 1) for g in (True, False)}
         self._accepted = {g: [0] * (MAX_DRAFT_TOKENS + 1) for g in (True, False)}
         self._requests = itertools.count()
+        self._warming = False  # the target is compiling (VerifyResult.warming): rounds are not timed
 
     def record(self, greedy: bool, drafted: int, accepted: int) -> None:
         with self._lock:
@@ -153,13 +154,12 @@ class AcceptanceGate:
                 for counts in (tried, ok):
                     counts[:] = [c // 2 for c in counts]
 
-    def forget_speeds(self) -> None:
-        """The server's speed changed (the target compiled its forward): round times and server rates are
-        measured again; the acceptance counts stay (the head accepts as it did)."""
-        with self._lock:
-            self._rates.clear()
-            self._served.clear()
-            self._since = self._clock()
+    def _forget_speeds(self) -> None:
+        """(Lock held.) The server's speed changed (the target compiled its forward): round times and server
+        rates are measured again; the acceptance counts stay (the head accepts as it did)."""
+        self._rates.clear()
+        self._served.clear()
+        self._since = self._clock()
 
     def enter(self, drafting: bool, greedy: bool) -> None:
         """A generation starts (drafting or not); `leave` when it ends, `stop_drafting` when it sheds."""
@@ -203,12 +203,17 @@ class AcceptanceGate:
             return self._running, self._drafting
 
     def record_round(self, greedy: bool, kind: str, committed: int, drafted: int, seconds: float,
-                     timed: bool = True) -> None:
+                     timed: bool = True, warming: bool = False) -> None:
         """One round of `kind` ("target", "chain", "tree"): `committed` tokens in `seconds` (`timed`: a full
         round, one whose drafts max_new_tokens did not cut). The server's tokens count every round; the
         round's own rate only where the whole server runs that way (target-only: nobody drafts; chain or
-        tree: everybody does)."""
+        tree: everybody does). `warming`: the target was compiling a bucket of its forward (not timed); the
+        first round after such rounds makes the gate forget every speed it measured (the counts stay)."""
         with self._lock:
+            if warming or self._warming:  # the first round after the target's compile: what was timed is stale
+                self._warming = warming
+                if not warming:
+                    self._forget_speeds()
             served = self._tick()
             if served is not None:
                 served.add(committed)
@@ -330,6 +335,7 @@ class TreeGate:
         self._lock = threading.Lock()
         self._seen: dict[tuple[bool, bool], RoundAverage] = {}  # (greedy, tree)
         self._rounds = itertools.count()
+        self._warming = False
 
     def record(self, greedy: bool, tree: bool, committed: int, seconds: float,
                before: tuple[bool, int, float] | None = None) -> None:
@@ -341,9 +347,12 @@ class TreeGate:
             for shape, tokens, time in ((tree, committed, seconds), before):
                 self._seen.setdefault((greedy, shape), RoundAverage()).add(tokens, time, self.WEIGHT)
 
-    def forget_speeds(self) -> None:
+    def warming(self, warming: bool) -> None:
+        """Whether the target was compiling during the last round: once it is done, the rates are timed again."""
         with self._lock:
-            self._seen.clear()
+            if self._warming and not warming:
+                self._seen.clear()
+            self._warming = warming
 
     def rate(self, greedy: bool, tree: bool) -> float | None:
         """Tokens per second measured for that shape (None: not enough pairs yet)."""

@@ -127,20 +127,24 @@ class KPolicy:
         self._tail = self._tail or depth < self.tree.depth
         return self.tree if depth == self.tree.depth else self.tree.model_copy(update={"depth": depth})
 
-    def record(self, drafted: int, accepted: int, seconds: float, tree: bool = False) -> None:
+    def record(self, drafted: int, accepted: int, seconds: float, tree: bool = False, warming: bool = False) -> None:
         """A round: `accepted` of `drafted` drafts (a tree's: the accepted path; none: target-only); `seconds`
         from this round's start to the next's. The gates time it unless max_new_tokens cut its drafts short:
         such rounds say how a generation ends, not what drafting does (a bench's short warm-up generations
-        are nearly all such rounds, and timed they shed greedy chains that ran 1.6x target-only)."""
+        are nearly all such rounds, and timed they shed greedy chains that ran 1.6x target-only), or the
+        target was `warming` (compiling a bucket: its speed changes; the gates forget what they timed once
+        it is done)."""
+        timed = not self._tail and not warming
         if self.gate is not None:
             if drafted and not tree:  # the gate's counts are per chain position
                 self.gate.record(self.greedy, drafted, accepted)
             kind = "tree" if tree else "chain" if drafted else "target"
-            self.gate.record_round(self.greedy, kind, accepted + 1, drafted, seconds, timed=not self._tail)
+            self.gate.record_round(self.greedy, kind, accepted + 1, drafted, seconds, timed=timed, warming=warming)
         if self.trees is not None and drafted and self.tree is not None:
-            if not self._tail:
+            if timed:
                 self.trees.record(self.greedy, tree, accepted + 1, seconds, self._before)
-            self._before = None if self._tail else (tree, accepted + 1, seconds)
+            self.trees.warming(warming)
+            self._before = None if not timed else (tree, accepted + 1, seconds)
 
     def close(self) -> None:
         """The generation ended: the gate stops counting it."""

@@ -43,6 +43,7 @@ class VerifyResult:
     bonus: int  # b, from the logits after d_a
     features: Features  # features of t, d_1..d_a [a+1, 3H]
     logprobs: list[TokenLogprob] | None = None  # [d_1..d_a, b], when the sampling asked for logprobs
+    warming: bool = False  # the target was compiling a bucket of its forward: the round's time is not its speed
 
 
 @dataclass

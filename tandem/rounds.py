@@ -219,7 +219,7 @@ def run_rounds(
             accepted = len(verdict.accepted)
             stats.count_round(len(drafts), accepted, drafts.parents is not None)
             now = time.perf_counter()
-            policy.record(len(drafts), accepted, now - started, drafts.parents is not None)
+            policy.record(len(drafts), accepted, now - started, drafts.parents is not None, verdict.warming)
             started = now
             hit = drafter.settle(accepted, verdict.bonus) if drafter is not None else None
             if hit is not None:

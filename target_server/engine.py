@@ -383,7 +383,8 @@ class TargetEngine(SessionOwner):
                 accepted, bonus = accept(logits, drafted, session.params, session.generator, step.q)
             keep = range(1 + accepted)
         out = VerifyResult(accepted=[step.ids[i] for i in keep[1:]], bonus=bonus,
-                           features=_rows(features, keep) if step.want_features else None)
+                           features=_rows(features, keep) if step.want_features else None,
+                           warming=self.buckets_compiling > 0)
         top = session.params.logprobs
         if top is not None:  # the rows of t and the accepted drafts: where d_1..d_a and b are
             out.logprobs = token_logprobs(_rows(logits, keep), [*out.accepted, bonus], top)

@@ -106,7 +106,11 @@ class NativeRunner:
     def make_pool(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, tokens: int | None) -> PagedKVPool:
         cap = None if tokens is None else max(tokens // KVPool.BLOCK, 1)
         blocks = cap if cap is not None and (self.device.type == "cuda" or cap <= self.CPU_BLOCKS) else self.CPU_BLOCKS
-        return PagedKVPool(layers, heads, head_dim, dtype, self.device, blocks, cap)
+        pool = PagedKVPool(layers, heads, head_dim, dtype, self.device, blocks, cap)
+        if self.warm_up is not None:  # the buckets of a lone request's verifies and of 16 decodes, before traffic
+            for width in WarmUp.FIRST:
+                self.warm_up.queue(width, pool)
+        return pool
 
     def parts(self, steps: list[_Step], budget: int | None) -> list[list[_Step]]:
         return [steps]  # nothing is gathered: a batch is one forward whatever its sessions' pasts
@@ -182,7 +186,10 @@ class WarmUp:
     rows) has no graph yet runs eagerly (unpadded, SDPA over the pool, packed weights) and queues the bucket;
     one thread compiles the queued buckets in turn, each with a forward of padding only (the scratch block: no
     session's KV is touched), and the bucket runs compiled from its next batch. Prefills always run eagerly:
-    wide, of any length, rare, each would be a bucket of its own (768, 512, 240, 192, 144 tokens in one bench)."""
+    wide, of any length, rare, each would be a bucket of its own (768, 512, 240, 192, 144 tokens in one bench).
+    The FIRST buckets are queued with the pool, before any request."""
+
+    FIRST = (2, 4, 8, 16)
 
     def __init__(self, runner: NativeRunner):
         self.runner = runner
@@ -195,18 +202,23 @@ class WarmUp:
     def ready(self, steps: list[_Step], width: int, pool: PagedKVPool) -> bool:
         if any(step.kind == "prefill" for step in steps):
             return False
-        key = (width, pool.owner.shape[0])
-        if key in self._ready:
+        if (width, pool.owner.shape[0]) in self._ready:
             return True
-        if key not in self.runner.buckets:
-            self.runner.buckets.add(key)
-            with self._idle:
-                self._pending += 1
-            self._queue.put((key, pool))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._compile, name="tandem-compile", daemon=True)
-                self._thread.start()
+        self.queue(width, pool)
         return False
+
+    def queue(self, width: int, pool: PagedKVPool) -> None:
+        """Compile the bucket of `width` tokens over `pool` as it is now, unless it is or was queued."""
+        key = (width, pool.owner.shape[0])
+        if key in self.runner.buckets:
+            return
+        self.runner.buckets.add(key)
+        with self._idle:
+            self._pending += 1
+        self._queue.put((key, pool))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._compile, name="tandem-compile", daemon=True)
+            self._thread.start()
 
     @property
     def pending(self) -> int:

@@ -139,7 +139,8 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
                             result = engine.verify(session_id, v.token, list(v.drafts), v.want_features,
                                                    draft_probs_from_pb(v.q), parents_from_pb(v.parents))
                         head = target_pb2.TargetResponse(
-                            verified=target_pb2.Verified(accepted=result.accepted, bonus=result.bonus)
+                            verified=target_pb2.Verified(accepted=result.accepted, bonus=result.bonus,
+                                                         warming=result.warming)
                         )
                         if result.logprobs is not None:
                             head.verified.logprobs.extend(logprobs_to_pb(result.logprobs))

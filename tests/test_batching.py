@@ -481,8 +481,9 @@ def test_the_gate_costs_each_k_as_measured():
 
 
 def test_the_gate_forgets_its_speeds_when_the_target_compiles_and_keeps_its_counts():
-    """A target that compiled its buckets (they ran eagerly while the gate timed them) is another server: round
-    times and server rates are measured again, from the prior; what the head accepts stays counted."""
+    """A target that compiled its buckets (they ran eagerly while the gate timed them) is another server: rounds
+    while it compiles (VerifyResult.warming) are not timed, and after them round times and server rates are
+    measured again, from the prior; what the head accepts stays counted."""
     from tandem.gates import AcceptanceGate, TreeGate
 
     gate = AcceptanceGate(0.3)
@@ -494,16 +495,21 @@ def test_the_gate_forgets_its_speeds_when_the_target_compiles_and_keeps_its_coun
     for _ in range(40):
         gate.record(True, 2, 2)
     for _ in range(AcceptanceGate.K_ROUNDS):
-        gate.record_round(True, "chain", 3, 2, 0.080)  # timed while the bucket compiled
+        gate.record_round(True, "chain", 3, 2, 0.080)  # the bucket of 3 tokens ran eagerly before its compile
     assert gate.round_costs(True, 2) == pytest.approx([1, 4.5, 8])
-    gate.forget_speeds()
-    assert gate.round_costs(True, 2) == pytest.approx([1, 1.3, 1.6]) and not gate._served
+    for _ in range(AcceptanceGate.K_ROUNDS):
+        gate.record_round(True, "chain", 3, 2, 0.500, timed=False, warming=True)  # while it compiled: not timed
+    assert gate.round_costs(True, 2) == pytest.approx([1, 4.5, 8])
+    gate.record_round(True, "chain", 3, 2, 0.012)  # compiled: the speeds before are forgotten
+    assert gate.round_costs(True, 2) == pytest.approx([1, 1.3, 1.6])
+    assert list(gate._served) == [(True, 1, "drafting")] and gate._served[True, 1, "drafting"].tokens == 3
     assert gate.best_k(True, 2) == 2  # the counts stayed: 3 tokens for 1.6 rounds
     trees = TreeGate()
     for _ in range(TreeGate.MIN_ROUNDS):
         trees.record(True, True, 4, 0.01, before=(False, 3, 0.01))
+    trees.warming(True)
     assert trees.rate(True, True) is not None
-    trees.forget_speeds()
+    trees.warming(False)
     assert trees.rate(True, True) is None
 
 
