@@ -98,7 +98,7 @@ class TargetEngine(SessionOwner):
 
     `engine`: "native" (our model: the Llama family), "hf" (transformers'), "auto" (native where it can).
     `compile` (None: runners.compile_default): torch.compile the native forward, once per bucket; "background":
-    on a thread of its own, each bucket eager until its graph is ready (runners.WarmUp)."""
+    on a thread of its own, each bucket eager until its graph is ready (warmup.WarmUp)."""
 
     def __init__(
         self,
@@ -152,7 +152,7 @@ class TargetEngine(SessionOwner):
 
     @property
     def buckets_compiling(self) -> int:
-        """Buckets of the compiled forward queued or compiling in the background (runners.WarmUp)."""
+        """Buckets of the compiled forward queued or compiling in the background (warmup.WarmUp)."""
         warm_up = getattr(self.runner, "warm_up", None)
         return warm_up.pending if warm_up is not None else 0
 

@@ -22,10 +22,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import queue
-import sys
-import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -39,6 +35,7 @@ from target_server.kv import VERIFY_TOKENS, KVLayer, KVPool
 from target_server.loading import LoadedTarget
 from target_server.native import NativeCausalLM
 from target_server.paged import BLOCK, PAD, PagedKVPool, Span, ancestor_bits, bucket, keep_rows, plan
+from target_server.warmup import WarmUp
 
 if TYPE_CHECKING:
     from target_server.engine import _Step
@@ -55,8 +52,9 @@ def compile_default(device: torch.device) -> bool | str:
     against 54.9 and 72.1. Compiled on first use, a service stalled every request for each new bucket (13 in a
     bench at 1 and 16 requests, p99 latency 48 s). In the background the buckets cost nothing on the path, but
     the speed changes under the acceptance gate as each one lands (tandem bench: demo pair, 1 request, target-only
-    401 tokens/s against 255 eager, EAGLE-3 K=5 559 with the gate off, yet the gate shed it): not the default
-    until the gate copes."""
+    380-405 tokens/s against 255 eager, EAGLE-3 K=5 534-559 with the gate off; with it on 1.13-1.43x in some
+    runs, shed in others, and at 16 shed to 0.74-0.81x in two runs of three): not the default until the gate
+    copes."""
     value = os.environ.get("TANDEM_COMPILE")
     if value is None:
         return device.type == "cuda"
@@ -173,88 +171,6 @@ class NativeRunner:
             freed += slot[len(keep) :]
         if dst:
             keep_rows(pool, src, dst, positions, freed)
-
-
-# While a bucket compiles (Python, holding the GIL for seconds), the serving thread gets the GIL back after each
-# op it ran without it within this many seconds rather than the default 5 ms: 4 demo generations ran in 2.7 s
-# against 0.6 compiled, where with the default they took 9.3 s.
-SWITCH_S = 2e-4
-
-
-class WarmUp:
-    """A service's compiled buckets, compiled off the requests' path: a verify batch whose bucket (tokens, pool
-    rows) has no graph yet runs eagerly (unpadded, SDPA over the pool, packed weights) and queues the bucket;
-    one thread compiles the queued buckets in turn, each with a forward of padding only (the scratch block: no
-    session's KV is touched), and the bucket runs compiled from its next batch. Prefills always run eagerly:
-    wide, of any length, rare, each would be a bucket of its own (768, 512, 240, 192, 144 tokens in one bench).
-    The FIRST buckets are queued with the pool, before any request."""
-
-    FIRST = (2, 4, 8, 16)
-
-    def __init__(self, runner: NativeRunner):
-        self.runner = runner
-        self._ready: set[tuple[int, int]] = set()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._pending = 0  # buckets queued and not yet compiled (or failed)
-        self._idle = threading.Condition()
-
-    def ready(self, steps: list[_Step], width: int, pool: PagedKVPool) -> bool:
-        if any(step.kind == "prefill" for step in steps):
-            return False
-        if (width, pool.owner.shape[0]) in self._ready:
-            return True
-        self.queue(width, pool)
-        return False
-
-    def queue(self, width: int, pool: PagedKVPool) -> None:
-        """Compile the bucket of `width` tokens over `pool` as it is now, unless it is or was queued."""
-        key = (width, pool.owner.shape[0])
-        if key in self.runner.buckets:
-            return
-        self.runner.buckets.add(key)
-        with self._idle:
-            self._pending += 1
-        self._queue.put((key, pool))
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._compile, name="tandem-compile", daemon=True)
-            self._thread.start()
-
-    @property
-    def pending(self) -> int:
-        return self._pending
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Until every bucket queued so far is compiled or failed (tests, benchmarks); False on the timeout."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
-
-    @torch.inference_mode()
-    def _compile(self) -> None:
-        runner = self.runner
-        while True:
-            (width, rows), pool = self._queue.get()
-            if pool.owner.shape[0] != rows:  # the pool grew since: that bucket is gone
-                self._done()
-                continue
-            start, switch = time.monotonic(), sys.getswitchinterval()
-            sys.setswitchinterval(SWITCH_S)
-            try:
-                positions, batch = plan([], width, pool, dense=False)
-                runner._forward(torch.zeros(width, dtype=torch.long, device=runner.device), positions, batch)
-                self._ready.add((width, rows))
-                log.info("compiled the target's forward for %d tokens over a pool of %d rows in %.0f s (eager until "
-                         "now)", width, rows, time.monotonic() - start)
-            except Exception:  # the bucket stays eager; the service carries on
-                log.exception("compiling the target's forward for %d tokens failed: that bucket runs eagerly", width)
-            finally:
-                sys.setswitchinterval(switch)
-                self._done()
-
-    def _done(self) -> None:
-        with self._idle:
-            self._pending -= 1
-            self._idle.notify_all()
 
 
 class HFRunner:

@@ -229,7 +229,7 @@ def test_a_compiled_engine_takes_more_buckets_than_dynamos_default_from_the_batc
 
 
 def test_a_background_compile_runs_a_bucket_eagerly_until_its_graph_is_ready(checkpoints, monkeypatch):
-    """TANDEM_COMPILE=background (runners.WarmUp): a verify whose bucket has no graph yet runs eagerly and queues
+    """TANDEM_COMPILE=background (warmup.WarmUp): a verify whose bucket has no graph yet runs eagerly and queues
     the bucket, which compiles on a thread of its own (dynamo's "eager" backend here: the test is about the hand-
     over); from then on the bucket runs compiled, prefills never do; generate's tokens all along, and the engine
     says how many buckets are still compiling (ModelInfo's buckets_compiling). The first few buckets are queued
