@@ -81,8 +81,7 @@ class AcceptanceGate:
     Until a position has been tried `MIN_ROUNDS` times it counts as always accepted, so a new server
     speculates at the requested K until the counts say otherwise. While they shut it, one request
     in `PROBE_EVERY` speculates for its first `PROBE_ROUNDS` rounds anyway, so that a change of
-    traffic (a prompt mix the head knows) can open it again (alone on the server, one in
-    `PROBE_EVERY_ALONE` for `K_ROUNDS` rounds, its K timed afresh: `probe`). Old counts fade (halved past HALF_LIFE rounds).
+    traffic (a prompt mix the head knows) can open it again. Old counts fade (halved past HALF_LIFE rounds).
 
     Measured rates. Per kind of request and per load (the generations running, in powers of two:
     `load_bucket`), the gate keeps two things, each only while the whole server runs one way (all greedy
@@ -110,7 +109,6 @@ class AcceptanceGate:
     MARGIN = 1.05
     PROBE_EVERY = 32
     PROBE_ROUNDS = 4
-    PROBE_EVERY_ALONE = 8
     HALF_LIFE = 4096
     RATE_ROUNDS = 64
     RATE_WEIGHT = 0.02
@@ -309,19 +307,10 @@ class AcceptanceGate:
         # the cost is an estimate: a smaller K than the request's only when it is clearly better
         return requested if scores[requested] >= scores[best] / self.MARGIN else best
 
-    def probe(self, greedy: bool = True, k: int = 0) -> int:
+    def probe(self) -> int:
         """Rounds a new request that the counts shut out speculates anyway: PROBE_ROUNDS for one in PROBE_EVERY
-        (only those: a probe under load, where the server's rates shed, only widened the others' verify). Alone
-        on the server, one in PROBE_EVERY_ALONE, for K_ROUNDS rounds, with the round time of its K (`k`)
-        measured afresh: four rounds weighed little in an old mean that was never timed again otherwise, and one
-        slow early stretch (a compile, a busy machine) shut chains that ran 1.2-1.4x at one request through
-        the services for the rest of a bench (98% of rounds shed)."""
-        n = next(self._requests) + 1
-        with self._lock:
-            if load_bucket(self._running + 1) == 1 and n % self.PROBE_EVERY_ALONE == 0:
-                self._rates.pop((greedy, 1, "chain", k), None)
-                return self.K_ROUNDS
-        return self.PROBE_ROUNDS if n % self.PROBE_EVERY == 0 else 0
+        (only those: a probe under load, where the server's rates shed, only widened the others' verify)."""
+        return self.PROBE_ROUNDS if (next(self._requests) + 1) % self.PROBE_EVERY == 0 else 0
 
 
 class TreeGate:

@@ -82,7 +82,7 @@ class KPolicy:
             busy = self.k_for is not None and self.k_for(self.requested) == 0
             gated = self.gate is not None and not busy
             shut = gated and self.gate.best_k(self.greedy, self.requested) == 0
-            self.probing = self.gate.probe(self.greedy, self.requested) if shut else 0
+            self.probing = self.gate.probe() if shut else 0
             # asked only of a generation nothing else sheds: the gate counts its sheds and explorers
             rates = self.gate.outpaced(self.greedy, starting=True) if gated and not shut else False
             self.exploring = rates is None  # drafts all its life: the gate measures drafting again
