@@ -144,7 +144,7 @@ class KPolicy:
             if timed:
                 self.trees.record(self.greedy, tree, accepted + 1, seconds, self._before)
             self.trees.warming(warming)
-            self._before = None if not timed else (tree, accepted + 1, seconds)
+            self._before = (tree, accepted + 1, seconds) if timed else None
 
     def close(self) -> None:
         """The generation ended: the gate stops counting it."""

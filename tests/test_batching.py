@@ -457,16 +457,21 @@ def test_under_load_target_only_is_the_server_rates_choice_once_measured():
     assert gate.best_k(False, 3) > 0 and not gate.outpaced(False)  # the drafting rate is still to measure
 
 
+def _time_target_only(gate, greedy: bool) -> None:
+    """One generation alone, target-only rounds of 10 ms until the gate has timed them."""
+    gate.enter(False, greedy=greedy)
+    for _ in range(gate.RATE_ROUNDS):
+        gate.record_round(greedy, "target", 1, 0, 0.010)
+    gate.leave(False, greedy=greedy)
+
+
 def test_the_gate_costs_each_k_as_measured():
     """A drafting round pays a fixed share besides its drafts: K=1 measured at 1.8 target-only rounds does not
     make K=3 cost 1 + 3 x 0.8 (that shed chains running 1.08x target-only at temperature 1)."""
     from tandem.gates import AcceptanceGate
 
     gate = AcceptanceGate(0.3)
-    gate.enter(False, greedy=False)
-    for _ in range(AcceptanceGate.RATE_ROUNDS):
-        gate.record_round(False, "target", 1, 0, 0.010)
-    gate.leave(False, greedy=False)
+    _time_target_only(gate, greedy=False)
     gate.enter(True, greedy=False)
     for accepted, times in ((0, 30), (1, 32), (2, 9), (3, 29)):  # p = 0.70, 0.54, 0.76
         for _ in range(times):
@@ -487,10 +492,7 @@ def test_the_gate_forgets_its_speeds_when_the_target_compiles_and_keeps_its_coun
     from tandem.gates import AcceptanceGate, TreeGate
 
     gate = AcceptanceGate(0.3)
-    gate.enter(False, greedy=True)
-    for _ in range(AcceptanceGate.RATE_ROUNDS):
-        gate.record_round(True, "target", 1, 0, 0.010)
-    gate.leave(False, greedy=True)
+    _time_target_only(gate, greedy=True)
     gate.enter(True, greedy=True)
     for _ in range(40):
         gate.record(True, 2, 2)

@@ -161,14 +161,7 @@ def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = 
             group = [case for case in cases if case.concurrency == c]
             requests = concurrency_requests(config.prompts, c)
             size = BLOCK_PER_CLIENT * c
-            for again in (False, True):
-                for case in group:  # untimed, as vLLM's own warm-up: a compiled target meets this concurrency's buckets
-                    runner = runners[case.stack, case.mode, case.overlap]
-                    if not hasattr(runner, "run_block"):  # vLLM's worker warms up at every concurrency itself
-                        _run_block(case, runner, requests[:c], 0, c, config, timed=False)
-                settled = [r.settle(echo) for r in {id(r): r for r in runners.values()}.values() if hasattr(r, "settle")]
-                if again or not any(settled):  # once more after a compile: the buckets it compiled, warm
-                    break
+            _warm_up(group, runners, requests[:c], c, config, echo)
             for first in range(0, len(requests), size):
                 offset = (first // size) % len(group)
                 for case in group[offset:] + group[:offset]:  # rotated: no case always runs first
@@ -179,6 +172,21 @@ def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = 
         for runner in {id(r): r for r in runners.values()}.values():
             runner.close()
     return [case.result() for case in cases]
+
+
+def _warm_up(group: list, runners: dict, requests: list, c: int, config: BenchConfig,
+             echo: Callable[[str], None]) -> None:
+    """One untimed block of each case, as vLLM's own warm-up (a compiled target meets this concurrency's
+    buckets); once more after the target compiled what it met."""
+    for again in (False, True):
+        for case in group:
+            runner = runners[case.stack, case.mode, case.overlap]
+            if not hasattr(runner, "run_block"):  # vLLM's worker warms up at every concurrency itself
+                _run_block(case, runner, requests, 0, c, config, timed=False)
+        unique = {id(r): r for r in runners.values()}.values()
+        waited = [r.settle(echo) for r in unique if hasattr(r, "settle")]  # every runner settles
+        if again or not any(waited):
+            return
 
 
 def _start_runners(config: BenchConfig, out_dir: Path, runners: dict, echo: Callable[[str], None]) -> None:
