@@ -25,6 +25,7 @@ target takes cuda:0 and the draft cuda:1. Work files (the 8B checkpoint: 16 GB) 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -67,6 +68,9 @@ class Plan:
     draft_vocab: int = 32000
     clients: int = 64
     long_prompt: int = 2048
+    # what to run (--dtypes, --transports): a device lease of 15 minutes fits a part of the whole
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    links: tuple[str, ...] = ("grpc", "shm", "cuda-ipc", "nccl")
 
     @classmethod
     def make(cls, dry: bool) -> Plan:
@@ -230,7 +234,7 @@ def check_transport(plan: Plan, transport: str) -> tuple[str, str]:
 
 
 def transports(plan: Plan, table: Table) -> None:
-    for transport in ("shm", "cuda-ipc", "nccl"):
+    for transport in [t for t in ("shm", "cuda-ipc", "nccl") if t in plan.links]:
         if transport == "cuda-ipc" and plan.dry:
             table.add("transport", transport, "SKIP", "needs CUDA")
             continue
@@ -305,9 +309,9 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 def services(plan: Plan, pair: Path, work: Path, table: Table, deadline: float) -> None:
     prompts = [json.loads(line)["prompt_ids"] for line in (pair / "prompts.jsonl").read_text().splitlines()[: plan.prompts]] \
         if (pair / "prompts.jsonl").is_file() else [[5 + i, 17, 3 * i + 1, 9] for i in range(plan.prompts)]
-    transports_here = ["grpc", "shm"] + (["cuda-ipc"] if not plan.dry else []) + \
-        (["nccl"] if plan.dry or plan.gpus > 1 else [])
-    for dtype in ("float32", "bfloat16"):
+    transports_here = [t for t in ["grpc", "shm"] + (["cuda-ipc"] if not plan.dry else [])
+                       + (["nccl"] if plan.dry or plan.gpus > 1 else []) if t in plan.links]
+    for dtype in plan.dtypes:
         if time.monotonic() > deadline:
             table.add("services", dtype, "SKIP", "time budget spent")
             continue
@@ -474,10 +478,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, help="work files, the 8B checkpoint among them (default: a temporary dir)")
     p.add_argument("--budget-min", type=float, default=40, help="stop starting checks after this many minutes")
     p.add_argument("--skip", default="", help="comma-separated: transports, services, big")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="the services checks' dtypes (comma-separated)")
+    p.add_argument("--transports", default="grpc,shm,cuda-ipc,nccl",
+                   help="the transports the transport and services checks run (comma-separated)")
     args = p.parse_args(argv)
     started = time.monotonic()
     deadline = started + 60 * args.budget_min
-    plan = Plan.make(args.dry_run)
+    plan = dataclasses.replace(Plan.make(args.dry_run), dtypes=tuple(args.dtypes.split(",")),
+                               links=tuple(args.transports.split(",")))
     work = args.work or Path(tempfile.mkdtemp(prefix="tandem-gpu-validate-"))
     work.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))

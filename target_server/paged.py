@@ -48,9 +48,13 @@ PAD = -2  # the owner of padding tokens and of the scratch block
 FREE = -1  # the owner of rows never written
 # Query rows per BlockMask block: a block sees the pool blocks of every sequence it holds a token of, so
 # smaller blocks mean fewer other sequences' rows masked per query. On this 2-core CPU, 16 verifies of
-# K=4 on the demo target: 16.5 ms a batch at 16, 14.6 at 8, 13.7 at 4. (Untested on CUDA, whose flex
-# kernel tiles by at least 16 rows.)
-Q_BLOCK = {"cpu": 4}
+# K=4 on the demo target: 16.5 ms a batch at 16, 14.6 at 8, 13.7 at 4. On CUDA flex's Triton kernel tiles
+# by 16 rows at least, and the block sizes must be multiples of its tiles (torch 2.11, H100: with its default
+# tiles no kernel compiles for (16, 16) blocks, nor for any query block below 16 whatever the tiles), so a
+# CUDA forward is padded to 16 tokens at least (MIN_TOKENS) and runs tiles of (16, 16) (KERNEL_OPTIONS).
+Q_BLOCK = {"cpu": 4, "cuda": 16}
+MIN_TOKENS = {"cpu": 2, "cuda": 16}  # inductor's CPU flex template fails on one query row
+KERNEL_OPTIONS = {"cuda": {"BLOCK_M": 16, "BLOCK_N": 16}}
 
 
 class PagedKVPool(KVPool):
@@ -143,7 +147,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     if batch.dense:
         keys, values = keys[:, :, : batch.dense], values[:, :, : batch.dense]  # views
         return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
-    return flex_attention(q, keys, values, block_mask=batch.mask, enable_gqa=True)
+    return flex_attention(q, keys, values, block_mask=batch.mask, enable_gqa=True,
+                          kernel_options=KERNEL_OPTIONS.get(q.device.type))
 
 
 @dataclass
@@ -167,13 +172,13 @@ def ancestor_bits(parents: list[int]) -> list[int]:
     return bits
 
 
-def bucket(n: int) -> int:
-    """The padded token count of a forward of n tokens: the next power of two up to 16 (at least 2: inductor's
-    CPU flex template fails on one query row), then the next multiple of 16 up to 256, then of 256. Finer
-    than powers of two above 16: 16 verifies of K=4 are 80 tokens, padded to 128 they cost 60% more
-    (measured on the demo target: 19.7 ms against transformers' 15.6); each bucket compiles once."""
+def bucket(n: int, device: str = "cpu") -> int:
+    """The padded token count of a forward of n tokens on a `device` type: the next power of two up to 16 (at
+    least MIN_TOKENS), then the next multiple of 16 up to 256, then of 256. Finer than powers of two above 16:
+    16 verifies of K=4 are 80 tokens, padded to 128 they cost 60% more (measured on the demo target: 19.7 ms
+    against transformers' 15.6); each bucket compiles once."""
     if n <= 16:
-        return max(1 << max(n - 1, 0).bit_length(), 2)
+        return max(1 << max(n - 1, 0).bit_length(), MIN_TOKENS.get(device, 2))
     step = 16 if n <= 256 else 256
     return -(-n // step) * step
 

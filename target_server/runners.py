@@ -61,6 +61,17 @@ def compile_default(device: torch.device) -> bool | str:
     return "background" if value == "background" else value != "0"
 
 
+def _compile(model: torch.nn.Module, options: dict | None) -> Callable:
+    """One graph a bucket (34 up to 4096 tokens), again for each size the pool grows to. The limit is the
+    compile's own where torch takes it (dynamo's config is per thread, and the batcher's thread is not this
+    one); older torch (2.11, the CUDA images') takes no such argument, and gets dynamo's global setting."""
+    try:
+        return torch.compile(model, fullgraph=True, dynamic=False, recompile_limit=256, options=options)
+    except TypeError:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        return torch.compile(model, fullgraph=True, dynamic=False, options=options)
+
+
 def _new_rows(steps: list[_Step]) -> list[int]:
     """The rows of each step the acceptance rule reads: a prefill's last, a verify's all."""
     return [1 if step.kind == "prefill" else len(step.ids) for step in steps]
@@ -81,6 +92,7 @@ class NativeRunner:
         """`compile`: False (eager), True (each bucket compiled on its first use) or "background" (WarmUp)."""
         self.model, self.device, self.compiled = model, device, bool(compile)
         self.buckets: set[tuple[int, int]] = set()  # (tokens, pool rows) compiled (or compiling) so far
+        self.failed: set[tuple[int, int]] = set()  # buckets whose compile failed: eager (TANDEM_COMPILE=1)
         self._forward = self._eager = model
         packs = can_pack(device, model.model.embed_tokens.weight.dtype)
         if compile == "background" and packs:  # the forward until a bucket is compiled: packed, as eager's
@@ -94,9 +106,7 @@ class NativeRunner:
                 options = {"freezing": True}
                 if packs and model.lm_head.weight.numel() >= PACK_MIN_WEIGHTS:  # outside the graph
                     model.lm_head = PackedLinear(model.lm_head)
-            # one graph a bucket (34 up to 4096 tokens), again for each size the pool grows to; the limit is
-            # the compile's own (dynamo's config is per thread, and the batcher's thread is not this one)
-            self._forward = torch.compile(model, fullgraph=True, dynamic=False, recompile_limit=256, options=options)
+            self._forward = _compile(model, options)
         elif packs:
             pack_linears(model)
         self.warm_up = WarmUp(self) if compile == "background" else None
@@ -106,7 +116,7 @@ class NativeRunner:
         blocks = cap if cap is not None and (self.device.type == "cuda" or cap <= self.CPU_BLOCKS) else self.CPU_BLOCKS
         pool = PagedKVPool(layers, heads, head_dim, dtype, self.device, blocks, cap)
         if self.warm_up is not None:  # the buckets of a lone request's verifies and of 16 decodes, before traffic
-            for width in WarmUp.FIRST:
+            for width in dict.fromkeys(bucket(n, self.device.type) for n in WarmUp.FIRST):
                 self.warm_up.queue(width, pool)
         return pool
 
@@ -116,23 +126,46 @@ class NativeRunner:
     def forward(self, steps: list[_Step], pool: PagedKVPool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         sizes = [len(step.ids) for step in steps]
         n = sum(sizes)
-        compiled = self.compiled and (self.warm_up is None or self.warm_up.ready(steps, bucket(n), pool))
-        width = bucket(n) if compiled else n  # static shapes are for the compiler; eager pads nothing
-        if compiled and self.warm_up is None and (width, pool.owner.shape[0]) not in self.buckets:
-            self.buckets.add((width, pool.owner.shape[0]))
-            log.info("compiling the target's forward for %d tokens over a pool of %d rows (once)", width,
-                     pool.owner.shape[0])
+        key = (bucket(n, self.device.type), pool.owner.shape[0])
+        compiled = self.compiled and key not in self.failed and (
+            self.warm_up is None or self.warm_up.ready(steps, key[0], pool))
+        if compiled and self.warm_up is None and key not in self.buckets:
+            self.buckets.add(key)
+            log.info("compiling the target's forward for %d tokens over a pool of %d rows (once)", *key)
         spans = [Span(step.session.owner, step.session.blocks, step.session.length, size, step.parents)
                  for step, size in zip(steps, sizes, strict=True)]
-        ids = torch.tensor([i for step in steps for i in step.ids] + [0] * (width - n)).to(self.device)
-        positions, batch = plan(spans, width, pool, dense=not compiled)
-        hidden, features = (self._forward if compiled else self._eager)(ids, positions, batch)  # [width, H], [width, 3H]
+        ids = [i for step in steps for i in step.ids]
+        hidden, features = self._run(ids, spans, key, pool, compiled)  # [width, H], [width, 3H]
         rows, end = [], 0
         for step, size in zip(steps, sizes, strict=True):
             end += size
             rows += range(end - size, end) if step.kind == "verify" else [end - 1]
         logits = self.model.lm_head(hidden.index_select(0, torch.tensor(rows).to(self.device)))  # [N, V]
         return logits, list(features[:n].split(sizes))
+
+    def _run(self, ids: list[int], spans: list[Span], key: tuple[int, int], pool: PagedKVPool,
+             compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward of `spans`' tokens `ids`: compiled, padded to the bucket key[0] (static shapes are for
+        the compiler), or eagerly, unpadded. A compiled bucket that fails (the compiler's failure, not the
+        batch's: flex's Triton template refused every block size below 16 rows on an H100) runs eagerly from
+        then on; inline compiles only (WarmUp keeps its own)."""
+        try:
+            return self._forward_padded(ids, spans, key[0] if compiled else len(ids), pool, compiled)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception:
+            if not compiled or self.warm_up is not None:
+                raise
+            log.exception("the compiled forward for %d tokens over a pool of %d rows failed: that bucket runs "
+                          "eagerly", *key)
+            self.failed.add(key)
+            return self._forward_padded(ids, spans, len(ids), pool, False)
+
+    def _forward_padded(self, ids: list[int], spans: list[Span], width: int, pool: PagedKVPool,
+                        compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.tensor(ids + [0] * (width - len(ids))).to(self.device)
+        positions, batch = plan(spans, width, pool, dense=not compiled)
+        return (self._forward if compiled else self._eager)(tokens, positions, batch)
 
     @torch.inference_mode()
     def measure_forward_bytes(self, pool: KVPool, max_tokens: int, max_batch: int, max_context: int) -> int:
@@ -144,9 +177,9 @@ class NativeRunner:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         n = max(min(max_tokens, max_context - 1), 1)
-        width = bucket(n) if self.compiled else n  # static shapes are for the compiler; eager pads nothing
-        positions, batch = plan([Span(PAD, [0] * -(-n // KVPool.BLOCK), 0, n)], width, pool, not self.compiled)
-        hidden, _ = self._forward(torch.zeros(width, dtype=torch.long, device=device), positions, batch)
+        compiled = self.compiled and self.warm_up is None  # WarmUp's prefills run eagerly
+        key = (bucket(n, device.type), pool.owner.shape[0])
+        hidden, _ = self._run([0] * n, [Span(PAD, [0] * -(-n // KVPool.BLOCK), 0, n)], key, pool, compiled)
         rows = min(n, max_batch * VERIFY_TOKENS)
         logits = self.model.lm_head(hidden[:rows]).float().log_softmax(-1)
         del hidden, logits

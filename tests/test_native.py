@@ -258,6 +258,37 @@ def test_a_background_compile_runs_a_bucket_eagerly_until_its_graph_is_ready(che
     assert threads and set(threads) == {threading.current_thread().name}  # the verifies, compiled; the prefill not
 
 
+def test_a_bucket_whose_compile_fails_runs_eagerly_and_the_engine_carries_on(checkpoints, monkeypatch):
+    """A compiled forward that raises (the compiler's failure: on an H100 flex's Triton template refused every
+    block size below 16 rows) is logged once; its bucket runs eagerly from then on, with generate's tokens, and
+    the other buckets stay compiled. CUDA forwards pad to 16 tokens at least (flex's smallest tile there)."""
+    assert [bucket(n, "cuda") for n in (1, 2, 9, 16, 17, 300)] == [16, 16, 16, 16, 32, 512]
+    assert [bucket(n) for n in (1, 2, 3, 9, 17)] == [2, 2, 4, 16, 32]
+    compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: compile(model, **{**kw, "backend": "eager", "options": None}))
+    path, model = checkpoints["llama-gqa-llama3"]
+    target = TargetEngine(path, engine="native", aux_layer_ids=AUX, compile=True)
+    runner, graph, calls = target.runner, target.runner._forward, []
+
+    def compiled(ids, positions, batch):
+        calls.append(ids.shape[0])
+        if ids.shape[0] == 4:
+            raise RuntimeError("LoweringException: NoValidChoicesError")
+        return graph(ids, positions, batch)
+
+    runner._forward = compiled
+    oracle = OracleDraft(model, corrupt=0.3)
+    oracle.expect(7)
+    prompt = [7, 3, 9, 11]
+    assert greedy_rounds(target, oracle, prompt, 10, 3) == hf_generate(model, prompt, 10)  # verifies of 4 tokens
+    rows = target.kv_pool.owner.shape[0]
+    assert runner.failed == {(4, rows)} and calls.count(4) == 1  # tried once, then eagerly
+    calls.clear()
+    oracle.expect(7)
+    assert greedy_rounds(target, oracle, prompt, 6, 1) == hf_generate(model, prompt, 6)  # verifies of 2: compiled
+    assert calls and 4 not in calls
+
+
 def test_an_eager_cpu_engine_packs_its_linears_and_they_compute_what_nn_linear_does(checkpoints, monkeypatch):
     """oneDNN's prepacked weights (PackedLinear) for the projections and lm_head of an eager float32 CPU
     target (those of at least PACK_MIN_WEIGHTS weights; here all, the threshold lowered): the same products as
