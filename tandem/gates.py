@@ -19,14 +19,15 @@ class RoundAverage:
     the first one still weighed 74% after 16 at weight 0.02, and a generation's first round, its draft's
     first call, is its slowest)."""
 
-    __slots__ = ("rounds", "seconds", "tokens")
+    __slots__ = ("rounds", "seconds", "since", "tokens")
 
     def __init__(self):
-        self.rounds = 0
+        self.rounds = self.since = 0  # since: target-only rounds timed at its load since its last (AcceptanceGate)
         self.tokens = self.seconds = 0.0
 
     def add(self, tokens: int, seconds: float, weight: float) -> None:
         self.rounds += 1
+        self.since = 0
         w = max(weight, 1 / self.rounds)
         self.tokens += w * (tokens - self.tokens)
         self.seconds += w * (seconds - self.seconds)
@@ -103,6 +104,10 @@ class AcceptanceGate:
     gate forgets the server's drafting rate at a load once target-only has committed REOPEN_TOKENS per
     generation running there since it was measured, so that the next generations measure it again (the
     head or the traffic may have changed; at worst a few percent of that traffic runs the slower way).
+    Likewise a drafting round's time at a load is forgotten once REOPEN_ROUNDS target-only rounds have been
+    timed there since it last was: one slow stretch early on (this VM's speed halves for seconds at a time)
+    had shut K=5 for good at one request once the compiled target made drafting a thin win (3.5 target-only
+    rounds' time for 4.4 tokens), since the probes' few rounds weigh RATE_WEIGHT each.
     """
 
     MIN_ROUNDS = 16
@@ -115,6 +120,7 @@ class AcceptanceGate:
     RATE_MARGIN = 1.10
     K_ROUNDS = 16  # chain rounds of one K before their time counts
     REOPEN_TOKENS = 4096  # per generation running: 65536 at load 16
+    REOPEN_ROUNDS = 512  # 8 generations of 64 tokens at one request; 16 rounds of K re-measure it (K_ROUNDS)
     EXPLORE_EVERY = 8
     # the whole server's rate needs SERVED_TOKENS per generation running (1024 tokens at load 16) and
     # follows about the last 16 times that (`ServerRate` horizon)
@@ -225,6 +231,11 @@ class AcceptanceGate:
                 return
             key = (greedy, load_bucket(self._running), kind, drafted)
             self._rates.setdefault(key, RoundAverage()).add(committed, seconds, self.RATE_WEIGHT)
+            if kind == "target":  # drafting rounds timed long ago at this load are timed again
+                for other in [k for k in self._rates if k[:2] == key[:2] and k[2] != "target"]:
+                    self._rates[other].since += 1
+                    if self._rates[other].since > self.REOPEN_ROUNDS:
+                        del self._rates[other]
 
     def _seconds(self, key: tuple[bool, int, str, int], rounds: int) -> float | None:
         seen = self._rates.get(key)

@@ -485,6 +485,34 @@ def test_the_gate_costs_each_k_as_measured():
     assert gate.best_k(False, 3) == 3  # 2.37 tokens for 2.2 rounds (K=1: 1.7 for 1.8)
 
 
+def test_the_gate_times_drafting_again_once_target_only_has_run_long_since():
+    """A slow stretch that made K=3 look too dear (its rounds timed at 4.5 target-only rounds, so the counts
+    shut it: K=0) is not kept for good: after REOPEN_ROUNDS target-only rounds timed at that load since, the
+    drafting round's time is forgotten, the prior stands in, drafting runs again and times itself afresh."""
+    from tandem.gates import AcceptanceGate
+
+    gate = AcceptanceGate(0.3)
+    _time_target_only(gate, greedy=True)
+    for _ in range(40):
+        gate.record(True, 3, 2)  # two of three drafts accepted: 3 tokens a round with K=2 or 3
+    gate.enter(True, greedy=True)
+    for _ in range(AcceptanceGate.K_ROUNDS):
+        gate.record_round(True, "chain", 3, 3, 0.045)  # a slow stretch
+    gate.leave(True, greedy=True)
+    assert gate.round_costs(True, 3)[3] == pytest.approx(4.5) and gate.best_k(True, 3) == 0
+    gate.enter(False, greedy=True)
+    for _ in range(AcceptanceGate.REOPEN_ROUNDS):
+        gate.record_round(True, "target", 1, 0, 0.010)
+    assert gate.best_k(True, 3) == 0  # not yet
+    gate.record_round(True, "target", 1, 0, 0.010)
+    gate.leave(False, greedy=True)
+    assert gate.round_costs(True, 3) == pytest.approx([1, 1.3, 1.6, 1.9]) and gate.best_k(True, 3) == 2
+    gate.enter(True, greedy=True)
+    for _ in range(AcceptanceGate.K_ROUNDS):
+        gate.record_round(True, "chain", 3, 3, 0.025)  # timed again: 2.5 rounds for 3 tokens
+    assert gate.round_costs(True, 3)[3] == pytest.approx(2.5) and gate.best_k(True, 3) == 2  # 3 tokens in 2
+
+
 def test_the_gate_forgets_its_speeds_when_the_target_compiles_and_keeps_its_counts():
     """A target that compiled its buckets (they ran eagerly while the gate timed them) is another server: rounds
     while it compiles (VerifyResult.warming) are not timed, and after them round times and server rates are
