@@ -39,7 +39,7 @@ import torch
 
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.model import DraftKV, Eagle3Draft
-from draft_server.rollout import draws_for, read_rollout, rollout
+from draft_server.rollout import GreedyStep, draws_for, read_rollout, rollout
 from draft_server.sampling import DraftSampler
 from draft_server.steps import _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
 from draft_server.tree import SiblingRates, grow_tree
@@ -81,6 +81,7 @@ class DraftEngine(SessionOwner):
                                              aux_layer_convention=aux_layer_convention)
         if target_dir is not None:
             check_pair(read_target_shape(target_dir), self.shape())
+        self.greedy_step = GreedyStep(self.model) if GreedyStep.wanted() else None  # before packing: unpacked
         if can_pack(self.device, self.dtype):  # a CPU in float32: big projections over prepacked weights
             pack_linears(self.model)
         self.feature_size = 3 * self.config.target_hidden_size
@@ -292,7 +293,7 @@ class DraftEngine(SessionOwner):
         draws = draws_for([session.sampler], [session.length + len(step.next_tokens)], step.k, self.draft_vocab,
                           self.device)
         a, position = self._extend(step)
-        drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, step.k, draws)
+        drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, step.k, draws, step=self.greedy_step)
         kv.crop(session.length)  # the rollout's KV is dropped: exact target features replace it
         drafts, qs, _ = read_rollout(drafts, q)  # [K], [K]
         session.proposed = [(drafts, rows[0])]

@@ -204,6 +204,17 @@ class Eagle3Draft(nn.Module):
                                  dim=-1)
         return self.fc(features)
 
+    def greedy_step(self, a: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One step of a lone greedy rollout as a pure function (rollout.GreedyStep compiles it): a [H] fed with
+        tokens [1, 1] at positions [1, 1] over the layer's KV k, v -> the next a [H], its draft (a target id,
+        [1]) and the KV grown by one. (a is one-dimensional so that its strides are always the same: the
+        compiled graph is guarded on them.)"""
+        kv = DraftKV()
+        kv.k, kv.v = k, v
+        a = self(a.view(1, 1, -1), tokens, positions, kv, None)[0, -1]
+        return a, self.to_target_ids(self.draft_logits(a[None]).argmax(-1)), kv.k, kv.v
+
     def draft_logits(self, a: torch.Tensor) -> torch.Tensor:
         """a [..., H] (a step's output) -> logits over the draft vocabulary [..., draft_vocab]."""
         return self.lm_head(a if self.config.norm_output else self.norm(a))

@@ -129,3 +129,31 @@ def test_a_packed_cpu_draft_proposes_what_the_unpacked_one_does(tiny_dir, monkey
         assert list(a) == list(b)
         for pa, pb in zip(a.q, b.q, strict=True):
             assert pa.ids == pb.ids and max(abs(x - y) for x, y in zip(pa.probs, pb.probs, strict=True)) < 1e-4
+
+
+def test_a_compiled_greedy_rollout_drafts_what_the_eager_one_does(tiny_dir, monkeypatch):
+    """TANDEM_COMPILE: a lone greedy session's rollout steps run as one compiled call each (rollout.GreedyStep;
+    dynamo's eager backend here: the test is about the plumbing), compiled at start-up (two graphs, none after),
+    with the same drafts as the eager rollout, step after step; a sampled session keeps the eager path."""
+    compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile(fn, **{**kw, "backend": "eager"}))
+    monkeypatch.setenv("TANDEM_COMPILE", "1")
+    torch._dynamo.reset()
+    compiled = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
+    monkeypatch.setenv("TANDEM_COMPILE", "0")
+    eager = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
+    assert compiled.greedy_step is not None and eager.greedy_step is None
+    calls = []
+    step = compiled.greedy_step._step
+    compiled.greedy_step._step = lambda *args: calls.append(1) or step(*args)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for engine in (compiled, eager):
+        _open(engine, "g", None)
+        _open(engine, "s", SAMPLED)
+    for i in range(4):
+        features, tokens = _inputs(compiled, 1 + i % 3, 30 + i)
+        assert list(compiled.propose("g", features, tokens, K)) == list(eager.propose("g", features, tokens, K))
+        sampled = compiled.propose("s", features, tokens, K)
+        assert list(sampled) == list(eager.propose("s", features, tokens, K)) and sampled.q is not None
+    assert len(calls) == 5 * (K - 1)  # the first propose's steps and four more, the sampled session's none
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled after start-up
