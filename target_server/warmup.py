@@ -34,7 +34,11 @@ class WarmUp:
     wide, of any length, rare, each would be a bucket of its own (768, 512, 240, 192, 144 tokens in one bench).
     The FIRST buckets are queued with the pool, before any request."""
 
-    FIRST = (2, 4, 8, 16)
+    # a lone request's verifies and 16 decodes, then 16 sessions' verifies of up to K=5 in cohorts of any size:
+    # a bucket first met under load compiled during it, taking a core, and each compile reset the gates' speeds
+    # (demo pair, 16 greedy requests, gate on: EAGLE-3 at 0.60-0.77x target-only, 42-92% shed, with the first four
+    # only; 1.11x, none shed, with these)
+    FIRST = (2, 4, 8, 16, 32, 48, 64, 80, 96)
 
     def __init__(self, runner: NativeRunner):
         self.runner = runner

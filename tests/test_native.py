@@ -33,6 +33,7 @@ from target_server.capture import FeatureCapture
 from target_server.engine import TargetEngine
 from target_server.native import load_native
 from target_server.paged import PagedKVPool, Span, bucket, plan
+from target_server.warmup import WarmUp
 
 SHAPE = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.3, "max_position_embeddings": 512}
@@ -252,7 +253,7 @@ def test_a_background_compile_runs_a_bucket_eagerly_until_its_graph_is_ready(che
     assert greedy_rounds(target, oracle, first, 8, 3) == hf_generate(model, first, 8)  # verifies of 4: one bucket
     assert runner.warm_up.wait(120) and target.buckets_compiling == 0
     rows = target.kv_pool.owner.shape[0]
-    assert runner.buckets == {(n, rows) for n in (2, 4, 8, 16)} and threads[0] == "tandem-compile"  # WarmUp.FIRST
+    assert runner.buckets == {(n, rows) for n in WarmUp.FIRST} and threads[0] == "tandem-compile"
     threads.clear()
     assert greedy_rounds(target, oracle, second, 8, 3) == hf_generate(model, second, 8)
     assert threads and set(threads) == {threading.current_thread().name}  # the verifies, compiled; the prefill not
