@@ -105,9 +105,11 @@ class AcceptanceGate:
     generation running there since it was measured, so that the next generations measure it again (the
     head or the traffic may have changed; at worst a few percent of that traffic runs the slower way).
     Likewise a drafting round's time at a load is forgotten once REOPEN_ROUNDS target-only rounds have been
-    timed there since it last was: one slow stretch early on (this VM's speed halves for seconds at a time)
-    had shut K=5 for good at one request once the compiled target made drafting a thin win (3.5 target-only
-    rounds' time for 4.4 tokens), since the probes' few rounds weigh RATE_WEIGHT each.
+    timed there since it last was (twice as many after each time, up to 16 times: where drafting does lose,
+    as at temperature 1 with the demo head, re-timing it every 512 rounds cost 4%: 0.95x against 0.99x): one
+    slow stretch early on (this VM's speed halves for seconds at a time) had shut K=5 for good at one request
+    once the compiled target made drafting a thin win (3.5 target-only rounds' time for 4.4 tokens), since the
+    probes' few rounds weigh RATE_WEIGHT each.
     """
 
     MIN_ROUNDS = 16
@@ -149,6 +151,7 @@ class AcceptanceGate:
         self._accepted = {g: [0] * (MAX_DRAFT_TOKENS + 1) for g in (True, False)}
         self._requests = itertools.count()
         self._warming = False  # the target is compiling (VerifyResult.warming): rounds are not timed
+        self._reopened: dict[tuple[bool, int], int] = {}  # (greedy, load) -> drafting round times forgotten there
 
     def record(self, greedy: bool, drafted: int, accepted: int) -> None:
         with self._lock:
@@ -232,10 +235,12 @@ class AcceptanceGate:
             key = (greedy, load_bucket(self._running), kind, drafted)
             self._rates.setdefault(key, RoundAverage()).add(committed, seconds, self.RATE_WEIGHT)
             if kind == "target":  # drafting rounds timed long ago at this load are timed again
+                reopened = self._reopened.get(key[:2], 0)
                 for other in [k for k in self._rates if k[:2] == key[:2] and k[2] != "target"]:
                     self._rates[other].since += 1
-                    if self._rates[other].since > self.REOPEN_ROUNDS:
+                    if self._rates[other].since > self.REOPEN_ROUNDS << min(reopened, 4):
                         del self._rates[other]
+                        self._reopened[key[:2]] = reopened + 1
 
     def _seconds(self, key: tuple[bool, int, str, int], rounds: int) -> float | None:
         seen = self._rates.get(key)

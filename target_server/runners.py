@@ -52,9 +52,9 @@ def compile_default(device: torch.device) -> bool | str:
     against 54.9 and 72.1. Compiled on first use, a service stalled every request for each new bucket (13 in a
     bench at 1 and 16 requests, p99 latency 48 s). In the background the buckets cost nothing on the path, but
     the speed changes under the acceptance gate as each one lands (tandem bench: demo pair, 1 request, target-only
-    380-405 tokens/s against 255 eager, EAGLE-3 K=5 534-559 with the gate off; with it on 1.13-1.43x in some
-    runs, shed in others, and at 16 shed to 0.74-0.81x in two runs of three): not the default until the gate
-    copes."""
+    305-405 tokens/s against 255 eager, EAGLE-3 K=5 407-559 with the gate off; with it on, since the gate times
+    drafting again after REOPEN_ROUNDS, 1.17-1.28x in three runs and shed 98% in a fourth beside vLLM's
+    engines; at 16 1.11x once WarmUp.FIRST held the verifies' buckets): not the default until the gate copes."""
     value = os.environ.get("TANDEM_COMPILE")
     if value is None:
         return device.type == "cuda"

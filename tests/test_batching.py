@@ -488,7 +488,8 @@ def test_the_gate_costs_each_k_as_measured():
 def test_the_gate_times_drafting_again_once_target_only_has_run_long_since():
     """A slow stretch that made K=3 look too dear (its rounds timed at 4.5 target-only rounds, so the counts
     shut it: K=0) is not kept for good: after REOPEN_ROUNDS target-only rounds timed at that load since, the
-    drafting round's time is forgotten, the prior stands in, drafting runs again and times itself afresh."""
+    drafting round's time is forgotten, the prior stands in, drafting runs again and times itself afresh; the
+    next time after twice as many (where drafting does lose, re-timing it costs less and less)."""
     from tandem.gates import AcceptanceGate
 
     gate = AcceptanceGate(0.3)
@@ -511,6 +512,13 @@ def test_the_gate_times_drafting_again_once_target_only_has_run_long_since():
     for _ in range(AcceptanceGate.K_ROUNDS):
         gate.record_round(True, "chain", 3, 3, 0.025)  # timed again: 2.5 rounds for 3 tokens
     assert gate.round_costs(True, 3)[3] == pytest.approx(2.5) and gate.best_k(True, 3) == 2  # 3 tokens in 2
+    gate.leave(True, greedy=True)
+    gate.enter(False, greedy=True)
+    for _ in range(2 * AcceptanceGate.REOPEN_ROUNDS):  # the second time, twice as long
+        gate.record_round(True, "target", 1, 0, 0.010)
+    assert gate.round_costs(True, 3)[3] == pytest.approx(2.5)
+    gate.record_round(True, "target", 1, 0, 0.010)
+    assert gate.round_costs(True, 3)[3] == pytest.approx(1.9)
 
 
 def test_the_gate_forgets_its_speeds_when_the_target_compiles_and_keeps_its_counts():
