@@ -129,7 +129,7 @@ def rollout(model: Eagle3Draft, top_n: int, a: torch.Tensor, kv: DraftKV, positi
 def _greedy_rollout(model: Eagle3Draft, step: GreedyStep, a: torch.Tensor, kv: DraftKV, position: torch.Tensor,
                     rounds: int) -> tuple[torch.Tensor, None, torch.Tensor]:
     """rollout's greedy lone session, each step after the first pick one compiled call."""
-    draft = model.to_target_ids(model.draft_logits(a[:, -1]).argmax(-1))
+    draft, _ = pick(model, 0, model.draft_logits(a[:, -1]), None, 0)
     a = a[0, -1]  # [H]
     drafts, rows = [draft], [a]
     k, v = kv.k.contiguous(), kv.v.contiguous()  # one graph: the strides it was compiled for

@@ -10,6 +10,13 @@ from draft_server.sampling import DraftSampler, draft_q, draw
 from tandem.protocol import Branch, DraftProbs, Drafts
 
 
+def compile_eagerly(monkeypatch) -> None:
+    """torch.compile with dynamo's "eager" backend for the rest of a test: the graphs, guards and recompiles as
+    compiled code has them, none of inductor's ~20 s a compile (its options dropped: they are inductor's)."""
+    compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile(fn, **{**kw, "backend": "eager", "options": None}))
+
+
 def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson's chi-square test of counts against probs (a token of probability 0 must count 0)."""
     assert int(counts[probs == 0].sum()) == 0, "a token of probability 0 was committed"

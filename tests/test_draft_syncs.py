@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import compile_eagerly
 
 from draft_server.engine import DraftEngine
 from draft_server.steps import _Step
@@ -135,8 +136,7 @@ def test_a_compiled_greedy_rollout_drafts_what_the_eager_one_does(tiny_dir, monk
     """TANDEM_COMPILE: a lone greedy session's rollout steps run as one compiled call each (rollout.GreedyStep;
     dynamo's eager backend here: the test is about the plumbing), compiled at start-up (two graphs, none after),
     with the same drafts as the eager rollout, step after step; a sampled session keeps the eager path."""
-    compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile(fn, **{**kw, "backend": "eager"}))
+    compile_eagerly(monkeypatch)
     monkeypatch.setenv("TANDEM_COMPILE", "1")
     torch._dynamo.reset()
     compiled = DraftEngine(tiny_dir / "draft", tiny_dir / "target")

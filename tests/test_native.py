@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import OracleDraft
+from helpers import OracleDraft, compile_eagerly
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import _disable_current_modes
 from transformers import (
@@ -214,8 +214,7 @@ def test_a_compiled_engine_takes_more_buckets_than_dynamos_default_from_the_batc
     batcher's thread, and a service's ninth bucket failed (FailOnRecompileLimitHit). Twelve buckets from
     another thread; the compile is dynamo's alone (backend "eager": the test is about its guards, and an
     inductor compile costs ~20 s a bucket here)."""
-    compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model, **kw: compile(model, **{**kw, "backend": "eager"}))
+    compile_eagerly(monkeypatch)
     path, model = checkpoints["llama-gqa-llama3"]
     target = TargetEngine(path, engine="native", aux_layer_ids=AUX, compile=True)
     sizes = [1, 3, 5, 9, 17, 33, 49, 65, 81, 97, 113, 129]
@@ -235,8 +234,7 @@ def test_a_background_compile_runs_a_bucket_eagerly_until_its_graph_is_ready(che
     over); from then on the bucket runs compiled, prefills never do; generate's tokens all along, and the engine
     says how many buckets are still compiling (ModelInfo's buckets_compiling). The first few buckets are queued
     with the pool."""
-    compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model, **kw: compile(model, **{**kw, "backend": "eager", "options": None}))
+    compile_eagerly(monkeypatch)
     path, model = checkpoints["llama-gqa-llama3"]
     target = TargetEngine(path, engine="native", aux_layer_ids=AUX, compile="background")
     runner, threads = target.runner, []
@@ -265,8 +263,7 @@ def test_a_bucket_whose_compile_fails_runs_eagerly_and_the_engine_carries_on(che
     the other buckets stay compiled. CUDA forwards pad to 16 tokens at least (flex's smallest tile there)."""
     assert [bucket(n, "cuda") for n in (1, 2, 9, 16, 17, 300)] == [16, 16, 16, 16, 32, 512]
     assert [bucket(n) for n in (1, 2, 3, 9, 17)] == [2, 2, 4, 16, 32]
-    compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model, **kw: compile(model, **{**kw, "backend": "eager", "options": None}))
+    compile_eagerly(monkeypatch)
     path, model = checkpoints["llama-gqa-llama3"]
     target = TargetEngine(path, engine="native", aux_layer_ids=AUX, compile=True)
     runner, graph, calls = target.runner, target.runner._forward, []
