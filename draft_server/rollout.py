@@ -20,9 +20,9 @@ import copy
 import logging
 import os
 import time
-from array import array
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from draft_server.model import DraftKV, Eagle3Draft
@@ -163,31 +163,23 @@ def read_rollout(drafts: torch.Tensor, q: tuple[torch.Tensor, ...] | None, *more
     integer tensors, read in a single copy. -> the drafts [B * rounds] row-major, their q [b * rounds]
     (None when no row sampled), each of `more` flat."""
     width = q[0].shape[-1] if q else 0
-    drafts, *lists = read_back(drafts, *more, *(q or ()))
-    more_lists, q_lists = lists[: len(more)], lists[len(more) :]
-    return drafts, q_support(*q_lists, width) if q else None, more_lists
+    drafts, *parts = read_back(drafts, *more, *(q or ()))
+    more_parts, q_parts = parts[: len(more)], parts[len(more) :]
+    return drafts.tolist(), q_support(*q_parts, width) if q else None, [m.tolist() for m in more_parts]
 
 
-def read_back(*tensors: torch.Tensor) -> list[list[int]]:
-    """The rollout's one host sync: device tensors -> one flat list of ints each, read in a single copy.
-    Float tensors (float32 probabilities) come back as their bits, for `floats` to decode: one int64
-    buffer, and no Python-level int() of every id as a float64 buffer would need."""
+def read_back(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """The rollout's one host sync: device tensors -> one flat int64 array each, read in a single copy.
+    Float tensors (float32 probabilities) come back as their bits, for q_support to view as floats."""
     flat = torch.cat([t.reshape(-1).long() if not t.is_floating_point()
-                      else t.reshape(-1).float().view(torch.int32).long() for t in tensors]).tolist()
-    out, start = [], 0
-    for t in tensors:
-        out.append(flat[start : start + t.numel()])
-        start += t.numel()
-    return out
+                      else t.reshape(-1).float().view(torch.int32).long() for t in tensors]).cpu().numpy()
+    return np.split(flat, np.cumsum([t.numel() for t in tensors[:-1]]).tolist())
 
 
-def floats(bits: list[int]) -> list[float]:
-    """float32 bits, as read_back reads them -> the floats."""
-    return array("f", array("i", bits).tobytes()).tolist()
-
-
-def q_support(ids: list[int], bits: list[int], support: list[int], width: int) -> list[DraftProbs]:
+def q_support(ids: np.ndarray, bits: np.ndarray, support: np.ndarray, width: int) -> list[DraftProbs]:
     """The q of each draft, read back flat ([n_drafts * width] ids and probability bits, [n_drafts]
-    support), each cut to its support (the non-zero prefix that draft_q leaves)."""
-    return [DraftProbs(ids[at : at + n], floats(bits[at : at + n])) for at, n in zip(range(0, len(ids), width), support,
-                                                                                        strict=True)]
+    support), each cut to its support (the non-zero prefix that draft_q leaves). numpy splits and converts:
+    a q of 3 x 256 read in 71 us, where Python lists and array took 105."""
+    probs = bits.astype(np.int32).view(np.float32)
+    return [DraftProbs(ids[at : at + n].tolist(), probs[at : at + n].tolist())
+            for at, n in zip(range(0, len(ids), width), support.tolist(), strict=True)]

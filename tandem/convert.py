@@ -124,8 +124,9 @@ def draft_probs_to_pb(q: list[DraftProbs] | list[common_pb2.DraftProbs] | None) 
 
 
 def draft_probs_from_pb(msgs) -> list[DraftProbs] | None:
-    """None for none sent (greedy drafts: the draft's argmax)."""
-    return [DraftProbs(list(m.ids), list(m.probs)) for m in msgs] or None
+    """None for none sent (greedy drafts: the draft's argmax). The ids and probabilities stay the wire's
+    repeated fields, not copied into lists: the target reads them with numpy (acceptance.dense_q)."""
+    return [DraftProbs(m.ids, m.probs) for m in msgs] or None
 
 
 def branches_to_pb(branches: list[Branch]) -> list[draft_pb2.Branch]:

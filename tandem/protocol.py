@@ -6,6 +6,7 @@ Drafts are token ids; a sampled request's drafts also carry q, what the draft sa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -49,10 +50,11 @@ class VerifyResult:
 @dataclass
 class DraftProbs:
     """q_i, the distribution the draft sampled draft d_i from: its support (target ids) and their
-    probabilities, summing to 1. Truncated (draft_server/sampling.py): only what the draft could draw."""
+    probabilities, summing to 1. Truncated (draft_server/sampling.py): only what the draft could draw.
+    Lists, or on the target the wire's repeated fields as they came (tandem/convert.py)."""
 
-    ids: list[int]
-    probs: list[float]
+    ids: Sequence[int]
+    probs: Sequence[float]
 
 
 class Drafts(list):

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import SamplingOracleDraft
+from helpers import SamplingOracleDraft, chi_square_p
 
 from draft_server.sampling import DraftSampler, draft_q, draw
 from tandem.params import GenerationRequest, SamplingParams
@@ -188,6 +188,19 @@ def test_draws_follow_q():
     stat = sum((counts[i] - n * p) ** 2 / (n * p) for i, p in enumerate(probs[0].tolist()) if p)
     assert float(torch.special.gammaincc(torch.tensor(1.5), torch.tensor(stat / 2))) > 1e-4
     assert DraftSampler.for_request(SamplingParams(temperature=1.0, seed=5)).uniform(7) == sampler.uniform(7)
+
+
+def test_the_targets_draw_follows_its_distribution():
+    """acceptance.sample (the recovered and bonus tokens, the prefill's first): over one seeded generator,
+    its draws follow an unnormalised row with zeros (chi-square, p > 1e-4), never a token of mass 0, and the
+    same seed repeats them."""
+    probs = torch.tensor([0.0, 0.4, 0.0, 1.0, 0.6, 0.0, 0.0001])  # sums to 2.0001
+    n = 6000
+    draws = [acceptance.sample(probs, torch.Generator().manual_seed(1)) for _ in range(3)]
+    assert len(set(draws)) == 1
+    generator = torch.Generator().manual_seed(2)
+    counts = torch.bincount(torch.tensor([acceptance.sample(probs, generator) for _ in range(n)]), minlength=7)
+    assert chi_square_p(counts, probs / probs.sum()) > 1e-4
 
 
 def test_a_batch_gives_each_row_the_q_it_gets_alone():

@@ -68,14 +68,16 @@ def first_two(logits, params, q_root, q_child, seeds: int, sent=None) -> tuple[t
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_the_committed_tokens_keep_the_targets_law(name):
     """Fixed logits at the nodes, a draft that draws the first child from q (not p) and ranks the others:
-    over 3000 seeds the first committed token follows p at the root, and the second, where the first is
-    c0, p at node 1 (whose q child comes after its deterministic one in the drafts' order)."""
+    over 6000 seeds the first committed token follows p at the root, and the second, where the first is
+    c0, p at node 1 (whose q child comes after its deterministic one in the drafts' order). (3000 seeds
+    were enough until the bonus was drawn by inverse CDF rather than torch.multinomial: with that stream
+    t0.7's second token scored p = 0.00095 at 3000 seeds, 0.09 at 6000.)"""
     params = SETTINGS[name]
     logits = rows(1)
     q_root, q_child = (torch.softmax(r, -1) for r in rows(2, scale=1.0)[:2])
-    first, second = first_two(logits, params, q_root, q_child, 3000)
+    first, second = first_two(logits, params, q_root, q_child, 6000)
     assert chi_square_p(first, target_probs(logits[:1], params)[0]) > ALPHA
-    assert second.sum() > 300, second.sum()
+    assert second.sum() > 600, second.sum()
     assert chi_square_p(second, target_probs(logits[1:2], params)[0]) > ALPHA
 
 
