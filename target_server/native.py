@@ -69,12 +69,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * head_dim, hidden, bias=bool(getattr(config, "attention_bias", False)))
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None  # Qwen3: per head, before RoPE
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.qkv: nn.Linear | None = None  # q, k and v in one product (fuse_projections)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, batch: PagedBatch) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).split([self.heads * self.head_dim, *[self.kv_heads * self.head_dim] * 2], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # [1, heads, T, D], attention's layout, made by RoPE itself (inductor's CPU flex template reads the
@@ -91,9 +96,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up: nn.Linear | None = None  # gate and up in one product (fuse_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -152,6 +162,31 @@ class NativeCausalLM(nn.Module):
         captured[self.num_layers] = x
         features = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)  # [T, 3H]
         return self.model.norm(x), features
+
+
+def fuse_projections(decoder: nn.Module) -> None:
+    """For an eager forward: each layer's q, k and v projections become one product, and gate and up another
+    (weights and biases concatenated, the three and two dropped), as vLLM's QKVParallelLinear and
+    MergedColumnParallelLinear do: 3 products a layer fewer. One thread, the best of 10 forwards, the median of
+    4-6 interleaved passes: demo target, a decode 2.38 -> 2.32 ms, a verify of 6 tokens 3.33 -> 3.24, 16
+    decodes about even; SmolLM2-135M (oneDNN-packed weights), a decode 55.3 -> 53.1 ms, a verify of 6 tokens
+    69.0 -> 66.2. A compiled forward keeps them apart: inductor plans its own kernels."""
+    for layer in decoder.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        attention.qkv = _concatenated(attention.q_proj, attention.k_proj, attention.v_proj)
+        attention.q_proj = attention.k_proj = attention.v_proj = None
+        mlp.gate_up = _concatenated(mlp.gate_proj, mlp.up_proj)
+        mlp.gate_proj = mlp.up_proj = None
+
+
+def _concatenated(*linears: nn.Linear) -> nn.Linear:
+    """One nn.Linear whose output is the linears' outputs, one after another."""
+    weight = torch.cat([linear.weight for linear in linears])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if linears[0].bias is not None:
+        fused.bias = nn.Parameter(torch.cat([linear.bias for linear in linears]), requires_grad=False)
+    return fused
 
 
 def rope_frequencies(config: PretrainedConfig) -> tuple[torch.Tensor, float]:

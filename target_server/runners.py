@@ -33,7 +33,7 @@ from tandem.packed import PACK_MIN_WEIGHTS, PackedLinear, can_pack, pack_linears
 from tandem.protocol import tree_depths
 from target_server.kv import VERIFY_TOKENS, KVLayer, KVPool
 from target_server.loading import LoadedTarget
-from target_server.native import NativeCausalLM
+from target_server.native import NativeCausalLM, fuse_projections
 from target_server.paged import BLOCK, PAD, PagedKVPool, Span, ancestor_bits, bucket, keep_rows, plan
 from target_server.warmup import WarmUp
 
@@ -99,6 +99,7 @@ class NativeRunner:
             self._eager = copy.copy(model)
             self._eager._modules = dict(model._modules)  # a table of its own: its own decoder, the same lm_head
             self._eager.model = copy.deepcopy(model.model)
+            fuse_projections(self._eager.model)
             pack_linears(self._eager.model)
         if compile:
             options = None
@@ -107,8 +108,10 @@ class NativeRunner:
                 if packs and model.lm_head.weight.numel() >= PACK_MIN_WEIGHTS:  # outside the graph
                     model.lm_head = PackedLinear(model.lm_head)
             self._forward = _compile(model, options)
-        elif packs:
-            pack_linears(model)
+        else:
+            fuse_projections(model.model)
+            if packs:
+                pack_linears(model)
         self.warm_up = WarmUp(self) if compile == "background" else None
 
     def make_pool(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, tokens: int | None) -> PagedKVPool:

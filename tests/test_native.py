@@ -288,7 +288,8 @@ def test_a_bucket_whose_compile_fails_runs_eagerly_and_the_engine_carries_on(che
 
 
 def test_an_eager_cpu_engine_packs_its_linears_and_they_compute_what_nn_linear_does(checkpoints, monkeypatch):
-    """oneDNN's prepacked weights (PackedLinear) for the projections and lm_head of an eager float32 CPU
+    """oneDNN's prepacked weights (PackedLinear) for the projections (q, k, v fused into one, gate and up into
+    another: fuse_projections) and lm_head of an eager float32 CPU
     target (those of at least PACK_MIN_WEIGHTS weights; here all, the threshold lowered): the same products as
     nn.Linear within float32 rounding, for any row count, with and without bias, and generate's tokens."""
     for bias in (False, True):
@@ -304,7 +305,7 @@ def test_an_eager_cpu_engine_packs_its_linears_and_they_compute_what_nn_linear_d
     packed_model = target.runner.model
     assert isinstance(packed_model.lm_head, PackedLinear)
     assert all(isinstance(m, PackedLinear) for layer in packed_model.model.layers
-               for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.o_proj, layer.mlp.down_proj))
+               for m in (layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up, layer.mlp.down_proj))
     oracle = OracleDraft(model, corrupt=0.3)
     oracle.expect(7)
     for prompt in ([7, 3, 9, 11], [7, *range(20, 60)]):
