@@ -43,3 +43,16 @@ def pack_linears(model: nn.Module) -> int:
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
     return len(targets)
+
+
+def concatenated(*linears: nn.Module) -> nn.Linear:
+    """One nn.Linear whose output is the given nn.Linears' outputs one after another (same input): q, k, v or
+    gate, up as one product, as vLLM's QKVParallelLinear and MergedColumnParallelLinear are. On a CPU a
+    product of a few rows costs mostly its call."""
+    weight = torch.cat([linear.weight for linear in linears])
+    bias = linears[0].bias is not None
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if bias:
+        fused.bias = nn.Parameter(torch.cat([linear.bias for linear in linears]), requires_grad=False)
+    return fused

@@ -27,6 +27,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from tandem.packed import concatenated
 from tandem.pairing import default_aux_layer_ids
 from target_server.capture import check_aux_layer_ids
 from target_server.paged import PagedBatch, open_batch, paged_attention
@@ -173,20 +174,10 @@ def fuse_projections(decoder: nn.Module) -> None:
     69.0 -> 66.2. A compiled forward keeps them apart: inductor plans its own kernels."""
     for layer in decoder.layers:
         attention, mlp = layer.self_attn, layer.mlp
-        attention.qkv = _concatenated(attention.q_proj, attention.k_proj, attention.v_proj)
+        attention.qkv = concatenated(attention.q_proj, attention.k_proj, attention.v_proj)
         attention.q_proj = attention.k_proj = attention.v_proj = None
-        mlp.gate_up = _concatenated(mlp.gate_proj, mlp.up_proj)
+        mlp.gate_up = concatenated(mlp.gate_proj, mlp.up_proj)
         mlp.gate_proj = mlp.up_proj = None
-
-
-def _concatenated(*linears: nn.Linear) -> nn.Linear:
-    """One nn.Linear whose output is the linears' outputs, one after another."""
-    weight = torch.cat([linear.weight for linear in linears])
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None, device="meta")
-    fused.weight = nn.Parameter(weight, requires_grad=False)
-    if linears[0].bias is not None:
-        fused.bias = nn.Parameter(torch.cat([linear.bias for linear in linears]), requires_grad=False)
-    return fused
 
 
 def rope_frequencies(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
