@@ -75,7 +75,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, batch: PagedBatch) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv is not None:
-            q, k, v = self.qkv(x).split([self.heads * self.head_dim, *[self.kv_heads * self.head_dim] * 2], -1)
+            q, k, v = self.qkv(x).split_with_sizes([self.heads * self.head_dim, *[self.kv_heads * self.head_dim] * 2], -1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(t, self.heads, self.head_dim)  # [T, Hq, D]
@@ -85,7 +85,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # [1, heads, T, D], attention's layout, made by RoPE itself (inductor's CPU flex template reads the
         # shape of its inputs' buffers: a view of a 3-d buffer fails it)
-        q, k = rotate(torch.cat([q, k], dim=1).transpose(0, 1)[None], cos, sin).split([self.heads, self.kv_heads], 1)
+        q, k = rotate(torch.cat([q, k], dim=1).transpose(0, 1)[None], cos, sin).split_with_sizes([self.heads, self.kv_heads], 1)
         out = paged_attention(q, k, v.transpose(0, 1)[None], layer, batch)  # [1, Hq, T, D]
         return self.o_proj(out[0].transpose(0, 1).reshape(t, self.heads * self.head_dim))
 
