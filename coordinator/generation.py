@@ -8,12 +8,14 @@ No protobuf of the client API and no torch here: requests arrive as a Generation
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
 
-from coordinator.backends import BackendError, GrpcDraft, GrpcTarget
+from coordinator.backends import CLOSE_GRACE_S, BackendError, GrpcDraft, GrpcTarget
 from coordinator.cohorts import CohortLink, Cohorts
 from coordinator.monitor import Monitor, Pair
 from coordinator.probe import RequestObserver, RequestProbe
@@ -146,9 +148,12 @@ class Generations:
             call.on_cancel(cancel)
             observer = RequestObserver(self.metrics, probe, len(request.prompt_ids), call.is_active)
             events = observer.rounds(run_rounds(target, draft, request, pair.target_info.max_context, self.speculation))
+            deltas = observer.deltas(text_deltas(events, pair.tokenizer, list(client.stop)))
+            if self.service.admission.active <= ReadAhead.MAX_RUNNING:
+                deltas = ReadAhead(deltas)
             produced = 0
             try:
-                for delta in observer.deltas(text_deltas(events, pair.tokenizer, list(client.stop))):
+                for delta in deltas:
                     if not call.is_active():
                         break
                     produced += len(delta.token_ids)
@@ -156,7 +161,11 @@ class Generations:
             except BackendError as exc:
                 raise self._failed(exc, produced, call) from None
             finally:
-                events.close()
+                if isinstance(deltas, ReadAhead) and not deltas.stop(CLOSE_GRACE_S):  # a round still waits: end it
+                    cancel()
+                    deltas.stop(CLOSE_GRACE_S)
+                if not (isinstance(deltas, ReadAhead) and deltas.running):
+                    events.close()
                 target.release("")
                 if draft is not None:
                     draft.release("")
@@ -170,3 +179,69 @@ class Generations:
                 f"({exc.code.name}: {exc.details}); retry once the coordinator reports SERVING again",
             )
         return Abort(exc.code, str(exc))
+
+
+class ReadAhead:
+    """A request's deltas made in a thread of their own, at most `depth` ahead of the client: the next round
+    goes to the services while the last one's tokens go out. Handing a delta to a gRPC client waits for the
+    send to complete (0.28 ms a round at one request, demo pair, target-only: 5% of a round), and that wait sat
+    between every verify and the next. What the rounds raise is raised where the client reads, after the deltas
+    made before it.
+
+    Only while few requests run (MAX_RUNNING): a thread more per request costs more than it saves once the
+    coordinator's core is busy. Demo pair through the services, three runs each way, stacks interleaved: one
+    request target-only 188 -> 208 tokens/s (medians), EAGLE-3 K=5 284 -> 302; 16 requests target-only
+    881 -> 761."""
+
+    MAX_RUNNING = 2  # this request included
+    _END = object()
+
+    def __init__(self, source: Iterator, depth: int = 4):
+        self._source = source
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tandem-rounds", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            for item in self._source:
+                if not self._put(item):
+                    return
+            self._put(self._END)
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader, raised there
+            self._put(_Raised(exc))
+
+    def _put(self, item) -> bool:
+        while not self._stopping.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> Iterator:
+        while True:
+            item = self._queue.get()
+            if item is self._END:
+                return
+            if isinstance(item, _Raised):
+                raise item.exc
+            yield item
+
+    def stop(self, timeout: float) -> bool:
+        """Stop making deltas (the reader is done); -> whether the thread has ended within `timeout` s."""
+        self._stopping.set()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+@dataclass
+class _Raised:
+    exc: BaseException
+

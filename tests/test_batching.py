@@ -607,3 +607,42 @@ def test_rounds_that_max_new_tokens_cuts_short_are_not_timed():
         shapes.append(policy.tree_for_round(k, produced) is not None)
         policy.record(k, 1, 0.010, tree=shapes[-1])
     assert shapes == [True, False] and trees._seen == {}
+
+
+def test_the_read_ahead_hands_over_in_order_raises_after_and_stops_when_asked():
+    """coordinator.generation.ReadAhead: the deltas of a request made in a thread of their own come in order,
+    an error of the rounds is raised after what came before it, and a reader that is done stops the thread
+    whether it is making the next item or waiting for room."""
+    import threading
+    import time
+
+    from coordinator.generation import ReadAhead
+
+    assert list(ReadAhead(iter(range(50)), depth=2)) == list(range(50))
+
+    def failing():
+        yield from (1, 2)
+        raise ValueError("the target refused")
+
+    got = iter(ReadAhead(failing()))
+    assert [next(got), next(got)] == [1, 2]
+    with pytest.raises(ValueError, match="refused"):
+        next(got)
+
+    release = threading.Event()
+
+    def slow():
+        yield 1
+        release.wait(5)  # a round waiting on a service
+        yield 2
+
+    ahead = ReadAhead(slow())
+    assert next(iter(ahead)) == 1
+    assert not ahead.stop(0.1) and ahead.running  # still in its round: the caller cancels the streams then
+    release.set()
+    assert ahead.stop(5) and not ahead.running
+
+    endless = ReadAhead(iter(range(10**9)), depth=1)  # the reader went away: the queue stays full
+    time.sleep(0.1)
+    started = time.monotonic()
+    assert endless.stop(5) and time.monotonic() - started < 1
