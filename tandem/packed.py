@@ -4,8 +4,9 @@ The default CPU GEMM costs a few rows nearly as many times one row, and a verify
 draft's steps for a few sessions, is a few rows. With the weight packed once the GEMM reads it about
 once. Measured on the 2-core test machine, one thread: lm_head 49152x576 at 2 / 6 rows 22.7 / 19.6 ms
 -> 9.5 / 5.9 (one row 10.4 -> 7.8); a 1536x576 projection 0.14 / 0.24 -> 0.07 / 0.12 ms. Inductor's
-freezing and vLLM's CPU backend do the same; a compiled model packs its own. Imported by the services
-only (torch at import)."""
+freezing and vLLM's CPU backend do the same; a compiled model packs its own. Also `concatenated`, the one
+product of several projections of one input (target_server/native.py: fuse_projections). Imported by the
+services only (torch at import)."""
 
 from __future__ import annotations
 

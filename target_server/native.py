@@ -37,9 +37,9 @@ ROPE_TYPES = {"default", "linear", "llama3", "yarn"}  # static frequencies; dyna
 
 
 class RMSNorm(nn.Module):
-    """As transformers computes it: in float32, the weight applied in the input's dtype; as torch's one op
-    (F.rms_norm) rather than transformers' six, a forward's 2L + 1 norms being mostly per-op overhead on a
-    CPU (the draft's norm went from 23 us to 14 so)."""
+    """As transformers computes it: in float32, the weight applied in the input's dtype; through torch's
+    F.rms_norm rather than transformers' six ops (same bits here; one thread, hidden 192: 20.2 -> 16.8 us at
+    16 tokens, about even at one)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -47,7 +47,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype == torch.float32:  # torch's one op for transformers' six (see below)
+        if x.dtype == self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
