@@ -149,11 +149,10 @@ class Generations:
             observer = RequestObserver(self.metrics, probe, len(request.prompt_ids), call.is_active)
             events = observer.rounds(run_rounds(target, draft, request, pair.target_info.max_context, self.speculation))
             deltas = observer.deltas(text_deltas(events, pair.tokenizer, list(client.stop)))
-            if self.service.admission.active <= ReadAhead.MAX_RUNNING:
-                deltas = ReadAhead(deltas)
+            ahead = ReadAhead(deltas) if self.service.admission.active <= ReadAhead.MAX_RUNNING else None
             produced = 0
             try:
-                for delta in deltas:
+                for delta in ahead or deltas:
                     if not call.is_active():
                         break
                     produced += len(delta.token_ids)
@@ -161,10 +160,10 @@ class Generations:
             except BackendError as exc:
                 raise self._failed(exc, produced, call) from None
             finally:
-                if isinstance(deltas, ReadAhead) and not deltas.stop(CLOSE_GRACE_S):  # a round still waits: end it
+                if ahead is not None and not ahead.stop(CLOSE_GRACE_S):  # a round still waits: end its streams
                     cancel()
-                    deltas.stop(CLOSE_GRACE_S)
-                if not (isinstance(deltas, ReadAhead) and deltas.running):
+                    ahead.stop(CLOSE_GRACE_S)
+                if ahead is None or not ahead.running:
                     events.close()
                 target.release("")
                 if draft is not None:
