@@ -410,14 +410,14 @@ def test_the_gate_sheds_where_the_server_runs_faster_target_only():
     assert gate._served[False, 8, "drafting"].tokens == 0 and (True, 8, "drafting") not in gate._served
     for drafting, greedy in [(True, False)] * 5 + [(True, True)]:
         gate.leave(drafting, greedy)
-    gate.enter(False, greedy=False)  # alone: one in 8 starts that would shed explores
+    gate.enter(False, greedy=False)  # alone: the starts that would shed explore now and then (the next test)
     steps(enough, "target", [1], 0.010)
     gate.leave(False, greedy=False)
     gate.enter(True, greedy=False)
     steps(enough, "chain", [1], 0.020)
     gate.leave(True, greedy=False)
-    starts = [gate.outpaced(False, starting=True) for _ in range(2 * AcceptanceGate.EXPLORE_EVERY)]
-    assert starts.count(None) == 2 and starts.count(True) == len(starts) - 2
+    starts = [gate.outpaced(False, starting=True) for _ in range(AcceptanceGate.EXPLORE_EVERY)]
+    assert starts.count(None) == 1 and starts[starts.index(None) + 1:] == [False] * (len(starts) - starts.index(None) - 1)
     for _ in range(4):  # back at load 4, target-only: the drafting rate there grows old and is measured again
         gate.enter(False, greedy=False)
     assert gate.outpaced(False)
@@ -433,6 +433,41 @@ def test_the_gate_sheds_where_the_server_runs_faster_target_only():
         gate.enter(False, greedy=False)  # 3 of 18: mixed (2 of 17 would not be)
     steps(1, "chain", [2] * 15 + [1] * 3, 0.040)
     assert gate._served[False, 16, "drafting"].tokens == 31 and gate._served[False, 32, "drafting"].tokens == 0
+
+
+def test_alone_an_explorer_measures_drafting_afresh():
+    """A server's first drafting generations are its slowest (the draft's first calls): alone on the server,
+    the first start that would shed drafts instead and the rate is measured again from its rounds only, not
+    averaged with the cold ones (which had shed a bench's warm EAGLE-3 case for 55% of its rounds); one
+    start in EXPLORE_EVERY that would shed after it does the same."""
+    from tandem.gates import AcceptanceGate
+
+    clock = types.SimpleNamespace(now=0.0)
+    gate = AcceptanceGate(0.3, clock=lambda: clock.now)
+    n = AcceptanceGate.SERVED_TOKENS
+
+    def alone(drafting: bool, tokens: int, seconds: float) -> None:
+        """One generation alone: n rounds of `seconds`, committing `tokens` each."""
+        gate.enter(drafting, greedy=True)
+        for _ in range(n):
+            clock.now += seconds
+            gate.record_round(True, "chain" if drafting else "target", tokens, 3 if drafting else 0, seconds)
+        gate.leave(drafting, greedy=True)
+
+    for _ in range(4):
+        alone(True, 1, 0.020)  # cold: 50 tokens/s
+    for _ in range(4):
+        alone(False, 1, 0.010)  # target-only: 100 tokens/s
+    assert gate.outpaced(True) is True
+    assert gate.outpaced(True, starting=True) is None  # the first that would shed explores ...
+    assert (True, 1, "drafting") not in gate._served  # ... and the cold generations are forgotten
+    assert gate.outpaced(True, starting=True) is False  # nothing to compare with until it has run
+    alone(True, 3, 0.020)  # warm: 150 tokens/s
+    assert gate.outpaced(True, starting=True) is False
+    for _ in range(8):
+        alone(True, 1, 0.020)  # the head stops paying: 50 tokens/s
+    starts = [gate.outpaced(True, starting=True) for _ in range(AcceptanceGate.EXPLORE_EVERY)]
+    assert starts == [True] * (AcceptanceGate.EXPLORE_EVERY - 1) + [None]
 
 
 def test_under_load_target_only_is_the_server_rates_choice_once_measured():
