@@ -283,28 +283,40 @@ class AcceptanceGate:
                 return None
             return True
 
-    def round_costs(self, greedy: bool, requested: int) -> list[float]:
-        """A round's time with k = 0..requested drafts, in target-only rounds, at the server's load: measured
-        for each K that chain rounds have run (K_ROUNDS of them), linear between those (and K = 0, 1 round),
-        past the largest by the prior `cost` per draft; all the prior, 1 + cost * k, until target-only rounds
-        are measured. Not linear in k from one K: a drafting round pays a fixed share (a propose, a relay)
-        besides its drafts, so one K's cost per draft overstated the others' (a services round at K=1 cost
-        1.8 target-only rounds at temperature 1, and the gate shed K=3 chains that ran 1.08x)."""
+    def _timed_costs(self, greedy: bool, requested: int) -> dict[int, float]:
+        """{K: a round's time in target-only rounds} for K = 0 and each K up to `requested` timed at this load."""
         bucket = load_bucket(self._running)
         target = self._seconds((greedy, bucket, "target", 0), self.RATE_ROUNDS)
-        known = {0: 1.0}  # with nothing else known, the extrapolation below is the prior
+        known = {0: 1.0}  # with nothing else known, the extrapolation is the prior
         for k in range(1, requested + 1 if target is not None else 1):
             if (seconds := self._seconds((greedy, bucket, "chain", k), self.K_ROUNDS)) is not None:
                 known[k] = seconds / target
+        return known
+
+    def round_costs(self, greedy: bool, requested: int) -> list[float]:
+        """A round's time with k = 0..requested drafts, in target-only rounds, at the server's load: measured
+        for each K that chain rounds have run (K_ROUNDS of them), linear between those, past the largest by the
+        prior `cost` per draft, and under the smallest linear down to K = 0 (1 round) but saving at most the
+        prior's cost a draft; all the prior, 1 + cost * k, until target-only rounds are measured. Not linear
+        in k from one K: a drafting round pays a fixed share (a propose, a relay) besides its drafts, so one
+        K's cost per draft overstated the others' above it (a services round at K=1 cost 1.8 target-only
+        rounds at temperature 1, and the gate shed K=3 chains that ran 1.08x) and understated them below it
+        (compiled target, one request: K=5 timed at 3.73 rounds made K=1 look like 1.55; it cost 2.1, and
+        the gate went from K=5 to K=1 and from there to target-only, shedding 64% of a bench's EAGLE-3
+        rounds that ran 1.4x target-only with the gate off)."""
+        known = self._timed_costs(greedy, requested)
         costs = []
         for k in range(requested + 1):
             below = max(j for j in known if j <= k)
             above = min((j for j in known if j >= k), default=None)
             if above is None:  # past the largest K measured: the prior per draft
                 costs.append(known[below] + self.cost * (k - below))
-            else:
-                span = above - below
-                costs.append(known[below] + (known[above] - known[below]) * (k - below) / span if span else known[k])
+                continue
+            span = above - below
+            cost = known[below] + (known[above] - known[below]) * (k - below) / span if span else known[k]
+            if below == 0 < k:  # under the smallest K measured: a draft fewer saves the prior's cost at most
+                cost = max(cost, known[above] - self.cost * (above - k))
+            costs.append(cost)
         return costs
 
     def best_k(self, greedy: bool, requested: int) -> int:
