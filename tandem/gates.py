@@ -80,7 +80,9 @@ class AcceptanceGate:
     target-only, and sampling at temperature 1 with the demo head at 0.59x.
 
     Until a position has been tried `MIN_ROUNDS` times it counts as always accepted, so a new server
-    speculates at the requested K until the counts say otherwise. While they shut it, one request
+    speculates at the requested K until the counts say otherwise (32, not 16: a server's first rounds are
+    often one prompt's, and the demo's first prompt accepts a first draft 0.61 of the time where the
+    bench's 16 make 0.87: at 16 the gate shed 40% of a bench's EAGLE-3 rounds that ran 1.4x). While they shut it, one request
     in `PROBE_EVERY` speculates for its first `PROBE_ROUNDS` rounds anyway, so that a change of
     traffic (a prompt mix the head knows) can open it again. Old counts fade (halved past HALF_LIFE rounds).
 
@@ -113,7 +115,7 @@ class AcceptanceGate:
     probes' few rounds weigh RATE_WEIGHT each.
     """
 
-    MIN_ROUNDS = 16
+    MIN_ROUNDS = 32
     MARGIN = 1.05
     PROBE_EVERY = 32
     PROBE_ROUNDS = 4

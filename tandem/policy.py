@@ -77,6 +77,7 @@ class KPolicy:
         self.shed = self.exploring = False
         self._before: tuple[bool, int, float] | None = None  # its last drafting round, for the tree gate's pairs
         self._tail = False  # this round's drafts are cut short by max_new_tokens (the gates do not time it)
+        self._drafted = False  # a drafting round has been recorded (the first is not timed: see `record`)
         if self.asked and has_draft:
             # too busy already, or the drafts have not paid lately: no features, no draft session at all
             busy = self.k_for is not None and self.k_for(self.requested) == 0
@@ -133,8 +134,11 @@ class KPolicy:
         such rounds say how a generation ends, not what drafting does (a bench's short warm-up generations
         are nearly all such rounds, and timed they shed greedy chains that ran 1.6x target-only), or the
         target was `warming` (compiling a bucket: its speed changes; the gates forget what they timed once
-        it is done)."""
-        timed = not self._tail and not warming
+        it is done), or it is the generation's first drafting round: the draft takes in the prompt's features
+        there, its prefill, and target-only rounds are timed without theirs (a server's very first one took
+        484 ms where K=5 rounds take 10, and its plain mean made K=5 cost 13 target-only rounds: shed)."""
+        timed = not self._tail and not warming and (self._drafted or not drafted)
+        self._drafted = self._drafted or bool(drafted)
         if self.gate is not None:
             if drafted and not tree:  # the gate's counts are per chain position
                 self.gate.record(self.greedy, drafted, accepted)

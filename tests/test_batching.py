@@ -471,6 +471,23 @@ def test_alone_an_explorer_measures_drafting_afresh():
     assert starts == [True] * (AcceptanceGate.EXPLORE_EVERY - 1) + [None]
 
 
+def test_a_generations_first_drafting_round_is_not_timed():
+    """The first drafting round takes the prompt's features into the draft (its prefill; target-only rounds
+    are timed without the target's): a server's first one took 484 ms where its K=5 rounds took 10."""
+    from tandem.gates import AcceptanceGate
+    from tandem.policy import KPolicy, Speculation
+
+    gate = AcceptanceGate(0.3)
+    request = GenerationRequest(prompt_ids=[1, 2], max_new_tokens=64, num_draft_tokens=3)
+    policy = KPolicy(request, Speculation(gate=gate), limit=64, has_draft=True)
+    assert policy.k_for_round(0, 0, True) == 3
+    policy.record(3, 3, 0.5)
+    assert (True, 1, "chain", 3) not in gate._rates and gate._tried[True][1] == 1  # counted, not timed
+    assert policy.k_for_round(4, 1, True) == 3
+    policy.record(3, 2, 0.010)
+    assert gate._rates[True, 1, "chain", 3].rounds == 1 and gate._rates[True, 1, "chain", 3].seconds == 0.010
+
+
 def test_under_load_target_only_is_the_server_rates_choice_once_measured():
     """A head that is never accepted sheds at any load by the counts; under load, once the server has run
     target-only there, drafting ends only by the server's rates (round rates under load mislead)."""
@@ -599,7 +616,7 @@ def test_a_head_that_is_never_accepted_is_shed_and_the_output_stays(generator, h
     prompts = make_prompts(4, generator.target.vocab_size, seed=9)
     stats = []
     for prompt in prompts:
-        request = GenerationRequest(prompt_ids=prompt, max_new_tokens=24, num_draft_tokens=3, ignore_eos=True)
+        request = GenerationRequest(prompt_ids=prompt, max_new_tokens=40, num_draft_tokens=3, ignore_eos=True)
         tokens, event = [], None
         for event in run_rounds(generator.target, generator.draft, request, speculation=Speculation(gate=gate)):
             tokens.extend(event.new_tokens)
@@ -626,23 +643,22 @@ def test_rounds_that_max_new_tokens_cuts_short_are_not_timed():
     from tandem.policy import KPolicy, Speculation
 
     gate = AcceptanceGate(0.3)
-    request = GenerationRequest(prompt_ids=[1], max_new_tokens=8, num_draft_tokens=5)
-    policy = KPolicy(request, Speculation(gate=gate), limit=8, has_draft=True)
-    assert policy.k_for_round(1, 0, True) == 5
-    policy.record(5, 4, 0.010)
-    assert policy.k_for_round(6, 1, True) == 1  # 2 tokens left: one draft and the bonus
-    policy.record(1, 1, 0.010)
+    request = GenerationRequest(prompt_ids=[1], max_new_tokens=14, num_draft_tokens=5)
+    policy = KPolicy(request, Speculation(gate=gate), limit=14, has_draft=True)
+    for produced, k in ((1, 5), (6, 5), (12, 1)):  # the first round (not timed either), a full one, one cut short
+        assert policy.k_for_round(produced, 0, True) == k  # at 12, 2 tokens left: one draft and the bonus
+        policy.record(k, k - 1, 0.010)
     assert gate._rates[True, 1, "chain", 5].rounds == 1 and (True, 1, "chain", 1) not in gate._rates
-    tree = GenerationRequest(prompt_ids=[1], max_new_tokens=8, num_draft_tokens=5,
+    tree = GenerationRequest(prompt_ids=[1], max_new_tokens=14, num_draft_tokens=5,
                              tree=TreeParams(nodes=8, depth=5, top_k=2))
     trees = TreeGate()
-    policy = KPolicy(tree, Speculation(trees=trees), limit=8, has_draft=True)
+    policy = KPolicy(tree, Speculation(trees=trees), limit=14, has_draft=True)
     shapes = []
-    for produced in (1, 3):  # a tree, then a chain cut short: no pair
+    for produced in (1, 3, 10):  # the first round, a tree, then a chain cut short: no pair
         k = policy.k_for_round(produced, 0, True)
         shapes.append(policy.tree_for_round(k, produced) is not None)
         policy.record(k, 1, 0.010, tree=shapes[-1])
-    assert shapes == [True, False] and trees._seen == {}
+    assert shapes == [True, True, False] and trees._seen == {}
 
 
 def test_the_read_ahead_hands_over_in_order_raises_after_and_stops_when_asked():
