@@ -54,7 +54,10 @@ def compile_default(device: torch.device) -> bool | str:
     the speed changes under the acceptance gate as each one lands (tandem bench: demo pair, 1 request, target-only
     305-405 tokens/s against 255 eager, EAGLE-3 K=5 407-559 with the gate off; with it on, since the gate times
     drafting again after REOPEN_ROUNDS, 1.17-1.28x in three runs and shed 98% in a fourth beside vLLM's
-    engines; at 16 1.11x once WarmUp.FIRST held the verifies' buckets): not the default until the gate copes."""
+    engines; at 16 1.11x once WarmUp.FIRST held the verifies' buckets). The gate copes now (no round shed at 1
+    and 16, beside vLLM's engines too: see AcceptanceGate), but a first start compiles FIRST in ~8 minutes
+    of the target's core on the demo target (53 s from inductor's FX graph cache later), longer for bigger
+    targets, and the eager copy doubles the weights in memory meanwhile: still not the CPU default."""
     value = os.environ.get("TANDEM_COMPILE")
     if value is None:
         return device.type == "cuda"
