@@ -285,16 +285,6 @@ class AcceptanceGate:
                 return None
             return True
 
-    def _timed_costs(self, greedy: bool, requested: int) -> dict[int, float]:
-        """{K: a round's time in target-only rounds} for K = 0 and each K up to `requested` timed at this load."""
-        bucket = load_bucket(self._running)
-        target = self._seconds((greedy, bucket, "target", 0), self.RATE_ROUNDS)
-        known = {0: 1.0}  # with nothing else known, the extrapolation is the prior
-        for k in range(1, requested + 1 if target is not None else 1):
-            if (seconds := self._seconds((greedy, bucket, "chain", k), self.K_ROUNDS)) is not None:
-                known[k] = seconds / target
-        return known
-
     def round_costs(self, greedy: bool, requested: int) -> list[float]:
         """A round's time with k = 0..requested drafts, in target-only rounds, at the server's load: measured
         for each K that chain rounds have run (K_ROUNDS of them), linear between those, past the largest by the
@@ -306,7 +296,12 @@ class AcceptanceGate:
         (compiled target, one request: K=5 timed at 3.73 rounds made K=1 look like 1.55; it cost 2.1, and
         the gate went from K=5 to K=1 and from there to target-only, shedding 64% of a bench's EAGLE-3
         rounds that ran 1.4x target-only with the gate off)."""
-        known = self._timed_costs(greedy, requested)
+        bucket = load_bucket(self._running)
+        target = self._seconds((greedy, bucket, "target", 0), self.RATE_ROUNDS)
+        known = {0: 1.0}  # with nothing else known, the extrapolation below is the prior
+        for k in range(1, requested + 1 if target is not None else 1):
+            if (seconds := self._seconds((greedy, bucket, "chain", k), self.K_ROUNDS)) is not None:
+                known[k] = seconds / target
         costs = []
         for k in range(requested + 1):
             below = max(j for j in known if j <= k)
