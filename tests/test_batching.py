@@ -418,7 +418,7 @@ def test_the_gate_sheds_where_the_server_runs_faster_target_only():
     steps(enough, "chain", [1], 0.020)
     gate.leave(True, greedy=False)
     starts = [gate.outpaced(False, starting=True) for _ in range(AcceptanceGate.EXPLORE_EVERY)]
-    assert starts.count(None) == 1 and starts[starts.index(None) + 1:] == [False] * (len(starts) - starts.index(None) - 1)
+    assert starts.count(None) == 1 and set(starts[starts.index(None) + 1:]) <= {False}  # then: no drafting rate
     for _ in range(4):  # back at load 4, target-only: the drafting rate there grows old and is measured again
         gate.enter(False, greedy=False)
     assert gate.outpaced(False)
