@@ -39,6 +39,7 @@ from tandem.wire import is_last_chunk
 if TYPE_CHECKING:
     from coordinator.cohorts import CohortLink
     from coordinator.probe import RequestProbe
+    from coordinator.relay import CohortRelay
 
 _CLOSE = object()
 
@@ -147,6 +148,14 @@ class _Stream:
             self.probe.received(f"{self.service}->coordinator", message)
         return message
 
+    def check_open(self) -> None:
+        """For a step sent elsewhere (the cohort relay): fail as this stream's own step would, once the
+        generation was cancelled or its deadline passed."""
+        if self.cancelled:
+            raise BackendError(self.service, grpc.StatusCode.CANCELLED, "the generation was cancelled")
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+            raise BackendError(self.service, grpc.StatusCode.DEADLINE_EXCEEDED, "the generation's deadline passed")
+
     def expire(self) -> None:
         """Called by the watchdog when a step's deadline passed: the waiting recv() fails."""
         self._expired = True
@@ -216,14 +225,20 @@ class GrpcTarget:
         timeout: float | None,
         probe: RequestProbe | None = None,
         cohorts: CohortLink | None = None,
+        relay: CohortRelay | None = None,
     ):
         self.eos_token_ids = eos_token_ids
         self._stream = _Stream("target", stub.Session, timeout, probe)
         self._features: RelayedFeatures | None = None
         self._cohorts = cohorts  # shared with the generation's GrpcDraft
+        # the verifies go by the cohort relay, but not a profiled request's (its traffic is its own)
+        self._relay = relay if probe is None else None
+        self._session_id = ""
 
-    def _answer(self, expected: str) -> tuple[target_pb2.TargetResponse, RelayedFeatures | None]:
-        response = self._stream.recv()
+    def _answer(self, expected: str, response: target_pb2.TargetResponse | None = None
+                ) -> tuple[target_pb2.TargetResponse, RelayedFeatures | None]:
+        if response is None:
+            response = self._stream.recv()
         if response.WhichOneof("result") != expected:
             raise BackendError("target", grpc.StatusCode.INTERNAL, f"expected {expected}, got {response}")
         if self._cohorts is not None and response.HasField("batch"):
@@ -250,6 +265,7 @@ class GrpcTarget:
             session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_pb(params), want_features=want_features,
             want_timing=self._stream.probe is not None, max_new_tokens=max_new_tokens, verify_tokens=verify_tokens,
         )
+        self._session_id = session_id
         self._stream.send(target_pb2.TargetRequest(prefill=prefill))
         response, features = self._answer("prefilled")
         return PrefillResult(token=response.prefilled.token, features=features,
@@ -261,13 +277,18 @@ class GrpcTarget:
         request = target_pb2.TargetRequest(verify=target_pb2.Verify(token=token, drafts=drafts,
                                                                     want_features=want_features,
                                                                     q=draft_probs_to_pb(q), parents=parents))
+        cohort = None
         if self._cohorts is not None:
             self._cohorts.leave()  # a round without a propose first: this step did not go to the draft
             cohort = self._cohorts.to_target()
             if cohort is not None:
                 request.cohort.id, request.cohort.size = cohort
-        self._stream.send(request)
-        response, features = self._answer("verified")
+        if self._relay is not None:
+            self._stream.check_open()
+            response, features = self._answer("verified", self._relay.verify(session_id, request, cohort))
+        else:
+            self._stream.send(request)
+            response, features = self._answer("verified")
         verified = response.verified
         return VerifyResult(accepted=list(verified.accepted), bonus=verified.bonus, features=features,
                             logprobs=logprobs_from_pb(verified.logprobs), warming=verified.warming)
@@ -275,6 +296,8 @@ class GrpcTarget:
     def release(self, session_id: str) -> bool:
         if self._cohorts is not None:
             self._cohorts.leave()
+        if self._relay is not None:
+            self._relay.forget(self._session_id)
         self._stream.close()
         return True
 

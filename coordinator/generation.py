@@ -19,6 +19,7 @@ from coordinator.backends import CLOSE_GRACE_S, BackendError, GrpcDraft, GrpcTar
 from coordinator.cohorts import CohortLink, Cohorts
 from coordinator.monitor import Monitor, Pair
 from coordinator.probe import RequestObserver, RequestProbe
+from coordinator.relay import CohortRelay
 from tandem.config import CoordinatorSettings
 from tandem.errors import Abort, InvalidRequest, OutOfRange
 from tandem.gates import AcceptanceGate, TreeGate
@@ -103,6 +104,7 @@ class Generations:
         self.monitor: Monitor | None = None
         self.metrics = CoordinatorMetrics(service.registry)
         self.cohorts = Cohorts()
+        self._relay: tuple[object, CohortRelay] | None = None  # (the target's stub and info it was made for, it)
         settings, running = self.settings, service.admission
         budget, cost = settings.spec_token_budget, settings.spec_draft_cost
         self.speculation = Speculation(
@@ -119,6 +121,17 @@ class Generations:
     def attach(self, monitor: Monitor) -> None:
         self.monitor = monitor
 
+    def relay(self, pair: Pair) -> CohortRelay | None:
+        """The cohort relay to this pair's target (--cohort-relay), made again when the target changed."""
+        if not self.settings.cohort_relay:
+            return None
+        made_for = (pair.target, pair.target_info.hidden_size, pair.target_info.dtype)
+        current = self._relay
+        if current is None or current[0] != made_for:
+            current = self._relay = (made_for, CohortRelay(pair.target, pair.target_info,
+                                                           self.settings.max_message_mib))
+        return current[1]
+
     def pair(self) -> Pair:
         if self.monitor is None:
             raise Abort(grpc.StatusCode.UNAVAILABLE, "the coordinator is still connecting to its services")
@@ -134,7 +147,7 @@ class Generations:
             request = fit_to_pair(client, pair)
             link = CohortLink(self.cohorts)  # the batch of each step goes along to the next service
             target = GrpcTarget(pair.target, list(pair.target_info.eos_token_ids), call.timeout, probe=probe,
-                                cohorts=link)
+                                cohorts=link, relay=self.relay(pair))
             draft = None
             if pair.draft is not None and request.speculate:  # no draft (or it is down): target-only
                 draft = GrpcDraft(pair.draft, call.timeout, step_timeout=self.settings.draft_timeout,

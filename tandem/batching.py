@@ -59,6 +59,7 @@ class _Job(Generic[Item]):
     group: object  # steps of one group may share a batch
     clock: StepClock | None
     cohort: tuple[int, int] | None  # (id, size): it came with size-1 others, worth waiting for
+    gathered: bool = False  # queued with others by submit_many: nobody else is waited for
     queued_at: int = field(default_factory=time.monotonic_ns)
     result: Any = None
     done: bool = False
@@ -94,20 +95,39 @@ class Batcher(Generic[Item]):
         self.batches = 0  # forward passes run, and steps in them: the mean batch size is their ratio
         self.steps = 0
 
-    def submit(self, item: Item, tokens: int, key: object = None, group: object = None) -> Any:
+    def submit(self, item: Item, tokens: int, key: object = None, group: object = None,
+               cohort: tuple[int, int] | None = None) -> Any:
+        """`cohort` (id, size): the step came with size-1 others (else the step's clock says, if any)."""
         clock = current_clock()
-        job = _Job(item, tokens, key, group, clock, clock.cohort if clock is not None else None)
+        if cohort is None and clock is not None:
+            cohort = clock.cohort
+        job = _Job(item, tokens, key, group, clock, cohort)
+        self._wait([job])
+        if isinstance(job.result, BaseException):
+            raise job.result
+        return job.result
+
+    def submit_many(self, steps: Sequence[tuple[Item, int, StepClock | None]], group: object = None) -> list[Any]:
+        """Steps the caller gathered (one message of the coordinator's cohort relay: `(item, tokens, clock)`),
+        queued at once and run without waiting for anyone else; a result or an exception instance each."""
+        jobs = [_Job(item, tokens, None, group, clock, None, gathered=True) for item, tokens, clock in steps]
+        self._wait(jobs)
+        return [job.result for job in jobs]
+
+    def _wait(self, jobs: list[_Job]) -> None:
         with self._changed:
-            if key in self._served:
-                away = time.monotonic() - self._served[key][1]
-                self._away[key] = (self._away.get(key, away) + away) / 2
-                self._away_any = (self._away_any + away) / 2
-            self._queue.append(job)
+            for job in jobs:
+                if job.key in self._served:
+                    away = time.monotonic() - self._served[job.key][1]
+                    self._away[job.key] = (self._away.get(job.key, away) + away) / 2
+                    self._away_any = (self._away_any + away) / 2
+                self._queue.append(job)
             self._arrived.notify()
-            while not job.done:
+            while not all(job.done for job in jobs):
                 if not self._running and self._queue:
                     self._running = True
-                    self._refill()
+                    if not all(job.gathered for job in self._queue):
+                        self._refill()
                     batch = self._take()
                     self._changed.release()
                     try:
@@ -118,9 +138,6 @@ class Batcher(Generic[Item]):
                         self._changed.notify_all()
                 else:
                     self._changed.wait()
-        if isinstance(job.result, BaseException):
-            raise job.result
-        return job.result
 
     def _refill(self) -> None:
         """Wait (lock held) for the sessions due back within the window, and for the rest of the

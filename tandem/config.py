@@ -266,6 +266,8 @@ class DraftSettings(EngineSettings):
 
 TREE_HELP = ("EAGLE-2 draft trees for requests that name none: NODES[,DEPTH[,TOP_K]] (depth and top-k default "
              "to the EAGLE-3 reference's 7 and 10); unset: chains of K")
+COHORT_RELAY_HELP = ("on: the verifies of all generations go to the target on one stream, one message per batch; "
+                     "off: each on its generation's own stream (default on)")
 TREE_POLICY_HELP = "on: each round runs the tree or the chain, whichever has measured faster here (default on)"
 
 
@@ -297,6 +299,9 @@ class CoordinatorSettings(ServiceSettings):
     # sessions, and under load the draft has no spare time to give (demo pair, K=3, 2 cores, tokens/s
     # with overlap over without: 1.12x and 1.09x at 1 request, 0.78x at 2, 0.86x at 4, 0.58x at 16).
     overlap_max_running: int = Field(1, ge=1)
+    # The verifies of all generations to the target on one stream, one message per batch (coordinator/relay.py);
+    # off: each on its generation's Session stream.
+    cohort_relay: bool = Field(True, description=COHORT_RELAY_HELP)
     # EAGLE-2 draft trees: the tree of requests that name none, NODES[,DEPTH[,TOP_K]] (none: chains), and
     # whether the tree gate (tandem/gates.py) chooses tree or chain each round by their measured speed.
     tree: TreeSpec | None = Field(None, description=TREE_HELP)
@@ -347,6 +352,7 @@ class ServeSettings(BaseSettings):
     overlap_branches: int | None = Field(None, ge=1, le=64)  # none: the coordinator's default
     tree: TreeSpec | None = Field(None, description=TREE_HELP)
     tree_policy: bool = Field(True, description=TREE_POLICY_HELP)
+    cohort_relay: bool = Field(True, description=COHORT_RELAY_HELP)
     # Prometheus /metrics of each child (none: off, or the child's own TANDEM_<SERVICE>_METRICS_PORT)
     coordinator_metrics_port: int | None = Field(None, ge=0, le=65535)
     target_metrics_port: int | None = Field(None, ge=0, le=65535)

@@ -143,6 +143,7 @@ def serve(settings: ServeSettings) -> int:
             if settings.tree is not None:
                 coordinator_args += ["--tree", settings.tree]
             coordinator_args += ["--tree-policy", "on" if settings.tree_policy else "off"]
+            coordinator_args += ["--cohort-relay", "on" if settings.cohort_relay else "off"]
             if settings.http_port is not None:
                 coordinator_args += ["--http-port", str(settings.http_port)]
             if settings.served_model_name is not None:

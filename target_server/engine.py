@@ -21,12 +21,10 @@ ResourceExhausted, while the budget is taken.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -39,6 +37,7 @@ from tandem.dtypes import TORCH_DTYPES
 from tandem.params import MAX_DRAFT_TOKENS, MAX_TREE_NODES, SamplingParams
 from tandem.protocol import DraftProbs, PrefillResult, VerifyResult
 from tandem.sessions import InvalidRequest, ResourceExhausted, SessionNotFound, SessionOwner, SessionTable
+from tandem.timing import StepClock
 from target_server.acceptance import (
     accept,
     accept_argmax,
@@ -54,34 +53,9 @@ from target_server.kv import VERIFY_TOKENS, KVBudget, KVLayer, KVPool, kv_budget
 from target_server.loading import eos_token_ids, load_target
 from target_server.native import load_native, unsupported
 from target_server.runners import HFRunner, NativeRunner, compile_default
+from target_server.steps import Session, Step
 
 log = logging.getLogger("tandem.target")
-_owners = itertools.count()  # a session's id in the native pool's row metadata
-
-
-@dataclass
-class _Session:
-    params: SamplingParams
-    generator: torch.Generator | None
-    length: int = 0  # tokens whose KV is committed
-    reserved: int = 0  # KV tokens this session may grow to (its share of the budget)
-    blocks: list[int] = field(default_factory=list)  # its KVPool blocks
-    rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # pool row per position (hf)
-    owner: int = field(default_factory=lambda: next(_owners))
-    last_used: float = field(default_factory=time.monotonic)
-    ready: torch.cuda.Event | None = None  # CUDA: recorded at the end of the batch that computed its last features
-
-
-@dataclass
-class _Step:
-    """One session's part of a batched forward."""
-
-    kind: Literal["prefill", "verify"]
-    session: _Session
-    ids: list[int]  # the new tokens: the prompt, or [t, d_1..d_K] (a tree's nodes: t, then the drafts)
-    want_features: bool
-    q: torch.Tensor | dict[int, torch.Tensor] | None = None  # sampled drafts' q: dense_q, a tree's tree_q
-    parents: list[int] | None = None  # a verify of a draft tree: Drafts.parents of ids[1:]; None: a chain
 
 
 def aux_layer_ids_from_draft(
@@ -144,11 +118,11 @@ class TargetEngine(SessionOwner):
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.max_context = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
-        self.sessions: SessionTable[_Session] = SessionTable("target")
+        self.sessions: SessionTable[Session] = SessionTable("target")
         self.kv_budget = KVBudget(kv_cache_tokens, queue_timeout)
         self.kv_pool = self._pool(kv_cache_tokens)
         # One forward at a time (the model and the capture hooks are shared), batched across sessions.
-        self.batcher: Batcher[_Step] = Batcher(self._run_batch, max_batch_size, max_batch_tokens)
+        self.batcher: Batcher[Step] = Batcher(self._run_batch, max_batch_size, max_batch_tokens)
 
     @property
     def buckets_compiling(self) -> int:
@@ -198,7 +172,7 @@ class TargetEngine(SessionOwner):
             self._free(session)
         return list(evicted)
 
-    def _free(self, session: _Session) -> None:
+    def _free(self, session: Session) -> None:
         self.kv_pool.free(session.blocks)
         session.blocks = []
         self.kv_budget.free(session.reserved)
@@ -256,9 +230,9 @@ class TargetEngine(SessionOwner):
         reserve = self.kv_budget.reserve(reserve)
         # Every layer keeps its full KV, so verify can always roll back (a config-built cache trims
         # sliding-window layers, Mistral's, and then cannot crop); blocks are taken as it grows.
-        session = _Session(params=params, generator=generator, reserved=reserve)
+        session = Session(params=params, generator=generator, reserved=reserve)
         try:
-            step = _Step("prefill", session, list(prompt_ids), want_features)
+            step = Step("prefill", session, list(prompt_ids), want_features)
             result = self.batcher.submit(step, len(prompt_ids), key=session_id, group="prefill")
             self.sessions.add(session_id, session)
         except BaseException:
@@ -271,6 +245,30 @@ class TargetEngine(SessionOwner):
         """`q`: for a sampled session, the distribution the draft sampled each draft from (speculative
         sampling, target_server/acceptance.py); None: the drafts are the draft's argmax. `parents`: the
         drafts are a tree (Drafts.parents; its q: one per node, empty for one not sampled); None: a chain."""
+        step = self._verify_step(session_id, token, drafts, want_features, q, parents)
+        result = self.batcher.submit(step, len(step.ids), key=session_id, group="verify")
+        step.session.last_used = time.monotonic()
+        return result
+
+    def verify_many(self, calls: list[tuple[tuple, StepClock | None]]) -> list[VerifyResult | Exception]:
+        """Verifies the coordinator's cohort relay gathered, `(verify's arguments, clock)` each, run as one
+        batch: a result, or the error of a step that failed (it fails alone), each."""
+        steps, results = [], []
+        for args, clock in calls:
+            try:
+                if any(step.session is self.sessions.get(args[0]) for step, _ in steps):
+                    raise InvalidRequest(f"two verifies of session {args[0]!r} in one cohort")
+                steps.append((self._verify_step(*args), clock))
+                results.append(None)
+            except (InvalidRequest, SessionNotFound) as exc:
+                results.append(exc)
+        done = iter(self.batcher.submit_many([(step, len(step.ids), clock) for step, clock in steps], "verify"))
+        for step, _ in steps:
+            step.session.last_used = time.monotonic()
+        return [next(done) if result is None else result for result in results]
+
+    def _verify_step(self, session_id: str, token: int, drafts: list[int], want_features: bool,
+                     q: list[DraftProbs] | None, parents: list[int] | None) -> Step:
         session = self.sessions.get(session_id)
         self._check_ids([token, *drafts], "the verify input")
         if parents is not None and not self.supports_trees:
@@ -292,15 +290,12 @@ class TargetEngine(SessionOwner):
                 f"verify would grow the session to {grown} tokens, past the {session.reserved} its prefill "
                 "reserved (prompt + max_new_tokens)"
             )
-        step = _Step("verify", session, [token, *drafts], want_features, dense, parents)
-        result = self.batcher.submit(step, 1 + len(drafts), key=session_id, group="verify")
-        session.last_used = time.monotonic()
-        return result
+        return Step("verify", session, [token, *drafts], want_features, dense, parents)
 
     # -- one batched forward ------------------------------------------------------------------
 
     @torch.inference_mode()
-    def _run_batch(self, steps: list[_Step]) -> list[PrefillResult | VerifyResult | Exception]:
+    def _run_batch(self, steps: list[Step]) -> list[PrefillResult | VerifyResult | Exception]:
         """The batch in as few forwards as keep each one's padded KV within the budget; a forward that
         runs out of memory fails its steps with ResourceExhausted (the server is full), not the process."""
         results: dict[int, PrefillResult | VerifyResult | Exception] = {}
@@ -322,7 +317,7 @@ class TargetEngine(SessionOwner):
             step.session.ready = ready
         return [results[id(step)] for step in steps]
 
-    def _forward(self, steps: list[_Step]) -> list[PrefillResult | VerifyResult]:
+    def _forward(self, steps: list[Step]) -> list[PrefillResult | VerifyResult]:
         past = [step.session.length for step in steps]
         for step in steps:
             self._grow(step.session, step.session.length + len(step.ids))
@@ -341,7 +336,7 @@ class TargetEngine(SessionOwner):
             step.session.length += len(keep)
         return results
 
-    def _grow(self, session: _Session, length: int) -> None:
+    def _grow(self, session: Session, length: int) -> None:
         """Blocks for `length` positions (and, for the hf runner, their pool rows)."""
         need = -(-length // KVPool.BLOCK) - len(session.blocks)
         if need > 0:
@@ -353,7 +348,7 @@ class TargetEngine(SessionOwner):
                 session.rows = torch.cat([session.rows.to(self.device), rows])
 
     def _finish(
-        self, step: _Step, logits: torch.Tensor, features: torch.Tensor, argmax: list[int] | None,
+        self, step: Step, logits: torch.Tensor, features: torch.Tensor, argmax: list[int] | None,
         commit: Callable[[range | list[int]], None],
     ) -> PrefillResult | VerifyResult:
         """Sample or accept from one sequence's logits (prefill: [1, V], verify: [K+1, V], a tree's one row

@@ -1,6 +1,6 @@
 """How the target engine turns a batch of steps into forwards: two runners with one contract.
 
-  supports_trees              whether a verify's drafts may be a tree (_Step.parents)
+  supports_trees              whether a verify's drafts may be a tree (Step.parents)
   forward(steps) -> logits [N, V] (a prefill's last row, every row of a verify, in step order) and
                     each step's features [n, 3H]; a tree's nodes each attend to the past and their own path
   commit(steps, past, kept)   after acceptance: each step keeps the KV of the new tokens kept[i] (indices
@@ -38,7 +38,7 @@ from target_server.paged import BLOCK, PAD, PagedKVPool, Span, ancestor_bits, bu
 from target_server.warmup import WarmUp
 
 if TYPE_CHECKING:
-    from target_server.engine import _Step
+    from target_server.steps import Step
 
 log = logging.getLogger("tandem.target")
 
@@ -75,7 +75,7 @@ def _compile(model: torch.nn.Module, options: dict | None) -> Callable:
         return torch.compile(model, fullgraph=True, dynamic=False, options=options)
 
 
-def _new_rows(steps: list[_Step]) -> list[int]:
+def _new_rows(steps: list[Step]) -> list[int]:
     """The rows of each step the acceptance rule reads: a prefill's last, a verify's all."""
     return [1 if step.kind == "prefill" else len(step.ids) for step in steps]
 
@@ -126,10 +126,10 @@ class NativeRunner:
                 self.warm_up.queue(width, pool)
         return pool
 
-    def parts(self, steps: list[_Step], budget: int | None) -> list[list[_Step]]:
+    def parts(self, steps: list[Step], budget: int | None) -> list[list[Step]]:
         return [steps]  # nothing is gathered: a batch is one forward whatever its sessions' pasts
 
-    def forward(self, steps: list[_Step], pool: PagedKVPool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, steps: list[Step], pool: PagedKVPool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         sizes = [len(step.ids) for step in steps]
         n = sum(sizes)
         key = (bucket(n, self.device.type), pool.owner.shape[0])
@@ -194,7 +194,7 @@ class NativeRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def commit(self, steps: list[_Step], past: list[int], kept: list[Sequence[int]],
+    def commit(self, steps: list[Step], past: list[int], kept: list[Sequence[int]],
                pool: PagedKVPool) -> None:
         """A chain's kept rows are already where their positions are; a tree's path moves there, and the
         tree's other rows are freed (paged.keep_rows: one copy per layer for the whole batch)."""
@@ -235,17 +235,17 @@ class HFRunner:
         blocks = cap if cap is not None and self.device.type == "cuda" else 64  # a GPU's: all of it now
         return KVPool(layers, heads, head_dim, dtype, self.device, blocks, cap)
 
-    def parts(self, steps: list[_Step], budget: int | None) -> list[list[_Step]]:
+    def parts(self, steps: list[Step], budget: int | None) -> list[list[Step]]:
         """A forward gathers B x (longest past + widest new) tokens of KV: one long session among short
         ones multiplies it. The batch as it is when that fits in the budget, else in parts that do (the
         longest pasts first, each part as large as fits)."""
 
-        def size(part: list[_Step]) -> int:
+        def size(part: list[Step]) -> int:
             return len(part) * (max(s.session.length for s in part) + max(len(s.ids) for s in part))
 
         if budget is None or size(steps) <= budget:
             return [steps]
-        parts: list[list[_Step]] = []
+        parts: list[list[Step]] = []
         for step in sorted(steps, key=lambda s: -s.session.length):
             if parts and size([*parts[-1], step]) <= budget:
                 parts[-1].append(step)
@@ -253,7 +253,7 @@ class HFRunner:
                 parts.append([step])
         return parts
 
-    def forward(self, steps: list[_Step], pool: KVPool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, steps: list[Step], pool: KVPool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         past = [step.session.length for step in steps]
         sizes = [len(step.ids) for step in steps]
         longest, width = max(past), max(sizes)
@@ -282,7 +282,7 @@ class HFRunner:
                 for i, (step, n) in enumerate(zip(steps, sizes, strict=True))]
         return self.logits(torch.cat(rows)), [features[i, :n] for i, n in enumerate(sizes)]
 
-    def _tree_mask(self, steps: list[_Step], mask: torch.Tensor, longest: int, width: int) -> torch.Tensor:
+    def _tree_mask(self, steps: list[Step], mask: torch.Tensor, longest: int, width: int) -> torch.Tensor:
         """[B, 1, width, longest + width] additive (0 visible, the dtype's minimum hidden; transformers passes
         a 4D mask through as given): the padding of `mask` [B, longest + width], causal among the new tokens,
         and a tree's node sees only its ancestors and itself among them."""
@@ -303,7 +303,7 @@ class HFRunner:
         cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2/3
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def _gather_kv(self, steps: list[_Step], longest: int, pool: KVPool) -> list[KVLayer]:
+    def _gather_kv(self, steps: list[Step], longest: int, pool: KVPool) -> list[KVLayer]:
         """Each layer's view of the batch's past, each sequence left-padded to `longest`; gathered from the
         pool when the layer runs."""
         heads, head_dim = pool.shape
@@ -322,7 +322,7 @@ class HFRunner:
 
         return [KVLayer(gather(layer), shape, pool.dtype, self.device) for layer in range(len(pool.keys))]
 
-    def commit(self, steps: list[_Step], past: list[int], kept: list[Sequence[int]], pool: KVPool) -> None:
+    def commit(self, steps: list[Step], past: list[int], kept: list[Sequence[int]], pool: KVPool) -> None:
         """The KV of the tokens each session commits (its new tokens `kept`) into its pool rows."""
         rows = torch.cat([step.session.rows[p : p + len(keep)]
                           for step, p, keep in zip(steps, past, kept, strict=True)])

@@ -10,6 +10,7 @@ import logging
 import sys
 import uuid
 from collections.abc import Iterator
+from contextlib import ExitStack
 
 import grpc
 import torch
@@ -17,14 +18,14 @@ import torch
 from tandem.config import TargetSettings
 from tandem.convert import draft_probs_from_pb, logprobs_to_pb, parents_from_pb, sampling_from_pb
 from tandem.dtypes import name_of
-from tandem.errors import Abort
+from tandem.errors import Abort, status_of
 from tandem.service import Service, StartupError, run_service
 from tandem.servicer import EngineServicer
 from tandem.sessions import InvalidRequest
 from tandem.timing import StepClock
 from tandem.transports.endpoints import TargetTransport
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
-from tandem.wire import encode_features
+from tandem.wire import WireError, encode_features
 from target_server.engine import KVPool, TargetEngine, aux_layer_ids_from_draft, kv_budget_tokens
 
 log = logging.getLogger("tandem.target")
@@ -153,31 +154,87 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
                     if self.transport is not None:
                         self.transport.release(session_id)
 
+    def Cohort(self, request_iterator, context) -> Iterator[target_pb2.CohortResults]:
+        """The cohort relay: each message's verifies, of sessions open on their Session streams, in one
+        engine call (tandem.batching.Batcher.submit_many), answered in one message."""
+        if self.service.admission.draining or not self.service.admission.ready:
+            raise Abort(grpc.StatusCode.UNAVAILABLE, "the target service is loading or draining")
+        engine = self.loaded()
+        for message in request_iterator:
+            yield self._cohort(engine, message.steps)
+
+    def _cohort(self, engine: TargetEngine, steps) -> target_pb2.CohortResults:
+        calls, failed = [], {}
+        for i, step in enumerate(steps):
+            v = step.request.verify
+            try:
+                if step.request.WhichOneof("step") != "verify":
+                    raise InvalidRequest("the cohort relay takes verifies only")
+                args = (step.session_id, v.token, list(v.drafts), v.want_features, draft_probs_from_pb(v.q),
+                        parents_from_pb(v.parents))
+            except (InvalidRequest, WireError, ValueError) as exc:
+                failed[i] = InvalidRequest(str(exc))
+                continue
+            calls.append((args, StepClock(engine.device)))
+        with ExitStack() as stack:
+            for _, clock in calls:
+                stack.enter_context(clock.compute())
+            done = iter(zip(engine.verify_many(calls), calls, strict=True))
+        answer = target_pb2.CohortResults()
+        for i, step in enumerate(steps):
+            item = answer.results.add()
+            result = failed.get(i)
+            if result is None:
+                result, (_, clock) = next(done)
+            if isinstance(result, BaseException):
+                code, message = status_of(result) or (grpc.StatusCode.INTERNAL, "the target failed this verify")
+                if code == grpc.StatusCode.INTERNAL:
+                    log.error("a verify of the cohort relay failed", exc_info=result)
+                item.error.code, item.error.message = code.value[0], message
+                continue
+            verified = item.response.verified
+            verified.accepted.extend(result.accepted)
+            verified.bonus, verified.warming = result.bonus, result.warming
+            if result.logprobs is not None:
+                verified.logprobs.extend(logprobs_to_pb(result.logprobs))
+            chunks = self._feature_chunks(result.features, clock, step.session_id, one=True)
+            self._stamp(item.response, chunks, "verify", clock, False)
+        return answer
+
     def _with_features(
         self, head: target_pb2.TargetResponse, features, step: str, clock: StepClock, timed: bool, session_id: str
     ) -> Iterator[target_pb2.TargetResponse]:
         """The step's answer: the result with a fast path's descriptor, or with the first feature chunk
         and then one message per further chunk (inline)."""
-        chunks = []
-        if features is not None:
-            with clock.codec():
-                ref = None
-                if self.transport is not None:
-                    ref = self.transport.send(session_id, features, self.loaded().features_ready(session_id))
-                if ref is not None:
-                    n = features.shape[0]
-                    chunks = [common_pb2.Features(ref=ref, row_offset=0, num_rows=n, total_rows=n)]
-                else:
-                    chunks = encode_features(features, self.chunk_bytes)
+        chunks = self._feature_chunks(features, clock, session_id)
+        yield self._stamp(head, chunks, step, clock, timed)
+        for chunk in chunks[1:]:
+            yield target_pb2.TargetResponse(features=chunk)
+
+    def _feature_chunks(self, features, clock: StepClock, session_id: str, one: bool = False) -> list:
+        """A step's features: a fast path's descriptor, else inline chunks (`one`: all in one chunk)."""
+        if features is None:
+            return []
+        with clock.codec():
+            ref = None
+            if self.transport is not None:
+                ref = self.transport.send(session_id, features, self.loaded().features_ready(session_id))
+            if ref is not None:
+                n = features.shape[0]
+                return [common_pb2.Features(ref=ref, row_offset=0, num_rows=n, total_rows=n)]
+            return encode_features(features, 1 << 62 if one else self.chunk_bytes)
+
+    def _stamp(self, head: target_pb2.TargetResponse, chunks: list, step: str, clock: StepClock,
+               timed: bool) -> target_pb2.TargetResponse:
+        """The first message of a step's answer: its first feature chunk, its timing and its batch."""
+        if chunks:
             head.features.CopyFrom(chunks[0])
         self.metrics.observe(step, clock)
         if timed:
             head.timing.CopyFrom(clock.to_pb())
         if clock.batch is not None:
             head.batch.id, head.batch.size = clock.batch
-        yield head
-        for chunk in chunks[1:]:
-            yield target_pb2.TargetResponse(features=chunk)
+        return head
 
 
 def kv_tokens(settings: TargetSettings, engine: TargetEngine) -> int | None:

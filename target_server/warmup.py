@@ -15,8 +15,8 @@ import torch
 from target_server.paged import PagedKVPool, plan
 
 if TYPE_CHECKING:
-    from target_server.engine import _Step
     from target_server.runners import NativeRunner
+    from target_server.steps import Step
 
 log = logging.getLogger("tandem.target")
 
@@ -48,7 +48,7 @@ class WarmUp:
         self._pending = 0  # buckets queued and not yet compiled (or failed)
         self._idle = threading.Condition()
 
-    def ready(self, steps: list[_Step], width: int, pool: PagedKVPool) -> bool:
+    def ready(self, steps: list[Step], width: int, pool: PagedKVPool) -> bool:
         if any(step.kind == "prefill" for step in steps):
             return False
         if (width, pool.owner.shape[0]) in self._ready:

@@ -105,6 +105,42 @@ class Verify(_message.Message):
     parents: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, token: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., want_features: _Optional[bool] = ..., q: _Optional[_Iterable[_Union[_common_pb2.DraftProbs, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class CohortSteps(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[SessionStep]
+    def __init__(self, steps: _Optional[_Iterable[_Union[SessionStep, _Mapping]]] = ...) -> None: ...
+
+class SessionStep(_message.Message):
+    __slots__ = ("session_id", "request")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    request: TargetRequest
+    def __init__(self, session_id: _Optional[str] = ..., request: _Optional[_Union[TargetRequest, _Mapping]] = ...) -> None: ...
+
+class CohortResults(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[StepResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("response", "error")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    response: TargetResponse
+    error: StepError
+    def __init__(self, response: _Optional[_Union[TargetResponse, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class TargetResponse(_message.Message):
     __slots__ = ("prefilled", "verified", "features", "timing", "batch")
     PREFILLED_FIELD_NUMBER: _ClassVar[int]

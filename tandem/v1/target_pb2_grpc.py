@@ -50,6 +50,11 @@ class TargetServiceStub:
                 request_serializer=tandem_dot_v1_dot_target__pb2.TargetRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_target__pb2.TargetResponse.FromString,
                 _registered_method=True)
+        self.Cohort = channel.stream_stream(
+                '/tandem.v1.TargetService/Cohort',
+                request_serializer=tandem_dot_v1_dot_target__pb2.CohortSteps.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_target__pb2.CohortResults.FromString,
+                _registered_method=True)
         self.OpenTransport = channel.unary_unary(
                 '/tandem.v1.TargetService/OpenTransport',
                 request_serializer=tandem_dot_v1_dot_common__pb2.TransportPlan.SerializeToString,
@@ -89,6 +94,17 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Cohort(self, request_iterator, context):
+        """The cohort relay: the verifies of many sessions, one message each way per batch (at 16 sessions,
+        one message per session each way cost the target's core more than its forward). Each session keeps
+        its Session stream (its prefill, its lifetime); a verify may come here instead, naming its session.
+        Every CohortSteps is answered by one CohortResults, its results in the steps' order; a step that
+        fails fails alone (StepResult.error). Features come in one chunk (a verify's rows fit one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenTransport(self, request, context):
         """The feature fast path, set up by the coordinator: OpenTransport prepares the plan's transport
         (ring, rendezvous) and returns the plan with what the draft needs to attach; StartTransport
@@ -121,6 +137,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=tandem_dot_v1_dot_target__pb2.TargetRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_target__pb2.TargetResponse.SerializeToString,
+            ),
+            'Cohort': grpc.stream_stream_rpc_method_handler(
+                    servicer.Cohort,
+                    request_deserializer=tandem_dot_v1_dot_target__pb2.CohortSteps.FromString,
+                    response_serializer=tandem_dot_v1_dot_target__pb2.CohortResults.SerializeToString,
             ),
             'OpenTransport': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenTransport,
@@ -214,6 +235,33 @@ class TargetService:
             '/tandem.v1.TargetService/Session',
             tandem_dot_v1_dot_target__pb2.TargetRequest.SerializeToString,
             tandem_dot_v1_dot_target__pb2.TargetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cohort(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.TargetService/Cohort',
+            tandem_dot_v1_dot_target__pb2.CohortSteps.SerializeToString,
+            tandem_dot_v1_dot_target__pb2.CohortResults.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,114 @@
+"""The cohort relay (coordinator/relay.py, TargetService.Cohort): many sessions' verifies in one message
+each way, over real gRPC to a real target engine."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from coordinator.backends import BackendError, GrpcTarget
+from coordinator.relay import CohortRelay
+from tandem.config import TargetSettings
+from tandem.params import SamplingParams
+from tandem.service import Service
+from tandem.v1 import target_pb2, target_pb2_grpc
+from target_server.engine import TargetEngine
+from target_server.service import TargetServicer
+from tests.test_services import id_prompts
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    """The tiny target's servicer on loopback; (stub, engine, relay)."""
+    service = Service("target", TargetSettings(model=tiny_dir / "target", port=0), ["tandem.v1.TargetService"])
+    servicer = TargetServicer(service, chunk_bytes=2 << 20)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, service.server)
+    service.start()
+    engine = TargetEngine(tiny_dir / "target")
+    servicer.engine = engine
+    service.ready()
+    channel = grpc.insecure_channel(service.address)
+    stub = target_pb2_grpc.TargetServiceStub(channel)
+    info = target_pb2.TargetInfo(hidden_size=engine.hidden_size, dtype="float32")
+    yield stub, engine, CohortRelay(stub, info, max_message_mib=16)
+    channel.close()
+    service.server.stop(None)
+
+
+def rounds(target: GrpcTarget, sid: str, prompt: list[int], n: int, barrier=None) -> list[tuple]:
+    """A prefill, then n verifies of drafts made up from the tokens so far (some accepted, some not)."""
+    t = target.prefill(sid, prompt, SamplingParams(), want_features=True).token
+    out, history = [], list(prompt)
+    for i in range(n):
+        if barrier is not None:
+            barrier.wait(30)
+        drafts = [history[-(i % 3) - 1], t, (t + i) % 50]
+        result = target.verify(sid, t, drafts)
+        features = [chunk.num_rows for chunk in result.features]
+        out.append((result.accepted, result.bonus, features))
+        history += [t, *result.accepted]
+        t = result.bonus
+    target.release(sid)
+    return out
+
+
+def test_concurrent_verifies_share_a_message_and_give_what_their_own_streams_give(target, tiny_dir):
+    stub, engine, relay = target
+    prompts = id_prompts(6, engine.vocab_size, seed=3)
+    alone = [rounds(GrpcTarget(stub, [], timeout=60), f"own{i}", p, 5) for i, p in enumerate(prompts)]
+    batches = relay._batcher.batches
+    barrier = threading.Barrier(len(prompts))
+    relayed: list = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        relayed[i] = rounds(GrpcTarget(stub, [], timeout=60, relay=relay), f"relay{i}", prompts[i], 5, barrier)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert relayed == alone
+    assert all(n == a + 1 for out in relayed for accepted, _, (n,) in out for a in [len(accepted)])
+    sent = relay._batcher.batches - batches
+    assert sent < 5 * len(prompts) / 2, f"{sent} relay messages for {5 * len(prompts)} verifies"
+    assert engine.num_sessions == 0
+
+
+def test_a_bad_verify_in_a_cohort_fails_alone_and_the_others_go_on(target):
+    stub, engine, _ = target
+    own = GrpcTarget(stub, [], timeout=60)
+    t = own.prefill("good", [5, 6, 7, 8], SamplingParams(), want_features=False).token
+    other = GrpcTarget(stub, [], timeout=60)
+    other.prefill("other", [5, 6], SamplingParams(), want_features=False)
+
+    def verify(session_id: str, token: int) -> target_pb2.SessionStep:
+        request = target_pb2.TargetRequest(verify=target_pb2.Verify(token=token, drafts=[t]))
+        return target_pb2.SessionStep(session_id=session_id, request=request)
+
+    steps = [verify("good", t), verify("nobody", t), verify("good", t), verify("other", engine.vocab_size + 5),
+             target_pb2.SessionStep(session_id="good", request=target_pb2.TargetRequest(
+                 prefill=target_pb2.Prefill(prompt_ids=[1, 2])))]
+    (answer,) = stub.Cohort(iter([target_pb2.CohortSteps(steps=steps)]), timeout=60)
+    codes = [grpc.StatusCode.OK if r.HasField("response") else r.error.code for r in answer.results]
+    assert codes[0] == grpc.StatusCode.OK and answer.results[0].response.verified.bonus >= 0
+    assert codes[1:] == [grpc.StatusCode.NOT_FOUND.value[0]] + [grpc.StatusCode.INVALID_ARGUMENT.value[0]] * 3
+    assert "two verifies of session 'good'" in answer.results[2].error.message
+    assert "the verify input" in answer.results[3].error.message
+    assert "verifies only" in answer.results[4].error.message
+    bonus = answer.results[0].response.verified.bonus
+    assert own.verify("good", bonus, []).bonus >= 0  # the session carries on, on its own stream
+    own.release("good")
+    other.release("other")
+
+
+def test_a_cancelled_generation_sends_no_more_verifies(target):
+    stub, _, relay = target
+    own = GrpcTarget(stub, [], timeout=60, relay=relay)
+    t = own.prefill("gone", [5, 6, 7], SamplingParams(), want_features=False).token
+    own.cancel()
+    with pytest.raises(BackendError) as failed:
+        own.verify("gone", t, [t])
+    assert failed.value.code == grpc.StatusCode.CANCELLED
