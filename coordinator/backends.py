@@ -285,7 +285,7 @@ class GrpcTarget:
                 request.cohort.id, request.cohort.size = cohort
         if self._relay is not None:
             self._stream.check_open()
-            response, features = self._answer("verified", self._relay.verify(session_id, request, cohort))
+            response, features = self._answer("verified", self._relay.step(session_id, request, 1 + len(drafts), cohort))
         else:
             self._stream.send(request)
             response, features = self._answer("verified")
@@ -323,11 +323,15 @@ class GrpcDraft:
         on_fault: Callable[[BackendError], None] | None = None,
         probe: RequestProbe | None = None,
         cohorts: CohortLink | None = None,
+        relay: CohortRelay | None = None,
     ):
         self._stream = _Stream("draft", stub.Session, timeout, probe)
         self._step_timeout = step_timeout
         self._on_fault = on_fault
         self._cohorts = cohorts  # shared with the generation's GrpcTarget
+        # later chain proposes go by the cohort relay, until an ahead step: the stream keeps those in order
+        self._relay = relay if probe is None else None
+        self._session_id = ""
 
     def propose(
         self,
@@ -340,6 +344,12 @@ class GrpcDraft:
         tree: TreeParams | None = None,
     ) -> Drafts:
         cohort = self._cohorts.to_draft() if self._cohorts is not None else None
+        if self._relay is not None and not create and tree is None:
+            chunks = list(features)
+            if len(chunks) == 1:
+                return self._relayed(session_id, chunks[0], next_tokens, num_draft_tokens, cohort)
+            features = chunks
+        self._session_id = session_id
         first = True
         for chunk in features:
             request = draft_pb2.DraftRequest(features=chunk)
@@ -357,7 +367,19 @@ class GrpcDraft:
                     request.tree.CopyFrom(tree_to_pb(tree))
                 first = False
             self._stream.send(request)
-        response = self._answer()
+        return self._drafts(self._answer())
+
+    def _relayed(self, session_id: str, chunk: common_pb2.Features, next_tokens: list[int], k: int,
+                 cohort: tuple[int, int] | None) -> Drafts:
+        request = draft_pb2.DraftRequest(features=chunk, next_tokens=next_tokens, num_draft_tokens=k)
+        try:
+            self._stream.check_open()
+            response = self._relay.step(session_id, request, len(next_tokens) + k, cohort)
+        except BackendError as exc:
+            return self._failed(exc)
+        return self._drafts(response)
+
+    def _drafts(self, response: draft_pb2.DraftResponse) -> Drafts:
         if self._cohorts is not None and response.HasField("batch"):
             self._cohorts.from_draft(response.batch.id, response.batch.size)
         # q and a tree's parents (wire values: tandem/convert.py) are relayed to the target as they came
@@ -373,6 +395,7 @@ class GrpcDraft:
         branches: int,
     ) -> _PendingAhead:
         """Send an ahead step and return at once: the answer is read when the verify has answered."""
+        self._relay = None  # from here on every step goes on the stream, in order with the aheads
         if self._cohorts is not None:
             self._cohorts.leave()
         ahead = draft_pb2.Ahead(assumed=drafts, branches=branches)
@@ -392,13 +415,18 @@ class GrpcDraft:
         try:
             return self._stream.recv(self._step_timeout)
         except BackendError as exc:
-            ours = self._stream.cancelled
-            self._stream.cancel()
-            if self._on_fault is not None and not ours:
-                self._on_fault(exc)
-            raise DraftUnavailable(str(exc)) from exc
+            return self._failed(exc)
+
+    def _failed(self, exc: BackendError):
+        ours = self._stream.cancelled
+        self._stream.cancel()
+        if self._on_fault is not None and not ours:
+            self._on_fault(exc)
+        raise DraftUnavailable(str(exc)) from exc
 
     def release(self, session_id: str) -> bool:
+        if self._relay is not None:
+            self._relay.forget(session_id)
         self._stream.close()
         return True
 

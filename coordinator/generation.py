@@ -19,7 +19,7 @@ from coordinator.backends import CLOSE_GRACE_S, BackendError, GrpcDraft, GrpcTar
 from coordinator.cohorts import CohortLink, Cohorts
 from coordinator.monitor import Monitor, Pair
 from coordinator.probe import RequestObserver, RequestProbe
-from coordinator.relay import CohortRelay
+from coordinator.relay import CohortRelay, draft_relay, target_relay
 from tandem.config import CoordinatorSettings
 from tandem.errors import Abort, InvalidRequest, OutOfRange
 from tandem.gates import AcceptanceGate, TreeGate
@@ -104,7 +104,7 @@ class Generations:
         self.monitor: Monitor | None = None
         self.metrics = CoordinatorMetrics(service.registry)
         self.cohorts = Cohorts()
-        self._relay: tuple[object, CohortRelay] | None = None  # (the target's stub and info it was made for, it)
+        self._relays: dict[str, tuple[tuple, CohortRelay]] = {}  # service -> (what it was made for, it)
         settings, running = self.settings, service.admission
         budget, cost = settings.spec_token_budget, settings.spec_draft_cost
         self.speculation = Speculation(
@@ -121,15 +121,20 @@ class Generations:
     def attach(self, monitor: Monitor) -> None:
         self.monitor = monitor
 
-    def relay(self, pair: Pair) -> CohortRelay | None:
-        """The cohort relay to this pair's target (--cohort-relay), made again when the target changed."""
+    def relay(self, pair: Pair, service: str) -> CohortRelay | None:
+        """The cohort relay to this pair's target or draft (--cohort-relay), made again when the service changed."""
         if not self.settings.cohort_relay:
             return None
-        made_for = (pair.target, pair.target_info.hidden_size, pair.target_info.dtype)
-        current = self._relay
+        stub, info = (pair.target, pair.target_info) if service == "target" else (pair.draft, pair.draft_info)
+        made_for = (stub, info.dtype, info.hidden_size if service == "target" else info.target_hidden_size)
+        current = self._relays.get(service)
         if current is None or current[0] != made_for:
-            current = self._relay = (made_for, CohortRelay(pair.target, pair.target_info,
-                                                           self.settings.max_message_mib))
+            if current is not None:
+                current[1].close()
+            mib = self.settings.max_message_mib
+            relay = (target_relay(stub, info, mib) if service == "target"
+                     else draft_relay(stub, info, mib, self.settings.draft_timeout))
+            current = self._relays[service] = (made_for, relay)
         return current[1]
 
     def pair(self) -> Pair:
@@ -147,11 +152,12 @@ class Generations:
             request = fit_to_pair(client, pair)
             link = CohortLink(self.cohorts)  # the batch of each step goes along to the next service
             target = GrpcTarget(pair.target, list(pair.target_info.eos_token_ids), call.timeout, probe=probe,
-                                cohorts=link, relay=self.relay(pair))
+                                cohorts=link, relay=self.relay(pair, "target"))
             draft = None
             if pair.draft is not None and request.speculate:  # no draft (or it is down): target-only
                 draft = GrpcDraft(pair.draft, call.timeout, step_timeout=self.settings.draft_timeout,
-                                  on_fault=lambda error: self.monitor.fault("draft", error), probe=probe, cohorts=link)
+                                  on_fault=lambda error: self.monitor.fault("draft", error), probe=probe, cohorts=link,
+                                  relay=self.relay(pair, "draft"))
 
             def cancel() -> None:  # the client went away or its deadline passed: free both sessions now
                 target.cancel()

@@ -1,74 +1,76 @@
-"""The cohort relay: the verifies of every generation go to the target on one stream, one message each
-way per batch (TargetService.Cohort), instead of one message each way per session on its own stream.
+"""The cohort relay: the verifies of every generation go to the target on one stream, and their proposes to
+the draft on another, one message each way per batch (TargetService.Cohort, DraftService.Cohort), instead
+of one message each way per session on its own stream.
 
 At 16 requests a round of 16 verifies cost the target 16 messages in and 16 out, each waking a handler
 thread on the target's core; the handlers took the core from the forward (demo target, compiled, 2-core
 CPU: a round of 17 ms of which the batch's forward was about 7). Here the coordinator gathers the steps,
 as a service's batcher would (tandem.batching.Batcher: the sessions due back soon, the rest of a cohort
-queued in part), sends them as one CohortSteps and hands each generation its StepResult; the target runs
-the message as one batch (Batcher.submit_many) and answers it in one CohortResults.
+queued in part), sends them as one message and hands each generation its result; the service runs the
+message as one batch (Batcher.submit_many) and answers it in one message.
 
-Each session keeps its Session stream: its prefill goes there, and the stream's end releases it. A step
-that fails fails alone (its StepError); a broken relay stream fails the steps in flight (UNAVAILABLE, as a
-broken session stream would) and the next batch opens a new one. Profiled requests keep their verifies on
-their own streams, so that their traffic is theirs alone.
+Each session keeps its Session streams: its prefill and its first propose (the prompt's features, in
+chunks) go there, and so do trees, ahead steps and a profiled request's steps; the streams' end releases
+the sessions. A step that fails fails alone (its StepError); a broken relay stream fails the steps in
+flight (as a broken session stream would) and the next batch opens a new one.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import grpc
 
 from coordinator.backends import BackendError, _Stream
 from tandem.batching import Batcher
 from tandem.dtypes import ITEMSIZE
-from tandem.v1 import target_pb2, target_pb2_grpc
+from tandem.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
-MAX_BATCH = 32  # the target's default --max-batch-size: a larger message runs as several batches there
+MAX_BATCH = 32  # the services' default --max-batch-size: a larger message runs as several batches there
 
 
 class CohortRelay:
-    """`verify(session_id, request)` -> the target's answer to that verify, sent with whatever other
-    generations' verifies were queued meanwhile."""
+    """`step(session_id, request, tokens, cohort)` -> the service's answer to that step, sent with whatever
+    other generations' steps were queued meanwhile."""
 
-    def __init__(self, stub: target_pb2_grpc.TargetServiceStub, info: target_pb2.TargetInfo, max_message_mib: int):
-        row_bytes = 3 * info.hidden_size * ITEMSIZE.get(info.dtype, 4)
-        # inline features come in the answer: keep a message's rows within half the message limit
+    def __init__(self, service: str, method: Callable, pack: Callable[[list], object], row_bytes: int,
+                 max_message_mib: int, step_timeout: float | None = None):
+        # inline features come in the messages: keep a message's rows within half the message limit
         tokens = max(1, (max_message_mib << 19) // max(row_bytes, 1))
-        self._stub = stub
-        self._batcher: Batcher[tuple[str, target_pb2.TargetRequest]] = Batcher(self._run, MAX_BATCH, tokens)
+        self.service = service
+        self._method = method
+        self._pack = pack  # [(session id, request)] -> the message
+        self._step_timeout = step_timeout
+        self._batcher: Batcher[tuple[str, object]] = Batcher(self._run, MAX_BATCH, tokens)
         self._stream: _Stream | None = None
         self._lock = threading.Lock()  # the stream is opened and closed by one batch at a time
 
-    def verify(self, session_id: str, request: target_pb2.TargetRequest,
-               cohort: tuple[int, int] | None) -> target_pb2.TargetResponse:
-        tokens = 1 + len(request.verify.drafts)
-        result = self._batcher.submit((session_id, request), tokens, key=session_id, group="verify", cohort=cohort)
+    def step(self, session_id: str, request, tokens: int, cohort: tuple[int, int] | None):
+        result = self._batcher.submit((session_id, request), tokens, key=session_id, group="step", cohort=cohort)
         if result.HasField("error"):
-            raise BackendError("target", _code(result.error.code), result.error.message)
+            raise BackendError(self.service, _code(result.error.code), result.error.message)
         return result.response
 
     def forget(self, session_id: str) -> None:
         """The generation ended: no batch waits for it."""
         self._batcher.forget(session_id)
 
-    def _run(self, steps: list[tuple[str, target_pb2.TargetRequest]]) -> list:
-        message = target_pb2.CohortSteps(
-            steps=[target_pb2.SessionStep(session_id=sid, request=request) for sid, request in steps])
+    def _run(self, steps: list[tuple[str, object]]) -> list:
+        message = self._pack(steps)
         with self._lock:
             if self._stream is None:
-                self._stream = _Stream("target", self._stub.Cohort, None)
+                self._stream = _Stream(self.service, self._method, None)
             stream = self._stream
             try:
                 stream.send(message)
-                answer = stream.recv()
+                answer = stream.recv(self._step_timeout)
             except BackendError as exc:  # the stream is broken: the next batch opens another
                 stream.cancel()
                 self._stream = None
                 return [exc] * len(steps)
         if len(answer.results) != len(steps):
-            return [BackendError("target", grpc.StatusCode.INTERNAL,
+            return [BackendError(self.service, grpc.StatusCode.INTERNAL,
                                  f"the cohort relay answered {len(answer.results)} of {len(steps)} steps")] * len(steps)
         return list(answer.results)
 
@@ -77,6 +79,25 @@ class CohortRelay:
             if self._stream is not None:
                 self._stream.close()
                 self._stream = None
+
+
+def target_relay(stub: target_pb2_grpc.TargetServiceStub, info: target_pb2.TargetInfo,
+                 max_message_mib: int) -> CohortRelay:
+    def pack(steps: list) -> target_pb2.CohortSteps:
+        return target_pb2.CohortSteps(steps=[target_pb2.SessionStep(session_id=sid, request=r) for sid, r in steps])
+
+    row_bytes = 3 * info.hidden_size * ITEMSIZE.get(info.dtype, 4)
+    return CohortRelay("target", stub.Cohort, pack, row_bytes, max_message_mib)
+
+
+def draft_relay(stub: draft_pb2_grpc.DraftServiceStub, info: draft_pb2.DraftInfo, max_message_mib: int,
+                step_timeout: float | None) -> CohortRelay:
+    def pack(steps: list) -> draft_pb2.DraftCohortSteps:
+        return draft_pb2.DraftCohortSteps(steps=[draft_pb2.DraftSessionStep(session_id=sid, request=r)
+                                                 for sid, r in steps])
+
+    row_bytes = 3 * info.target_hidden_size * ITEMSIZE.get(info.dtype, 4)
+    return CohortRelay("draft", stub.Cohort, pack, row_bytes, max_message_mib, step_timeout)
 
 
 def _code(value: int) -> grpc.StatusCode:

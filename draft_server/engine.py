@@ -41,7 +41,7 @@ from draft_server.checkpoint import load_draft, read_config
 from draft_server.model import DraftKV, Eagle3Draft
 from draft_server.rollout import GreedyStep, draws_for, read_rollout, rollout
 from draft_server.sampling import DraftSampler
-from draft_server.steps import _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
+from draft_server.steps import Outcomes, _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
 from draft_server.tree import SiblingRates, grow_tree
 from tandem.batching import Batcher
 from tandem.config import DRAFT_Q_TOP_N
@@ -51,6 +51,7 @@ from tandem.pairing import DraftShape, check_pair
 from tandem.params import SamplingParams, TreeParams
 from tandem.protocol import Branch, Drafts
 from tandem.sessions import InvalidRequest, SessionOwner, SessionTable
+from tandem.timing import StepClock
 
 
 class DraftEngine(SessionOwner):
@@ -92,9 +93,7 @@ class DraftEngine(SessionOwner):
         self._max_batch_size = max_batch_size
         self.q_top_n = q_top_n  # sampled drafts: q is cut to this many likeliest tokens (0: not cut)
         self.draft_vocab = self.config.draft_vocab_size
-        # (K, sampled) -> how many verifies accepted 0..K drafts: acceptance runs in streaks (the draft's
-        # own probabilities are flat even where it is right), so the outcomes are ranked by this
-        self._outcomes: dict[tuple[int, bool], list[int]] = {}
+        self.outcomes = Outcomes()  # how many drafts verifies accepted: aheads rank their branches by it
         self.sibling_rates = SiblingRates()  # what a sampled tree's j-th draw at each depth is worth
         d2t = self.model.d2t
         # target id -> draft id, -1 outside the draft vocabulary
@@ -131,6 +130,19 @@ class DraftEngine(SessionOwner):
         session opened with sampling (temperature > 0) drawn from q, with q. With `tree`: a tree of drafts
         (Drafts.parents), ranked by the draft's log-probabilities; a sampled session's tempered, its children
         drawn from q without replacement (Drafts.q: one q_j per node, empty for the undrawn)."""
+        step, tokens = self._propose_step(session_id, features, next_tokens, num_draft_tokens, create, sampling, tree)
+        # a first extend carries the whole prompt (padding others' few pairs to it is waste); trees run apart
+        group = "tree" if tree is not None else "first" if create else "next"
+        return self.batcher.submit(step, tokens, key=session_id, group=group)
+
+    def propose_many(self, calls: list[tuple[tuple, StepClock | None]]) -> list[Drafts | Exception]:
+        """Chain proposes the coordinator's cohort relay gathered, `((session_id, features, next_tokens, K),
+        clock)` each, run as one batch: the drafts, or the error of a step that failed (it fails alone), each."""
+        return self.batcher.submit_many(calls, self._propose_step, "next")
+
+    def _propose_step(self, session_id: str, features: torch.Tensor, next_tokens: list[int], num_draft_tokens: int,
+                      create=False, sampling: SamplingParams | None = None, tree: TreeParams | None = None):
+        """A propose's step and its tokens (pairs and rollout or tree), or InvalidRequest; the session is used."""
         m = len(next_tokens)
         if m == 0 or features.shape != (m, self.feature_size):
             raise InvalidRequest(
@@ -144,18 +156,13 @@ class DraftEngine(SessionOwner):
             self.sessions.add(session_id, _Session(sampler=sampler))
         session = self.sessions.get(session_id)
         if not create and tree is None and not session.tree:  # a tree's outcome is not a chain's
-            self._count_outcome(session, num_draft_tokens, m - 1)
+            self.outcomes.count(session.sampler is not None, num_draft_tokens, m - 1)
         if session.last_tree is not None:  # the pairs the verify of a sampled tree committed: its path
             self.sibling_rates.count(*session.last_tree, next_tokens)
             session.last_tree = None
         session.tree = tree is not None
-        step = _Step(session, features, list(next_tokens), num_draft_tokens, tree)
-        # a session's first extend carries the whole prompt: padding the other sessions' few pairs to it
-        # would be wasted work, so first extends share batches only with each other; trees run apart
-        group = "tree" if tree is not None else "first" if create else "next"
-        drafts = self.batcher.submit(step, m + (tree.nodes if tree else num_draft_tokens), key=session_id, group=group)
         session.last_used = time.monotonic()
-        return drafts
+        return _Step(session, features, list(next_tokens), num_draft_tokens, tree), m + (tree.nodes if tree else num_draft_tokens)
 
     def prepare(
         self,
@@ -184,7 +191,7 @@ class DraftEngine(SessionOwner):
         if session.tree:
             raise InvalidRequest("an ahead assumes a chain of drafts: this session's last propose drafted a tree")
         if m:
-            self._count_outcome(session, len(assumed), m - 1)
+            self.outcomes.count(session.sampler is not None, len(assumed), m - 1)
         rows = next((r[: len(assumed)] for drafts, r in session.proposed if drafts[: len(assumed)] == assumed), None)
         if rows is None:
             raise InvalidRequest("an ahead assumes drafts this session proposed in its last step")
@@ -192,17 +199,6 @@ class DraftEngine(SessionOwner):
         out = self.batcher.submit(step, m + len(assumed) + branches * num_draft_tokens, key=session_id)
         session.last_used = time.monotonic()
         return out
-
-    def _count_outcome(self, session: _Session, k: int, accepted: int) -> None:
-        """A verify's outcome, read off the pairs it committed (a accepted + the bonus); greedy and
-        sampled sessions apart, as their acceptance differs."""
-        counts = self._outcomes.setdefault((k, session.sampler is not None), [1] * (k + 1))  # a uniform prior
-        counts[min(max(accepted, 0), k)] += 1
-
-    def outcome_logprobs(self, k: int, sampled: bool = False) -> torch.Tensor:
-        """[k+1]: log P(j of k drafts accepted), as verifies of this engine's drafts have gone so far."""
-        counts = torch.tensor(self._outcomes.get((k, sampled), [1] * (k + 1)), dtype=torch.float)
-        return (counts / counts.sum()).log()
 
     def ahead(
         self, session_id: str, features: torch.Tensor | None, next_tokens: list[int], drafts: list[int],
@@ -340,7 +336,7 @@ class DraftEngine(SessionOwner):
         base = start + m  # the committed pairs are kept; the assumed drafts are not
         # what the host knows, uploaded before any forward (on a GPU an upload waits for the stream)
         assumed = torch.tensor(step.assumed, device=device)  # [J]
-        prefix = self.outcome_logprobs(j_max, session.sampler is not None).to(device)  # [J+1]
+        prefix = self.outcomes.logprobs(j_max, session.sampler is not None).to(device)  # [J+1]
         n = min(step.branches, self.draft_vocab)
         b = min(step.branches, (j_max + 1) * n)  # the branches: the best b of J+1 forks x n bonus tokens
         # every uniform a branch may draw with: the one at base+1+t is column t (sliced per fork below)

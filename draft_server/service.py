@@ -19,6 +19,7 @@ from tandem.convert import branches_to_pb, draft_probs_to_pb, parents_to_pb, sam
 from tandem.dtypes import name_of
 from tandem.errors import Abort
 from tandem.params import MAX_DRAFT_TOKENS
+from tandem.protocol import Drafts
 from tandem.service import Service, run_service
 from tandem.servicer import EngineServicer
 from tandem.sessions import InvalidRequest
@@ -26,7 +27,7 @@ from tandem.timing import StepClock
 from tandem.transports.contract import NoChannel
 from tandem.transports.endpoints import DraftTransport
 from tandem.v1 import draft_pb2, draft_pb2_grpc
-from tandem.wire import FeatureAssembler
+from tandem.wire import FeatureAssembler, is_last_chunk
 
 log = logging.getLogger("tandem.draft")
 
@@ -131,11 +132,41 @@ class DraftServicer(EngineServicer[DraftEngine], draft_pb2_grpc.DraftServiceServ
         tree = tree_from_pb(step.tree) if step.HasField("tree") else None
         with clock.compute():
             drafts = engine.propose(session_id, features, tokens, k, create=create, sampling=sampling, tree=tree)
+        return self._proposed(drafts, clock)
+
+    def _proposed(self, drafts: Drafts, clock: StepClock) -> draft_pb2.DraftResponse:
         self.metrics.observe("propose", clock)
         response = draft_pb2.DraftResponse(drafts=drafts, q=draft_probs_to_pb(drafts.q), parents=parents_to_pb(drafts.parents))
         if clock.batch is not None:
             response.batch.id, response.batch.size = clock.batch
         return response
+
+    def Cohort(self, request_iterator, context) -> Iterator[draft_pb2.DraftCohortResults]:
+        """The cohort relay: each message's chain proposes, of sessions open on their Session streams, in
+        one engine call (tandem.batching.Batcher.submit_many), answered in one message."""
+        if self.service.admission.draining or not self.service.admission.ready:
+            raise Abort(grpc.StatusCode.UNAVAILABLE, "the draft service is loading or draining")
+        engine = self.loaded()
+
+        def parse(step: draft_pb2.DraftSessionStep) -> tuple:
+            request = _check_step(step.request)
+            if request.HasField("ahead") or request.HasField("tree") or request.session_id:
+                raise InvalidRequest("the cohort relay takes chain proposes of open sessions only")
+            chunk = request.features
+            if chunk.WhichOneof("payload") != "ref" and (chunk.row_offset or not is_last_chunk(chunk)):
+                raise InvalidRequest("a propose on the cohort relay carries its features in one chunk")
+            features = self._features(engine, request, request, FeatureAssembler())
+            return step.session_id, features, list(request.next_tokens), request.num_draft_tokens
+
+        for message in request_iterator:
+            answer = draft_pb2.DraftCohortResults()
+            for result, clock in self.cohort(message.steps, parse, engine.propose_many):
+                item = answer.results.add()
+                if isinstance(result, BaseException):
+                    self.step_error(item.error, result)
+                else:
+                    item.response.CopyFrom(self._proposed(result, clock))
+            yield answer
 
 
 def _check_step(request: draft_pb2.DraftRequest) -> draft_pb2.DraftRequest:

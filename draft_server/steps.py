@@ -79,3 +79,22 @@ def read_target_shape(target_dir: str | Path) -> TargetShape:
         # as TargetEngine.max_context reads it
         max_context=int(config.get("max_position_embeddings") or 1 << 30),
     )
+
+
+class Outcomes:
+    """(K, sampled) -> how many verifies accepted 0..K drafts, greedy and sampled sessions apart (their
+    acceptance differs): acceptance runs in streaks (the draft's own probabilities are flat even where it
+    is right), so aheads rank the outcomes of a verify by this."""
+
+    def __init__(self):
+        self._counts: dict[tuple[int, bool], list[int]] = {}
+
+    def count(self, sampled: bool, k: int, accepted: int) -> None:
+        """A verify's outcome, read off the pairs it committed (a accepted + the bonus)."""
+        counts = self._counts.setdefault((k, sampled), [1] * (k + 1))  # a uniform prior
+        counts[min(max(accepted, 0), k)] += 1
+
+    def logprobs(self, k: int, sampled: bool = False) -> torch.Tensor:
+        """[k+1]: log P(j of k drafts accepted), as verifies of this engine's drafts have gone so far."""
+        counts = torch.tensor(self._counts.get((k, sampled), [1] * (k + 1)), dtype=torch.float)
+        return (counts / counts.sum()).log()

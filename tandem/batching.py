@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from tandem.sessions import InvalidRequest, SessionNotFound
 from tandem.timing import StepClock, current_clock
 
 Item = TypeVar("Item")
@@ -107,17 +108,31 @@ class Batcher(Generic[Item]):
             raise job.result
         return job.result
 
-    def submit_many(self, steps: Sequence[tuple[Item, int, StepClock | None]], group: object = None) -> list[Any]:
-        """Steps the caller gathered (one message of the coordinator's cohort relay: `(item, tokens, clock)`),
-        queued at once and run without waiting for anyone else; a result or an exception instance each."""
-        jobs = [_Job(item, tokens, None, group, clock, None, gathered=True) for item, tokens, clock in steps]
+    def submit_many(self, calls: Sequence[tuple[tuple, StepClock | None]], build: Callable[..., tuple[Item, int]],
+                    group: object = None) -> list[Any]:
+        """Steps the caller gathered (one message of the coordinator's cohort relay), `(arguments, clock)` each:
+        `build(*arguments)` makes each step and its tokens, and the steps are queued at once and run without
+        waiting for anyone else. A result or an exception each: a step `build` refuses (InvalidRequest,
+        SessionNotFound), or a second step of one session (`arguments[0]`), fails alone."""
+        results: list[Any] = []
+        jobs: list[_Job] = []
+        for arguments, clock in calls:
+            try:
+                if any(job.key == arguments[0] for job in jobs):
+                    raise InvalidRequest(f"two steps of session {arguments[0]!r} in one cohort")
+                item, tokens = build(*arguments)
+            except (InvalidRequest, SessionNotFound) as exc:
+                results.append(exc)
+                continue
+            jobs.append(_Job(item, tokens, arguments[0], group, clock, None, gathered=True))
+            results.append(jobs[-1])
         self._wait(jobs)
-        return [job.result for job in jobs]
+        return [result.result if isinstance(result, _Job) else result for result in results]
 
     def _wait(self, jobs: list[_Job]) -> None:
         with self._changed:
             for job in jobs:
-                if job.key in self._served:
+                if job.key in self._served and not job.gathered:
                     away = time.monotonic() - self._served[job.key][1]
                     self._away[job.key] = (self._away.get(job.key, away) + away) / 2
                     self._away_any = (self._away_any + away) / 2
@@ -207,7 +222,7 @@ class Batcher(Generic[Item]):
         with self._changed:
             self.batches += 1
             for job in batch:
-                if job.key is not None:
+                if job.key is not None and not job.gathered:
                     self._served[job.key] = (self.batches, time.monotonic())
         for job, result in zip(batch, results, strict=True):
             job.result, job.done = result, True

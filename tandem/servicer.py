@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from typing import Generic, TypeVar
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from typing import Any, Generic, TypeVar
 
 import grpc
 
-from tandem.errors import Abort
+from tandem.errors import Abort, status_of
 from tandem.metrics import StepMetrics
 from tandem.service import Service
+from tandem.timing import StepClock
 
 log = logging.getLogger("tandem")
 
@@ -59,6 +61,38 @@ class EngineServicer(Generic[E]):
         """A session now belongs to this stream: the reaper may end it when it idles too long."""
         if self.reaper is not None:
             self.reaper.register(session_id, context)
+
+    def cohort(self, steps: Sequence, parse: Callable[[Any], tuple], run_many: Callable[[list], list]) -> list[tuple]:
+        """The steps of one cohort relay message (TargetService.Cohort, DraftService.Cohort) in one engine call:
+        `parse(step)` gives the engine's arguments for a step, `run_many` runs them all. A (result or error,
+        clock) per step: a step that fails, in parse or in the engine, fails alone."""
+        device = getattr(self.loaded(), "device", None)
+        calls, parsed = [], []
+        for step in steps:
+            clock = StepClock(device)
+            try:
+                calls.append((parse(step), clock))
+                parsed.append(None)
+            except Exception as exc:  # noqa: BLE001 - this step fails alone, with its status
+                parsed.append((exc, clock))
+        with ExitStack() as stack:
+            for _, clock in calls:
+                stack.enter_context(clock.compute())
+            results = iter(zip(run_many(calls), calls, strict=True))
+        answers = []
+        for entry in parsed:
+            if entry is None:
+                result, (_, clock) = next(results)
+                entry = (result, clock)
+            answers.append(entry)
+        return answers
+
+    def step_error(self, error, exc: BaseException) -> None:
+        """A failed step's StepError: its status, as the step's own stream would have ended with it."""
+        code, message = status_of(exc) or (grpc.StatusCode.INTERNAL, f"the {self.WHAT} failed this step")
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("a step of the %s's cohort relay failed", self.WHAT, exc_info=exc)
+        error.code, error.message = code.value[0], message
 
     def session_ended(self, session_id: str) -> None:
         self.loaded().release(session_id)

@@ -245,31 +245,19 @@ class TargetEngine(SessionOwner):
         """`q`: for a sampled session, the distribution the draft sampled each draft from (speculative
         sampling, target_server/acceptance.py); None: the drafts are the draft's argmax. `parents`: the
         drafts are a tree (Drafts.parents; its q: one per node, empty for one not sampled); None: a chain."""
-        step = self._verify_step(session_id, token, drafts, want_features, q, parents)
-        result = self.batcher.submit(step, len(step.ids), key=session_id, group="verify")
-        step.session.last_used = time.monotonic()
-        return result
+        step, tokens = self._verify_step(session_id, token, drafts, want_features, q, parents)
+        return self.batcher.submit(step, tokens, key=session_id, group="verify")
 
     def verify_many(self, calls: list[tuple[tuple, StepClock | None]]) -> list[VerifyResult | Exception]:
         """Verifies the coordinator's cohort relay gathered, `(verify's arguments, clock)` each, run as one
         batch: a result, or the error of a step that failed (it fails alone), each."""
-        steps, results = [], []
-        for args, clock in calls:
-            try:
-                if any(step.session is self.sessions.get(args[0]) for step, _ in steps):
-                    raise InvalidRequest(f"two verifies of session {args[0]!r} in one cohort")
-                steps.append((self._verify_step(*args), clock))
-                results.append(None)
-            except (InvalidRequest, SessionNotFound) as exc:
-                results.append(exc)
-        done = iter(self.batcher.submit_many([(step, len(step.ids), clock) for step, clock in steps], "verify"))
-        for step, _ in steps:
-            step.session.last_used = time.monotonic()
-        return [next(done) if result is None else result for result in results]
+        return self.batcher.submit_many(calls, self._verify_step, "verify")
 
     def _verify_step(self, session_id: str, token: int, drafts: list[int], want_features: bool,
-                     q: list[DraftProbs] | None, parents: list[int] | None) -> Step:
+                     q: list[DraftProbs] | None, parents: list[int] | None) -> tuple[Step, int]:
+        """A verify's step and its tokens, or InvalidRequest; the session counts as used."""
         session = self.sessions.get(session_id)
+        session.last_used = time.monotonic()
         self._check_ids([token, *drafts], "the verify input")
         if parents is not None and not self.supports_trees:
             raise InvalidRequest("draft trees need the native engine (the Llama family) or a full-attention "
@@ -290,7 +278,7 @@ class TargetEngine(SessionOwner):
                 f"verify would grow the session to {grown} tokens, past the {session.reserved} its prefill "
                 "reserved (prompt + max_new_tokens)"
             )
-        return Step("verify", session, [token, *drafts], want_features, dense, parents)
+        return Step("verify", session, [token, *drafts], want_features, dense, parents), 1 + len(drafts)
 
     # -- one batched forward ------------------------------------------------------------------
 

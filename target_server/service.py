@@ -10,7 +10,6 @@ import logging
 import sys
 import uuid
 from collections.abc import Iterator
-from contextlib import ExitStack
 
 import grpc
 import torch
@@ -18,14 +17,14 @@ import torch
 from tandem.config import TargetSettings
 from tandem.convert import draft_probs_from_pb, logprobs_to_pb, parents_from_pb, sampling_from_pb
 from tandem.dtypes import name_of
-from tandem.errors import Abort, status_of
+from tandem.errors import Abort
 from tandem.service import Service, StartupError, run_service
 from tandem.servicer import EngineServicer
 from tandem.sessions import InvalidRequest
 from tandem.timing import StepClock
 from tandem.transports.endpoints import TargetTransport
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
-from tandem.wire import WireError, encode_features
+from tandem.wire import encode_features
 from target_server.engine import KVPool, TargetEngine, aux_layer_ids_from_draft, kv_budget_tokens
 
 log = logging.getLogger("tandem.target")
@@ -164,33 +163,18 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
             yield self._cohort(engine, message.steps)
 
     def _cohort(self, engine: TargetEngine, steps) -> target_pb2.CohortResults:
-        calls, failed = [], {}
-        for i, step in enumerate(steps):
+        def parse(step: target_pb2.SessionStep) -> tuple:
+            if step.request.WhichOneof("step") != "verify":
+                raise InvalidRequest("the cohort relay takes verifies only")
             v = step.request.verify
-            try:
-                if step.request.WhichOneof("step") != "verify":
-                    raise InvalidRequest("the cohort relay takes verifies only")
-                args = (step.session_id, v.token, list(v.drafts), v.want_features, draft_probs_from_pb(v.q),
-                        parents_from_pb(v.parents))
-            except (InvalidRequest, WireError, ValueError) as exc:
-                failed[i] = InvalidRequest(str(exc))
-                continue
-            calls.append((args, StepClock(engine.device)))
-        with ExitStack() as stack:
-            for _, clock in calls:
-                stack.enter_context(clock.compute())
-            done = iter(zip(engine.verify_many(calls), calls, strict=True))
+            return (step.session_id, v.token, list(v.drafts), v.want_features, draft_probs_from_pb(v.q),
+                    parents_from_pb(v.parents))
+
         answer = target_pb2.CohortResults()
-        for i, step in enumerate(steps):
+        for step, (result, clock) in zip(steps, self.cohort(steps, parse, engine.verify_many), strict=True):
             item = answer.results.add()
-            result = failed.get(i)
-            if result is None:
-                result, (_, clock) = next(done)
             if isinstance(result, BaseException):
-                code, message = status_of(result) or (grpc.StatusCode.INTERNAL, "the target failed this verify")
-                if code == grpc.StatusCode.INTERNAL:
-                    log.error("a verify of the cohort relay failed", exc_info=result)
-                item.error.code, item.error.message = code.value[0], message
+                self.step_error(item.error, result)
                 continue
             verified = item.response.verified
             verified.accepted.extend(result.accepted)

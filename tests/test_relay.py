@@ -3,17 +3,22 @@ each way, over real gRPC to a real target engine."""
 
 from __future__ import annotations
 
+import queue
 import threading
 
 import grpc
 import pytest
+import torch
 
 from coordinator.backends import BackendError, GrpcTarget
-from coordinator.relay import CohortRelay
-from tandem.config import TargetSettings
+from coordinator.relay import draft_relay, target_relay
+from draft_server.engine import DraftEngine
+from draft_server.service import DraftServicer
+from tandem.config import DraftSettings, TargetSettings
 from tandem.params import SamplingParams
 from tandem.service import Service
-from tandem.v1 import target_pb2, target_pb2_grpc
+from tandem.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tandem.wire import encode_features
 from target_server.engine import TargetEngine
 from target_server.service import TargetServicer
 from tests.test_services import id_prompts
@@ -32,7 +37,7 @@ def target(tiny_dir):
     channel = grpc.insecure_channel(service.address)
     stub = target_pb2_grpc.TargetServiceStub(channel)
     info = target_pb2.TargetInfo(hidden_size=engine.hidden_size, dtype="float32")
-    yield stub, engine, CohortRelay(stub, info, max_message_mib=16)
+    yield stub, engine, target_relay(stub, info, max_message_mib=16)
     channel.close()
     service.server.stop(None)
 
@@ -95,7 +100,7 @@ def test_a_bad_verify_in_a_cohort_fails_alone_and_the_others_go_on(target):
     codes = [grpc.StatusCode.OK if r.HasField("response") else r.error.code for r in answer.results]
     assert codes[0] == grpc.StatusCode.OK and answer.results[0].response.verified.bonus >= 0
     assert codes[1:] == [grpc.StatusCode.NOT_FOUND.value[0]] + [grpc.StatusCode.INVALID_ARGUMENT.value[0]] * 3
-    assert "two verifies of session 'good'" in answer.results[2].error.message
+    assert "two steps of session 'good' in one cohort" in answer.results[2].error.message
     assert "the verify input" in answer.results[3].error.message
     assert "verifies only" in answer.results[4].error.message
     bonus = answer.results[0].response.verified.bonus
@@ -112,3 +117,47 @@ def test_a_cancelled_generation_sends_no_more_verifies(target):
     with pytest.raises(BackendError) as failed:
         own.verify("gone", t, [t])
     assert failed.value.code == grpc.StatusCode.CANCELLED
+
+
+def test_chain_proposes_share_a_message_and_a_bad_one_fails_alone(tiny_dir):
+    service = Service("draft", DraftSettings(model=tiny_dir / "draft", target=tiny_dir / "target", port=0),
+                      ["tandem.v1.DraftService"])
+    servicer = DraftServicer(service)
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, service.server)
+    service.start()
+    engine = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
+    servicer.engine = engine
+    service.ready()
+    width = engine.feature_size
+    try:
+        with grpc.insecure_channel(service.address) as channel:
+            stub = draft_pb2_grpc.DraftServiceStub(channel)
+            streams = []
+            for sid in ("a", "b"):  # each session opened by its first propose on its own stream
+                first = draft_pb2.DraftRequest(session_id=sid, next_tokens=[3, 4, 5], num_draft_tokens=2,
+                                               features=encode_features(torch.randn(3, width))[0])
+                requests: queue.SimpleQueue = queue.SimpleQueue()
+                requests.put(first)
+                call = stub.Session(iter(requests.get, None), timeout=60)  # held open: the session lives
+                assert len(next(call).drafts) == 2
+                streams.append(call)
+
+            def propose(sid: str, k: int = 3, **extra) -> draft_pb2.DraftSessionStep:
+                request = draft_pb2.DraftRequest(next_tokens=[6, 7], num_draft_tokens=k,
+                                                 features=encode_features(torch.randn(2, width))[0], **extra)
+                return draft_pb2.DraftSessionStep(session_id=sid, request=request)
+
+            steps = [propose("a"), propose("b", 4), propose("nobody"), propose("a"), propose("b", 99)]
+            (answer,) = stub.Cohort(iter([draft_pb2.DraftCohortSteps(steps=steps)]), timeout=60)
+            ok = [r for r in answer.results if r.HasField("response")]
+            assert [len(r.response.drafts) for r in ok] == [3, 4]
+            assert {r.response.batch.size for r in ok} == {2}  # one batch
+            codes = [r.error.code for r in answer.results[2:]]
+            assert codes == [grpc.StatusCode.NOT_FOUND.value[0]] + [grpc.StatusCode.INVALID_ARGUMENT.value[0]] * 2
+            relay = draft_relay(stub, draft_pb2.DraftInfo(target_hidden_size=width // 3, dtype="float32"), 16, 10.0)
+            again = relay.step("a", propose("a").request, 5, None)
+            assert len(again.drafts) == 3
+            for call in streams:
+                call.cancel()
+    finally:
+        service.server.stop(None)

@@ -135,3 +135,11 @@ class TransportPlan(_message.Message):
     handle: bytes
     device_uuid: str
     def __init__(self, transport: _Optional[str] = ..., reason: _Optional[str] = ..., dtype: _Optional[str] = ..., feature_width: _Optional[int] = ..., ring_bytes: _Optional[int] = ..., max_inflight: _Optional[int] = ..., timeout: _Optional[float] = ..., channel: _Optional[str] = ..., address: _Optional[str] = ..., handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

@@ -97,3 +97,31 @@ class DraftResponse(_message.Message):
     q: _containers.RepeatedCompositeFieldContainer[_common_pb2.DraftProbs]
     parents: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, drafts: _Optional[_Iterable[int]] = ..., timing: _Optional[_Union[_profile_pb2.StepTiming, _Mapping]] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ..., batch: _Optional[_Union[_common_pb2.Cohort, _Mapping]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.DraftProbs, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DraftCohortSteps(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[DraftSessionStep]
+    def __init__(self, steps: _Optional[_Iterable[_Union[DraftSessionStep, _Mapping]]] = ...) -> None: ...
+
+class DraftSessionStep(_message.Message):
+    __slots__ = ("session_id", "request")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    request: DraftRequest
+    def __init__(self, session_id: _Optional[str] = ..., request: _Optional[_Union[DraftRequest, _Mapping]] = ...) -> None: ...
+
+class DraftCohortResults(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[DraftStepResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[DraftStepResult, _Mapping]]] = ...) -> None: ...
+
+class DraftStepResult(_message.Message):
+    __slots__ = ("response", "error")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    response: DraftResponse
+    error: _common_pb2.StepError
+    def __init__(self, response: _Optional[_Union[DraftResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.StepError, _Mapping]] = ...) -> None: ...

@@ -45,6 +45,11 @@ class DraftServiceStub:
                 request_serializer=tandem_dot_v1_dot_draft__pb2.DraftRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_draft__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.Cohort = channel.stream_stream(
+                '/tandem.v1.DraftService/Cohort',
+                request_serializer=tandem_dot_v1_dot_draft__pb2.DraftCohortSteps.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_draft__pb2.DraftCohortResults.FromString,
+                _registered_method=True)
         self.OpenTransport = channel.unary_unary(
                 '/tandem.v1.DraftService/OpenTransport',
                 request_serializer=tandem_dot_v1_dot_common__pb2.TransportPlan.SerializeToString,
@@ -70,6 +75,15 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Cohort(self, request_iterator, context):
+        """The cohort relay, as TargetService.Cohort: the chain proposes of many sessions open on their Session
+        streams (not a session's first), one message each way per batch; each step's features in one chunk or
+        a fast path's descriptor. A step that fails fails alone (DraftStepResult.error).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenTransport(self, request, context):
         """Attach to the feature path the target opened (the plan as OpenTransport returned it); refused
         with FAILED_PRECONDITION naming the field when the plan does not fit this draft.
@@ -90,6 +104,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=tandem_dot_v1_dot_draft__pb2.DraftRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_draft__pb2.DraftResponse.SerializeToString,
+            ),
+            'Cohort': grpc.stream_stream_rpc_method_handler(
+                    servicer.Cohort,
+                    request_deserializer=tandem_dot_v1_dot_draft__pb2.DraftCohortSteps.FromString,
+                    response_serializer=tandem_dot_v1_dot_draft__pb2.DraftCohortResults.SerializeToString,
             ),
             'OpenTransport': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenTransport,
@@ -151,6 +170,33 @@ class DraftService:
             '/tandem.v1.DraftService/Session',
             tandem_dot_v1_dot_draft__pb2.DraftRequest.SerializeToString,
             tandem_dot_v1_dot_draft__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cohort(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.DraftService/Cohort',
+            tandem_dot_v1_dot_draft__pb2.DraftCohortSteps.SerializeToString,
+            tandem_dot_v1_dot_draft__pb2.DraftCohortResults.FromString,
             options,
             channel_credentials,
             insecure,

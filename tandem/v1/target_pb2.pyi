@@ -130,16 +130,8 @@ class StepResult(_message.Message):
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     response: TargetResponse
-    error: StepError
-    def __init__(self, response: _Optional[_Union[TargetResponse, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
-
-class StepError(_message.Message):
-    __slots__ = ("code", "message")
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    code: int
-    message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    error: _common_pb2.StepError
+    def __init__(self, response: _Optional[_Union[TargetResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.StepError, _Mapping]] = ...) -> None: ...
 
 class TargetResponse(_message.Message):
     __slots__ = ("prefilled", "verified", "features", "timing", "batch")
