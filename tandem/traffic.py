@@ -167,6 +167,27 @@ def _generate_response(msg: coordinator_pb2.GenerateResponse, parts: Parts) -> N
     parts.text += len(msg.text.encode())
 
 
+def _each_step(classify: Callable) -> Callable:
+    """A cohort relay's message of steps: each step's payload (session ids and framing are control)."""
+
+    def count(msg, parts: Parts) -> None:
+        for step in msg.steps:
+            classify(step.request, parts)
+
+    return count
+
+
+def _each_result(classify: Callable) -> Callable:
+    """A cohort relay's message of results: each answered step's payload."""
+
+    def count(msg, parts: Parts) -> None:
+        for result in msg.results:
+            if result.HasField("response"):
+                classify(result.response, parts)
+
+    return count
+
+
 _CLASSIFIERS: dict[type, Callable] = {
     target_pb2.TargetRequest: _target_request,
     target_pb2.TargetResponse: _target_response,
@@ -174,6 +195,10 @@ _CLASSIFIERS: dict[type, Callable] = {
     draft_pb2.DraftResponse: _draft_response,
     coordinator_pb2.GenerateRequest: _generate_request,
     coordinator_pb2.GenerateResponse: _generate_response,
+    target_pb2.CohortSteps: _each_step(_target_request),
+    target_pb2.CohortResults: _each_result(_target_response),
+    draft_pb2.DraftCohortSteps: _each_step(_draft_request),
+    draft_pb2.DraftCohortResults: _each_result(_draft_response),
 }
 
 

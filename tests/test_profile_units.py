@@ -90,6 +90,21 @@ def test_token_id_bytes_are_the_varints_of_the_ids():
     assert (parts_of(request).num_token_ids, parts_of(request).token_ids) == (3, 2)  # a zero id is not sent
 
 
+def test_a_cohort_relay_message_counts_the_payload_of_each_step():
+    verify = target_pb2.TargetRequest(verify=target_pb2.Verify(token=5, drafts=[300, 7]))
+    steps = target_pb2.CohortSteps(steps=[target_pb2.SessionStep(session_id=f"s{i}", request=verify) for i in range(3)])
+    assert (parts_of(steps).num_token_ids, parts_of(steps).token_ids) == (9, 3 * (1 + 2 + 1))
+    answer = target_pb2.TargetResponse(verified=target_pb2.Verified(accepted=[300], bonus=9))
+    results = target_pb2.CohortResults(results=[target_pb2.StepResult(response=answer),
+                                                target_pb2.StepResult(error=common_pb2.StepError(code=5))])
+    assert parts_of(results).num_token_ids == 2  # the failed step carries none
+    proposes = draft_pb2.DraftCohortSteps(steps=[draft_pb2.DraftSessionStep(
+        session_id="s", request=draft_pb2.DraftRequest(next_tokens=[1, 2]))])
+    drafted = draft_pb2.DraftCohortResults(results=[draft_pb2.DraftStepResult(
+        response=draft_pb2.DraftResponse(drafts=[3, 4, 5]))])
+    assert (parts_of(proposes).num_token_ids, parts_of(drafted).num_token_ids) == (2, 3)
+
+
 def test_q_bytes_are_its_support_ids_and_float_probabilities():
     q = [common_pb2.DraftProbs(ids=[5, 300, 70_000], probs=[0.5, 0.25, 0.25]),
          common_pb2.DraftProbs(ids=[9], probs=[1.0])]
