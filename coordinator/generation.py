@@ -105,6 +105,7 @@ class Generations:
         self.metrics = CoordinatorMetrics(service.registry)
         self.cohorts = Cohorts()
         self._relays: dict[str, tuple[tuple, CohortRelay]] = {}  # service -> (what it was made for, it)
+        self._relays_lock = threading.Lock()
         settings, running = self.settings, service.admission
         budget, cost = settings.spec_token_budget, settings.spec_draft_cost
         self.speculation = Speculation(
@@ -127,15 +128,16 @@ class Generations:
             return None
         stub, info = (pair.target, pair.target_info) if service == "target" else (pair.draft, pair.draft_info)
         made_for = (stub, info.dtype, info.hidden_size if service == "target" else info.target_hidden_size)
-        current = self._relays.get(service)
-        if current is None or current[0] != made_for:
-            if current is not None:
-                current[1].close()
-            mib = self.settings.max_message_mib
-            relay = (target_relay(stub, info, mib) if service == "target"
-                     else draft_relay(stub, info, mib, self.settings.draft_timeout))
-            current = self._relays[service] = (made_for, relay)
-        return current[1]
+        with self._relays_lock:
+            current = self._relays.get(service)
+            if current is None or current[0] != made_for:
+                if current is not None:
+                    current[1].close()
+                mib = self.settings.max_message_mib
+                relay = (target_relay(stub, info, mib) if service == "target"
+                         else draft_relay(stub, info, mib, self.settings.draft_timeout))
+                current = self._relays[service] = (made_for, relay)
+            return current[1]
 
     def pair(self) -> Pair:
         if self.monitor is None:
