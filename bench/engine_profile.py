@@ -43,7 +43,8 @@ from tandem.params import GenerationRequest, SamplingParams
 from tandem_tools.demo import ensure_demo, load_prompts
 from tandem_tools.inprocess import InProcessGenerator
 from tandem_tools.opcount import OpCounter
-from target_server.engine import TargetEngine, _Step
+from target_server.engine import TargetEngine
+from target_server.steps import Step
 
 ENGINES = {"hf": ("hf", False), "native-eager": ("native", False), "native-compiled": ("native", True)}
 
@@ -68,7 +69,7 @@ class Pair:
             self.drafts[sid] = list(draft.propose(sid, first.features, [*prompt[1:], first.token], k, create=True))
 
     def verify(self) -> list:
-        steps = [_Step("verify", self.target.sessions.get(sid), [self.token[sid], *self.drafts[sid]], True)
+        steps = [Step("verify", self.target.sessions.get(sid), [self.token[sid], *self.drafts[sid]], True)
                  for sid in self.sids]
         return self.target._run_batch(steps)
 

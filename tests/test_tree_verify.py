@@ -20,9 +20,10 @@ from tandem.protocol import PrefillResult, VerifyResult, tree_depths
 from tandem.sessions import InvalidRequest, ResourceExhausted
 from tandem_tools.opcount import OpCounter
 from target_server.acceptance import accept_tree, target_probs
-from target_server.engine import TargetEngine, _Session, _Step
+from target_server.engine import TargetEngine
 from target_server.native import load_native
 from target_server.paged import PagedKVPool, Span, bucket, plan
+from target_server.steps import Session, Step
 
 GREEDY = SamplingParams()
 PROMPT = [0, 17, 42, 99, 7, 230, 11, 64, 301, 5, 88]
@@ -263,15 +264,15 @@ def test_trees_chains_and_prefills_share_a_forward(engines, name):
     kinds = {"tree": (GREEDY, PARENTS), "sampled": (SamplingParams(temperature=0.8, seed=5), PARENTS),
              "chain": (GREEDY, None)}
 
-    def steps(tag: str) -> list[_Step]:
+    def steps(tag: str) -> list[Step]:
         made = []
         for i, (sid, (params, parents)) in enumerate(kinds.items()):
             first = engine.prefill(f"{tag}{sid}", PROMPT[: 4 + i], params).token
             ids = [first, *(drafts if parents else drafts[:3])]
-            made.append(_Step("verify", engine.sessions.get(f"{tag}{sid}"), ids, True, None, parents))
-        engine.sessions.add(f"{tag}new", _Session(params=GREEDY, generator=None,
+            made.append(Step("verify", engine.sessions.get(f"{tag}{sid}"), ids, True, None, parents))
+        engine.sessions.add(f"{tag}new", Session(params=GREEDY, generator=None,
                                                   reserved=engine.kv_budget.reserve(64)))
-        return [made[0], _Step("prefill", engine.sessions.get(f"{tag}new"), PROMPT[2:], True), *made[1:]]
+        return [made[0], Step("prefill", engine.sessions.get(f"{tag}new"), PROMPT[2:], True), *made[1:]]
 
     alone = [engine._run_batch([step])[0] for step in steps("alone-")]
     batched = engine._run_batch(steps("batch-"))
