@@ -473,7 +473,8 @@ def test_a_forward_gathers_no_more_kv_than_the_budget_holds(tiny_dir):
     ones made a copy many times what they hold. A batch whose padded copy would pass the budget runs in
     several forwards, each within it, and the tokens are those of each session alone."""
     from tandem.params import SamplingParams
-    from target_server.engine import TargetEngine, _Step
+    from target_server.engine import TargetEngine
+    from target_server.steps import Step
 
     greedy = SamplingParams()
     prompts = {"long": list(range(3, 103)), **{f"s{i}": [4 + i, 9, 2] for i in range(6)}}
@@ -490,7 +491,7 @@ def test_a_forward_gathers_no_more_kv_than_the_budget_holds(tiny_dir):
             kwargs["input_ids"].shape[0] * (kwargs["past_key_values"].get_seq_length() + kwargs["input_ids"].shape[1])),
         with_kwargs=True)
     try:
-        steps = [_Step("verify", engine.sessions.get(sid), [first[sid], 11, 12, 13], False) for sid in prompts]
+        steps = [Step("verify", engine.sessions.get(sid), [first[sid], 11, 12, 13], False) for sid in prompts]
         results = engine._run_batch(steps)
     finally:
         hook.remove()
