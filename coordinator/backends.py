@@ -331,7 +331,7 @@ class GrpcDraft:
         self._cohorts = cohorts  # shared with the generation's GrpcTarget
         # later chain proposes go by the cohort relay, until an ahead step: the stream keeps those in order
         self._relay = relay if probe is None else None
-        self._session_id = ""
+        self._session_id = ""  # the session its stream opened
 
     def propose(
         self,
@@ -426,7 +426,7 @@ class GrpcDraft:
 
     def release(self, session_id: str) -> bool:
         if self._relay is not None:
-            self._relay.forget(session_id)
+            self._relay.forget(self._session_id)  # the coordinator releases with no id: the one it opened
         self._stream.close()
         return True
 

@@ -144,9 +144,7 @@ class DraftServicer(EngineServicer[DraftEngine], draft_pb2_grpc.DraftServiceServ
     def Cohort(self, request_iterator, context) -> Iterator[draft_pb2.DraftCohortResults]:
         """The cohort relay: each message's chain proposes, of sessions open on their Session streams, in
         one engine call (tandem.batching.Batcher.submit_many), answered in one message."""
-        if self.service.admission.draining or not self.service.admission.ready:
-            raise Abort(grpc.StatusCode.UNAVAILABLE, "the draft service is loading or draining")
-        engine = self.loaded()
+        engine = self.loaded()  # open while draining too: its steps are of sessions in flight
 
         def parse(step: draft_pb2.DraftSessionStep) -> tuple:
             request = _check_step(step.request)

@@ -156,9 +156,7 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
     def Cohort(self, request_iterator, context) -> Iterator[target_pb2.CohortResults]:
         """The cohort relay: each message's verifies, of sessions open on their Session streams, in one
         engine call (tandem.batching.Batcher.submit_many), answered in one message."""
-        if self.service.admission.draining or not self.service.admission.ready:
-            raise Abort(grpc.StatusCode.UNAVAILABLE, "the target service is loading or draining")
-        engine = self.loaded()
+        engine = self.loaded()  # open while draining too: its steps are of sessions in flight
         for message in request_iterator:
             yield self._cohort(engine, message.steps)
 
