@@ -67,24 +67,20 @@ class EngineServicer(Generic[E]):
         `parse(step)` gives the engine's arguments for a step, `run_many` runs them all. A (result or error,
         clock) per step: a step that fails, in parse or in the engine, fails alone."""
         device = getattr(self.loaded(), "device", None)
-        calls, parsed = [], []
-        for step in steps:
+        calls, placed, answers = [], [], [None] * len(steps)
+        for i, step in enumerate(steps):
             clock = StepClock(device)
             try:
                 calls.append((parse(step), clock))
-                parsed.append(None)
+                placed.append(i)
             except Exception as exc:  # noqa: BLE001 - this step fails alone, with its status
-                parsed.append((exc, clock))
+                answers[i] = (exc, clock)
         with ExitStack() as stack:
             for _, clock in calls:
                 stack.enter_context(clock.compute())
-            results = iter(zip(run_many(calls), calls, strict=True))
-        answers = []
-        for entry in parsed:
-            if entry is None:
-                result, (_, clock) = next(results)
-                entry = (result, clock)
-            answers.append(entry)
+            results = run_many(calls)
+        for i, result, (_, clock) in zip(placed, results, calls, strict=True):
+            answers[i] = (result, clock)
         return answers
 
     def step_error(self, error, exc: BaseException) -> None:

@@ -204,7 +204,7 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
             if ref is not None:
                 n = features.shape[0]
                 return [common_pb2.Features(ref=ref, row_offset=0, num_rows=n, total_rows=n)]
-            return encode_features(features, 1 << 62 if one else self.chunk_bytes)
+            return encode_features(features, features.numel() * features.element_size() if one else self.chunk_bytes)
 
     def _stamp(self, head: target_pb2.TargetResponse, chunks: list, step: str, clock: StepClock,
                timed: bool) -> target_pb2.TargetResponse:
