@@ -148,7 +148,7 @@ class NativeCausalLM(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """ids, positions [T] (the flattened batch) -> hidden states after the final norm [T, H] and the
         features [T, 3H]. Writes the new tokens' KV into the pool rows `batch.slots`."""
-        batch = open_batch(batch, positions)
+        batch = open_batch(batch, positions, self.config.num_attention_heads // self.config.num_key_value_heads)
         x = self.model.embed_tokens(ids)  # [T, H]
         freqs = positions[:, None].float() * self.inv_freq[None]  # [T, D/2], as transformers: in float32
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]

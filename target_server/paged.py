@@ -26,7 +26,8 @@ either writes that slot again or has n <= j nodes, so none of its queries has bi
 Which pool blocks a query block may see (its sequences' blocks up to its last position, and the scratch
 block) is known on the host from the block tables: it becomes a flex_attention BlockMask (kv_num_blocks,
 kv_indices), so attention skips every other block of the pool; the rule above is its mask_mod inside
-the blocks. Grouped-query attention is flex's enable_gqa (no repeated KV). Without torch.compile flex
+the blocks, but for "full" blocks (a query block's own committed past, attended whole). Grouped-query
+attention is flex's enable_gqa, or (CPU) the group's heads packed as query rows: no repeated KV. Without torch.compile flex
 materialises its scores (correct, slow); "dense" attention runs SDPA over the whole pool with the rule
 as a boolean mask (eager's faster choice), over the rows up to the batch's highest block.
 """
@@ -37,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -46,15 +48,25 @@ from target_server.kv import KVPool
 BLOCK = KVPool.BLOCK
 PAD = -2  # the owner of padding tokens and of the scratch block
 FREE = -1  # the owner of rows never written
-# Query rows per BlockMask block: a block sees the pool blocks of every sequence it holds a token of, so
-# smaller blocks mean fewer other sequences' rows masked per query. On this 2-core CPU, 16 verifies of
-# K=4 on the demo target: 16.5 ms a batch at 16, 14.6 at 8, 13.7 at 4. On CUDA flex's Triton kernel tiles
-# by 16 rows at least, and the block sizes must be multiples of its tiles (torch 2.11, H100: with its default
-# tiles no kernel compiles for (16, 16) blocks, nor for any query block below 16 whatever the tiles), so a
-# CUDA forward is padded to 16 tokens at least (MIN_TOKENS) and runs tiles of (16, 16) (KERNEL_OPTIONS).
-Q_BLOCK = {"cpu": 4, "cuda": 16}
+# Tokens per BlockMask query block: a block sees the pool blocks of every sequence it holds a token of, so
+# smaller blocks mean fewer other sequences' rows masked per query, and a block of one sequence's tokens sees
+# the blocks below its past whole (plan: "full" blocks, no mask_mod). Inductor's CPU flex template walks, per
+# kv head, query head and query block, each pool block it may see with a few tiny products and a softmax
+# update; on the CPU a query block is one token, and the g query heads of a kv head are g query rows of it
+# (row t * g + i: token t, head i of its group, PACK_GROUPS), so one walk serves them all. Demo target (3
+# heads, 1 kv head), compiled, one thread, medians of 30 (bench/engine_profile.py's Pair; old and new in
+# alternate processes): 16 decodes 4.87-4.99 -> 3.80-3.86 ms a batch (attention 267 -> 92 us a layer), 16
+# verifies of 6 tokens 13.0-13.4 -> 11.8-12.0 (best of 30), one session's even; without the packing 16
+# decodes 4.06-4.51, 16 verifies 12.5-13.1; with pages of 64 rows (KVPool.BLOCK) 16 decodes 4.52 against
+# 3.75. Before full blocks, 16 verifies of K=4 took 16.5 ms with 16-token query blocks, 14.6 with 8 and 13.7
+# with 4. On CUDA flex's Triton kernel tiles by 16 rows at least,
+# and the block sizes must be multiples of its tiles (torch 2.11, H100: with its default tiles no kernel
+# compiles for (16, 16) blocks, nor for any query block below 16 whatever the tiles), so a CUDA forward is
+# padded to 16 tokens at least (MIN_TOKENS) and runs tiles of (16, 16) (KERNEL_OPTIONS).
+Q_BLOCK = {"cpu": 1, "cuda": 16}
 MIN_TOKENS = {"cpu": 2, "cuda": 16}  # inductor's CPU flex template fails on one query row
 KERNEL_OPTIONS = {"cuda": {"BLOCK_M": 16, "BLOCK_N": 16}}
+PACK_GROUPS = {"cpu"}
 
 
 class PagedKVPool(KVPool):
@@ -99,8 +111,10 @@ class PagedBatch(NamedTuple):
 
     slots: torch.Tensor  # [T] long: the pool row each new token's KV goes to
     owner: torch.Tensor  # [T] int32: each token's sequence (PAD for padding)
-    kv_num: torch.Tensor  # [1, 1, T / q_block] int32: pool blocks each query block may see
+    kv_num: torch.Tensor  # [1, 1, T / q_block] int32: pool blocks each query block sees through the mask
     kv_idx: torch.Tensor  # [1, 1, T / q_block, pool blocks] int32: which (the first kv_num of each row)
+    full_num: torch.Tensor  # [1, 1, T / q_block] int32: pool blocks each query block sees whole (no mask)
+    full_idx: torch.Tensor  # [1, 1, T / q_block, pool blocks] int32: which
     keys: list[torch.Tensor]  # per layer [1, kv_heads, R, head_dim], written in place
     values: list[torch.Tensor]
     row_owner: torch.Tensor  # [R] int32, written in place
@@ -112,11 +126,13 @@ class PagedBatch(NamedTuple):
     dense: int  # 0: flex_attention; else SDPA over the pool's first `dense` rows (those the batch's blocks are in)
     trees: bool = False  # a tree among the spans (else the dense mask's tree rule is row_tree == 0)
     mask: BlockMask | torch.Tensor | None = None  # set by open_batch
+    groups: int = 1  # query heads a kv head's query rows hold (set by open_batch: PACK_GROUPS)
 
 
-def open_batch(batch: PagedBatch, positions: torch.Tensor) -> PagedBatch:
+def open_batch(batch: PagedBatch, positions: torch.Tensor, groups: int = 1) -> PagedBatch:
     """Marks the rows the new tokens write (owner, position, tree bit; positions [T] int32) and builds the
-    mask every layer uses."""
+    mask every layer uses; `groups` the query heads per kv head (flex attention packs them where PACK_GROUPS
+    says)."""
     batch.row_owner.index_copy_(0, batch.slots, batch.owner)
     batch.row_position.index_copy_(0, batch.slots, positions)
     batch.row_tree.index_copy_(0, batch.slots, batch.tree)
@@ -130,13 +146,16 @@ def open_batch(batch: PagedBatch, positions: torch.Tensor) -> PagedBatch:
         mask &= ((row_tree & anc[:, None]) == row_tree) if batch.trees else row_tree == 0
         return batch._replace(mask=mask)
 
-    def visible(b, h, q, kv):
-        tree = row_tree[kv]
-        return (row_owner[kv] == owner[q]) & (row_position[kv] <= positions[q]) & ((tree & anc[q]) == tree)
+    g = groups if positions.device.type in PACK_GROUPS else 1
 
-    mask = BlockMask.from_kv_blocks(batch.kv_num, batch.kv_idx, BLOCK_SIZE=(batch.q_block, BLOCK), mask_mod=visible,
-                                    seq_lengths=(owner.shape[0], row_owner.shape[0]))
-    return batch._replace(mask=mask)
+    def visible(b, h, q, kv):
+        tree, t = row_tree[kv], q // g  # query row q is token q // g
+        return (row_owner[kv] == owner[t]) & (row_position[kv] <= positions[t]) & ((tree & anc[t]) == tree)
+
+    mask = BlockMask.from_kv_blocks(batch.kv_num, batch.kv_idx, batch.full_num, batch.full_idx,
+                                    BLOCK_SIZE=(batch.q_block * g, BLOCK), mask_mod=visible,
+                                    seq_lengths=(owner.shape[0] * g, row_owner.shape[0]))
+    return batch._replace(mask=mask, groups=g)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: PagedBatch) -> torch.Tensor:
@@ -147,8 +166,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     if batch.dense:
         keys, values = keys[:, :, : batch.dense], values[:, :, : batch.dense]  # views
         return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
-    return flex_attention(q, keys, values, block_mask=batch.mask, enable_gqa=True,
-                          kernel_options=KERNEL_OPTIONS.get(q.device.type))
+    g = batch.groups
+    if g == 1:
+        return flex_attention(q, keys, values, block_mask=batch.mask, enable_gqa=True,
+                              kernel_options=KERNEL_OPTIONS.get(q.device.type))
+    _, heads, t, d = q.shape
+    kv_heads = heads // g
+    rows = q.view(kv_heads, g, t, d).transpose(1, 2).reshape(1, kv_heads, t * g, d)  # row t * g + i
+    out = flex_attention(rows, keys, values, block_mask=batch.mask, kernel_options=KERNEL_OPTIONS.get(q.device.type))
+    return out.view(kv_heads, t, g, d).transpose(1, 2).reshape(1, heads, t, d)
 
 
 @dataclass
@@ -186,10 +212,10 @@ def bucket(n: int, device: str = "cpu") -> int:
 def plan(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool) -> tuple[torch.Tensor, PagedBatch]:
     """The positions [width] (int32) and the PagedBatch of a forward of `spans`' tokens padded to `width`, built
     on the host from the block tables and copied to the device once."""
-    positions, slots, owner, tree, anc = [], [], [], [], []
+    positions, slots, owner, tree, anc, token_span = [], [], [], [], [], []
     q_block = min(width, Q_BLOCK.get(pool.device.type, 16))
-    seen: list[dict[int, None]] = [{0: None} for _ in range(-(-width // q_block))]  # the scratch block for padding
-    for span in spans:
+    seen: list[dict[int, None]] = [{} for _ in range(-(-width // q_block))]  # pool blocks, in order
+    for s, span in enumerate(spans):
         start = len(positions)
         depths = range(span.new) if span.parents is None else [0, *tree_depths(span.parents)]
         for i, p in enumerate(range(span.past, span.past + span.new)):
@@ -201,20 +227,36 @@ def plan(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool) -> t
         owner += [span.owner] * span.new
         tree += [0] * span.new if span.parents is None else [1 << i for i in range(span.new)]
         anc += [0] * span.new if span.parents is None else ancestor_bits(span.parents)
+        token_span += [s] * span.new
     pad = width - len(positions)
     positions += [0] * pad
     slots += [i % BLOCK for i in range(pad)]
     owner += [PAD] * pad
     tree += [0] * pad
     anc += [0] * pad
-    kv_idx = torch.zeros(1, 1, len(seen), pool.blocks, dtype=torch.int32)
+    token_span += [-1] * pad
+    # A query block of one span's tokens sees the blocks wholly below that span's past whole (committed rows of
+    # its own, at positions below every query's): "full" blocks, attended without the mask. Padding sees block 0.
+    masked: list[list[int]] = []
+    whole: list[list[int]] = []
     for j, blocks in enumerate(seen):
-        kv_idx[0, 0, j, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
-    kv_num = torch.tensor([[[len(b) for b in seen]]], dtype=torch.int32)
+        holders = set(token_span[j * q_block: (j + 1) * q_block])
+        full: list[int] = []
+        if -1 in holders:
+            blocks[0] = None
+        elif len(holders) == 1:
+            span = spans[holders.pop()]
+            full = span.blocks[: span.past // BLOCK]
+            below = set(full)
+            blocks = [b for b in blocks if b not in below]
+        masked.append(list(blocks))
+        whole.append(full)
+    (kv_num, kv_idx), (full_num, full_idx) = _block_table(masked, pool.blocks), _block_table(whole, pool.blocks)
     device = pool.device
     batch = PagedBatch(
         slots=torch.tensor(slots, dtype=torch.long).to(device), owner=torch.tensor(owner, dtype=torch.int32).to(device),
-        kv_num=kv_num.to(device), kv_idx=kv_idx.to(device), keys=pool.keys, values=pool.values,
+        kv_num=kv_num.to(device), kv_idx=kv_idx.to(device), full_num=full_num.to(device),
+        full_idx=full_idx.to(device), keys=pool.keys, values=pool.values,
         row_owner=pool.owner, row_position=pool.position, row_tree=pool.tree,
         tree=torch.tensor(tree, dtype=torch.int64).to(device),
         anc=torch.tensor(anc, dtype=torch.int64).to(device),
@@ -222,6 +264,16 @@ def plan(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool) -> t
         dense=(1 + max((b for span in spans for b in span.blocks), default=0)) * BLOCK if dense else 0,
     )
     return torch.tensor(positions, dtype=torch.int32).to(device), batch
+
+
+def _block_table(rows: list[list[int]], blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A BlockMask's counts [1, 1, Q] and indices [1, 1, Q, blocks] (int32) of each query block's pool blocks
+    (filled in numpy: a tensor a query block cost ~1 ms a forward at 96 of them)."""
+    idx = numpy.zeros((len(rows), blocks), dtype=numpy.int32)
+    for j, row in enumerate(rows):
+        idx[j, : len(row)] = row
+    num = torch.tensor([len(row) for row in rows], dtype=torch.int32)
+    return num[None, None], torch.from_numpy(idx)[None, None]
 
 
 def keep_rows(pool: PagedKVPool, src: list[int], dst: list[int], positions: list[int],

@@ -103,6 +103,20 @@ def test_logits_and_features_equal_transformers(family, attention, checkpoints):
             start += len(new)
 
 
+def test_a_query_block_of_one_sequence_sees_the_blocks_below_its_past_whole():
+    """On the CPU each token is a query block: it sees its committed past's blocks whole (no mask), the rest of
+    its blocks through the mask; padding sees the scratch block only."""
+    pool = PagedKVPool(1, 1, 8, torch.float32, torch.device("cpu"), blocks=16)
+    spans = [Span(0, [3, 5, 7], past=40, new=2), Span(1, [9], past=3, new=1)]
+    _, batch = plan(spans, 4, pool, dense=False)  # a 4-token bucket: 3 tokens and a padding one
+
+    def seen(num, idx):
+        return [idx[0, 0, j, : int(n)].tolist() for j, n in enumerate(num[0, 0])]
+
+    assert seen(batch.full_num, batch.full_idx) == [[3, 5], [3, 5], [], []]
+    assert seen(batch.kv_num, batch.kv_idx) == [[7], [7], [9], [0]]
+
+
 def test_what_the_native_model_cannot_run_falls_back_to_transformers(tmp_path):
     """Mistral with a sliding window shorter than the context runs on transformers' path; asked for
     "native" it is refused with the reason."""
@@ -179,8 +193,8 @@ def test_the_compiled_engine_matches_generate_without_recompiling(compiled):
     prompts = [[7, 3, 9, 11], [7, 20, 21, 22, 23, 24], [7, 40]]
     assert greedy_rounds(target, oracle, prompts[0], 6, 4) == hf_generate(model, prompts[0], 6)  # the warm-up
     graphs = counters["stats"]["unique_graphs"]
-    for p in prompts[1:]:
-        assert greedy_rounds(target, oracle, p, 10, 3) == hf_generate(model, p, 10)
+    for p, n in zip(prompts[1:], (40, 10), strict=True):  # 40: its verifies see whole blocks below their past
+        assert greedy_rounds(target, oracle, p, n, 3) == hf_generate(model, p, n)
     start = threading.Barrier(2)
 
     def one(p: list[int]) -> list[int]:
