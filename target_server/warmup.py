@@ -30,8 +30,11 @@ class WarmUp:
     """A service's compiled buckets, compiled off the requests' path: a verify batch whose bucket (tokens, pool
     rows) has no graph yet runs eagerly (unpadded, SDPA over the pool, packed weights) and queues the bucket;
     one thread compiles the queued buckets in turn, each with a forward of padding only (the scratch block: no
-    session's KV is touched), and the bucket runs compiled from its next batch. Prefills always run eagerly:
-    wide, of any length, rare, each would be a bucket of its own (768, 512, 240, 192, 144 tokens in one bench).
+    session's KV is touched), and the bucket runs compiled from its next batch. A prefill batch runs compiled
+    where its bucket already is, and never queues one: wide, of any length, each would be a bucket of its own
+    (768, 512, 240, 192, 144 tokens in one bench). Demo pair, 48-token prompts, 16 closed-loop clients of 64
+    tokens, EAGLE-3 K=5, gate off: prefill batches 23.9 -> 19.4 ms, 1784 -> 2032 tokens/s (one run each; in
+    lockstep, target-only, all 16 prefill together: 768 tokens, eager either way).
     The FIRST buckets are queued with the pool, before any request."""
 
     # a lone request's verifies and 16 decodes, then 16 sessions' verifies of up to K=5 in cohorts of any size:
@@ -49,11 +52,10 @@ class WarmUp:
         self._idle = threading.Condition()
 
     def ready(self, steps: list[Step], width: int, pool: PagedKVPool) -> bool:
-        if any(step.kind == "prefill" for step in steps):
-            return False
         if (width, pool.owner.shape[0]) in self._ready:
             return True
-        self.queue(width, pool)
+        if not any(step.kind == "prefill" for step in steps):
+            self.queue(width, pool)
         return False
 
     def queue(self, width: int, pool: PagedKVPool) -> None:

@@ -245,7 +245,8 @@ def test_a_compiled_engine_takes_more_buckets_than_dynamos_default_from_the_batc
 def test_a_background_compile_runs_a_bucket_eagerly_until_its_graph_is_ready(checkpoints, monkeypatch):
     """TANDEM_COMPILE=background (warmup.WarmUp): a verify whose bucket has no graph yet runs eagerly and queues
     the bucket, which compiles on a thread of its own (dynamo's "eager" backend here: the test is about the hand-
-    over); from then on the bucket runs compiled, prefills never do; generate's tokens all along, and the engine
+    over); from then on the bucket runs compiled, a prefill too where its bucket is (it never queues one);
+    generate's tokens all along, and the engine
     says how many buckets are still compiling (ModelInfo's buckets_compiling). The first few buckets are queued
     with the pool."""
     compile_eagerly(monkeypatch)
@@ -267,8 +268,11 @@ def test_a_background_compile_runs_a_bucket_eagerly_until_its_graph_is_ready(che
     rows = target.kv_pool.owner.shape[0]
     assert runner.buckets == {(n, rows) for n in WarmUp.FIRST} and threads[0] == "tandem-compile"
     threads.clear()
+    target.prefill("p", list(range(1, 101)), SamplingParams())  # 100 tokens: a bucket of 112, never compiled
+    assert not threads and runner.buckets == {(n, rows) for n in WarmUp.FIRST}  # eager, and nothing queued
+    target.release("p")
     assert greedy_rounds(target, oracle, second, 8, 3) == hf_generate(model, second, 8)
-    assert threads and set(threads) == {threading.current_thread().name}  # the verifies, compiled; the prefill not
+    assert threads and set(threads) == {threading.current_thread().name}  # the prefill (8: compiled), the verifies
 
 
 def test_a_bucket_whose_compile_fails_runs_eagerly_and_the_engine_carries_on(checkpoints, monkeypatch):
