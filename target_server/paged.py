@@ -27,9 +27,9 @@ Which pool blocks a query block may see (its sequences' blocks up to its last po
 block) is known on the host from the block tables: it becomes a flex_attention BlockMask (kv_num_blocks,
 kv_indices), so attention skips every other block of the pool; the rule above is its mask_mod inside
 the blocks, but for "full" blocks (a query block's own committed past, attended whole). Grouped-query
-attention is flex's enable_gqa, or (CPU) the group's heads packed as query rows: no repeated KV. Without torch.compile flex
-materialises its scores (correct, slow); "dense" attention runs SDPA over the whole pool with the rule
-as a boolean mask (eager's faster choice), over the rows up to the batch's highest block.
+attention is flex's enable_gqa, or (CPU) the group's heads packed as query rows: no repeated KV. Without
+torch.compile flex materialises its scores (correct, slow); "dense" attention runs SDPA over the whole pool
+with the rule as a boolean mask (eager's faster choice), over the rows up to the batch's highest block.
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ FREE = -1  # the owner of rows never written
 # verifies of 6 tokens 13.0-13.4 -> 11.8-12.0 (best of 30), one session's even; without the packing 16
 # decodes 4.06-4.51, 16 verifies 12.5-13.1; with pages of 64 rows (KVPool.BLOCK) 16 decodes 4.52 against
 # 3.75. Before full blocks, 16 verifies of K=4 took 16.5 ms with 16-token query blocks, 14.6 with 8 and 13.7
-# with 4. On CUDA flex's Triton kernel tiles by 16 rows at least,
-# and the block sizes must be multiples of its tiles (torch 2.11, H100: with its default tiles no kernel
-# compiles for (16, 16) blocks, nor for any query block below 16 whatever the tiles), so a CUDA forward is
-# padded to 16 tokens at least (MIN_TOKENS) and runs tiles of (16, 16) (KERNEL_OPTIONS).
+# with 4. On CUDA flex's Triton kernel tiles by 16 rows at least, and the block sizes must be multiples of
+# its tiles (torch 2.11, H100: with its default tiles no kernel compiles for (16, 16) blocks, nor for any
+# query block below 16 whatever the tiles), so a CUDA forward is padded to 16 tokens at least (MIN_TOKENS) and
+# runs tiles of (16, 16) (KERNEL_OPTIONS).
 Q_BLOCK = {"cpu": 1, "cuda": 16}
 MIN_TOKENS = {"cpu": 2, "cuda": 16}  # inductor's CPU flex template fails on one query row
 KERNEL_OPTIONS = {"cuda": {"BLOCK_M": 16, "BLOCK_N": 16}}

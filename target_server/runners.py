@@ -49,8 +49,8 @@ def compile_default(device: torch.device) -> bool | str:
     a GPU, eager on a CPU. On this 2-core CPU a bucket compiles in 4-50 s (the first time; inductor's disk cache
     helps later), and then (one thread, frozen weights) the demo target decodes in 1.76 ms against 2.57 eager,
     verifies 6 tokens in 2.80 against 4.11, 16 decodes in 4.23 against 6.59 (3.8 since paged.Q_BLOCK's full
-    blocks); SmolLM2-135M in 45.7 and 70.0 against 54.9 and 72.1. Compiled on first use, a service stalled every request for each new bucket (13 in a
-    bench at 1 and 16 requests, p99 latency 48 s). In the background the buckets cost nothing on the path, but
+    blocks); SmolLM2-135M in 45.7 and 70.0 against 54.9 and 72.1. Compiled on first use, a service stalled every
+    request for each new bucket (13 in a bench at 1 and 16 requests, p99 latency 48 s). In the background the buckets cost nothing on the path, but
     the speed changes under the acceptance gate as each one lands (tandem bench: demo pair, 1 request, target-only
     305-405 tokens/s against 255 eager, EAGLE-3 K=5 407-559 with the gate off; with it on, since the gate times
     drafting again after REOPEN_ROUNDS, 1.17-1.28x in three runs and shed 98% in a fourth beside vLLM's

@@ -246,9 +246,8 @@ def test_a_background_compile_runs_a_bucket_eagerly_until_its_graph_is_ready(che
     """TANDEM_COMPILE=background (warmup.WarmUp): a verify whose bucket has no graph yet runs eagerly and queues
     the bucket, which compiles on a thread of its own (dynamo's "eager" backend here: the test is about the hand-
     over); from then on the bucket runs compiled, a prefill too where its bucket is (it never queues one);
-    generate's tokens all along, and the engine
-    says how many buckets are still compiling (ModelInfo's buckets_compiling). The first few buckets are queued
-    with the pool."""
+    generate's tokens all along, and the engine says how many buckets are still compiling (ModelInfo's
+    buckets_compiling). The first few buckets are queued with the pool."""
     compile_eagerly(monkeypatch)
     path, model = checkpoints["llama-gqa-llama3"]
     target = TargetEngine(path, engine="native", aux_layer_ids=AUX, compile="background")
