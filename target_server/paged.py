@@ -29,7 +29,10 @@ kv_indices), so attention skips every other block of the pool; the rule above is
 the blocks, but for "full" blocks (a query block's own committed past, attended whole). Grouped-query
 attention is flex's enable_gqa, or (CPU) the group's heads packed as query rows: no repeated KV. Without
 torch.compile flex materialises its scores (correct, slow); "dense" attention runs SDPA over the whole pool
-with the rule as a boolean mask (eager's faster choice), over the rows up to the batch's highest block.
+with the rule as a boolean mask (eager's faster choice), over the rows up to the batch's highest block, but
+for a batch of prefills only (`fresh`: nothing before their new tokens), where each sequence attends its own new
+tokens causally, one SDPA each, without reading the pool back. Eager, 16 closed-loop demo clients target-only
+(16 prefills of 48 tokens together): a prefill batch 56-74 -> 36.5 ms (the target's /metrics, one run each).
 """
 
 from __future__ import annotations
@@ -127,6 +130,7 @@ class PagedBatch(NamedTuple):
     trees: bool = False  # a tree among the spans (else the dense mask's tree rule is row_tree == 0)
     mask: BlockMask | torch.Tensor | None = None  # set by open_batch
     groups: int = 1  # query heads a kv head's query rows hold (set by open_batch: PACK_GROUPS)
+    fresh: tuple[int, ...] = ()  # dense, and every sequence starts at position 0 (prefills): their lengths
 
 
 def open_batch(batch: PagedBatch, positions: torch.Tensor, groups: int = 1) -> PagedBatch:
@@ -138,6 +142,8 @@ def open_batch(batch: PagedBatch, positions: torch.Tensor, groups: int = 1) -> P
     batch.row_tree.index_copy_(0, batch.slots, batch.tree)
     row_owner, row_position, row_tree = batch.row_owner, batch.row_position, batch.row_tree
     owner, anc = batch.owner, batch.anc
+    if batch.fresh:
+        return batch  # each sequence attends its own new tokens (paged_attention): no mask
     if batch.dense:
         row_owner, row_position = row_owner[: batch.dense], row_position[: batch.dense]
         mask = (row_owner[None] == owner[:, None]) & (row_position[None] <= positions[:, None])  # [T, dense]
@@ -163,6 +169,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     keys, values = batch.keys[layer], batch.values[layer]  # [1, Hkv, R, D]
     keys.index_copy_(2, batch.slots, k)
     values.index_copy_(2, batch.slots, v)
+    if batch.fresh:  # nothing before the new tokens: each sequence's causal attention over its own, from k and v
+        return torch.cat([torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+                          for qs, ks, vs in zip(q.split(batch.fresh, 2), k.split(batch.fresh, 2),
+                                                v.split(batch.fresh, 2), strict=True)], dim=2)
     if batch.dense:
         keys, values = keys[:, :, : batch.dense], values[:, :, : batch.dense]  # views
         return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
@@ -262,6 +272,8 @@ def plan(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool) -> t
         anc=torch.tensor(anc, dtype=torch.int64).to(device),
         q_block=q_block, trees=any(span.parents is not None for span in spans),
         dense=(1 + max((b for span in spans for b in span.blocks), default=0)) * BLOCK if dense else 0,
+        fresh=tuple(n for n in [*(span.new for span in spans), pad] if n) if dense and spans and all(
+            span.past == 0 and span.parents is None for span in spans) else (),  # padding: a sequence of its own
     )
     return torch.tensor(positions, dtype=torch.int32).to(device), batch
 
