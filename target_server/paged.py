@@ -222,45 +222,23 @@ def bucket(n: int, device: str = "cpu") -> int:
 def plan(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool) -> tuple[torch.Tensor, PagedBatch]:
     """The positions [width] (int32) and the PagedBatch of a forward of `spans`' tokens padded to `width`, built
     on the host from the block tables and copied to the device once."""
-    positions, slots, owner, tree, anc, token_span = [], [], [], [], [], []
+    positions, slots, owner, tree, anc = [], [], [], [], []
     q_block = min(width, Q_BLOCK.get(pool.device.type, 16))
-    seen: list[dict[int, None]] = [{} for _ in range(-(-width // q_block))]  # pool blocks, in order
-    for s, span in enumerate(spans):
-        start = len(positions)
+    for span in spans:
         depths = range(span.new) if span.parents is None else [0, *tree_depths(span.parents)]
         for i, p in enumerate(range(span.past, span.past + span.new)):
             positions.append(span.past + depths[i])
             slots.append(span.blocks[p // BLOCK] * BLOCK + p % BLOCK)
-            last = (start + i) // q_block
-            if i + 1 == span.new or (start + i + 1) % q_block == 0:  # the last token of this span in its query block
-                seen[last].update(dict.fromkeys(span.blocks[: p // BLOCK + 1]))
         owner += [span.owner] * span.new
         tree += [0] * span.new if span.parents is None else [1 << i for i in range(span.new)]
         anc += [0] * span.new if span.parents is None else ancestor_bits(span.parents)
-        token_span += [s] * span.new
     pad = width - len(positions)
     positions += [0] * pad
     slots += [i % BLOCK for i in range(pad)]
     owner += [PAD] * pad
     tree += [0] * pad
     anc += [0] * pad
-    token_span += [-1] * pad
-    # A query block of one span's tokens sees the blocks wholly below that span's past whole (committed rows of
-    # its own, at positions below every query's): "full" blocks, attended without the mask. Padding sees block 0.
-    masked: list[list[int]] = []
-    whole: list[list[int]] = []
-    for j, blocks in enumerate(seen):
-        holders = set(token_span[j * q_block: (j + 1) * q_block])
-        full: list[int] = []
-        if -1 in holders:
-            blocks[0] = None
-        elif len(holders) == 1:
-            span = spans[holders.pop()]
-            full = span.blocks[: span.past // BLOCK]
-            below = set(full)
-            blocks = [b for b in blocks if b not in below]
-        masked.append(list(blocks))
-        whole.append(full)
+    masked, whole = ([], []) if dense else _visible_blocks(spans, width, q_block)  # dense attention reads neither
     (kv_num, kv_idx), (full_num, full_idx) = _block_table(masked, pool.blocks), _block_table(whole, pool.blocks)
     device = pool.device
     batch = PagedBatch(
@@ -276,6 +254,38 @@ def plan(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool) -> t
             span.past == 0 and span.parents is None for span in spans) else (),  # padding: a sequence of its own
     )
     return torch.tensor(positions, dtype=torch.int32).to(device), batch
+
+
+def _visible_blocks(spans: Sequence[Span], width: int, q_block: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Per query block of `q_block` tokens, the pool blocks it sees through the mask (its sequences' blocks up to
+    its last position; the scratch block where it holds padding) and those it sees whole: a query block of one
+    span's tokens sees the blocks wholly below that span's past whole (committed rows of its own, at positions
+    below every query's), attended without the mask."""
+    seen: list[dict[int, None]] = [{} for _ in range(-(-width // q_block))]  # pool blocks, in order
+    holders: list[set[int]] = [set() for _ in seen]  # the spans with tokens in it (-1: padding)
+    start = 0
+    for s, span in enumerate(spans):
+        for i, p in enumerate(range(span.past, span.past + span.new)):
+            j = (start + i) // q_block
+            holders[j].add(s)
+            if i + 1 == span.new or (start + i + 1) % q_block == 0:  # the last token of this span in its query block
+                seen[j].update(dict.fromkeys(span.blocks[: p // BLOCK + 1]))
+        start += span.new
+    for j in range(start // q_block, len(seen) if start < width else 0):  # the padding, tokens start.. on
+        holders[j].add(-1)
+    masked, whole = [], []
+    for blocks, held in zip(seen, holders, strict=True):
+        full: list[int] = []
+        if -1 in held:
+            blocks[0] = None
+        elif len(held) == 1:
+            span = spans[held.pop()]
+            full = span.blocks[: span.past // BLOCK]
+            below = set(full)
+            blocks = dict.fromkeys(b for b in blocks if b not in below)
+        masked.append(list(blocks))
+        whole.append(full)
+    return masked, whole
 
 
 def _block_table(rows: list[list[int]], blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
