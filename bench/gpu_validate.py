@@ -410,7 +410,10 @@ def gpu_memory(devices: list[int], stop: threading.Event, peak: dict[int, int]) 
         stop.wait(0.2)
 
 
-def big_target(plan: Plan, work: Path, table: Table, deadline: float) -> None:
+def big_target(plan: Plan, work: Path, table: Table, deadline: float, warm: bool = False,
+               memory: bool = True) -> None:
+    """Time per round by stage at 1 and 16 requests, EAGLE-3 K=4 and target-only; `warm` runs each workload
+    once untimed first (a compiled target compiles each bucket on its first use); then the memory check."""
     import torch
 
     from coordinator.client import TandemClient, TandemError
@@ -427,17 +430,24 @@ def big_target(plan: Plan, work: Path, table: Table, deadline: float) -> None:
     stack = Stack(plan, pair, work / "serve-random.log", "bfloat16", "auto", False)
     try:
         vocab = plan.shape["vocab_size"]
-        for concurrency in (1, 16):
-            prompts = [[(7 * i + j) % vocab for j in range(256 if not plan.dry else 32)] for i in range(concurrency * 2)]
-            _, used, errors, records, wall = generate_all(stack.address, prompts, plan.new_tokens, 4, concurrency)
-            if errors:
-                table.add("8B stages", f"{name} c={concurrency}", "FAIL", errors[0])
+        for concurrency, k in ((1, 4), (1, 0), (16, 4), (16, 0)):
+            if time.monotonic() > deadline:
+                table.add("8B stages", f"{name} c={concurrency} K={k}", "SKIP", "time budget spent")
                 continue
-            latency = build_report(records, wall, {})["latency"]
+            prompts = [[(7 * i + j) % vocab for j in range(256 if not plan.dry else 32)] for i in range(concurrency * 2)]
+            if warm:
+                generate_all(stack.address, prompts, plan.new_tokens, k, concurrency)
+            _, used, errors, records, wall = generate_all(stack.address, prompts, plan.new_tokens, k, concurrency)
+            if errors:
+                table.add("8B stages", f"{name} c={concurrency} K={k}", "FAIL", errors[0])
+                continue
+            report = build_report(records, wall, {})
+            latency = report["latency"]
             per_round = ", ".join(f"{s} {latency['per_round_ms'][s]:.2f}" for s in STAGES)
-            table.add("8B stages", f"{name} c={concurrency} ({used})", "PASS",
-                      f"round {latency['round_ms']:.2f} ms = {per_round} (ms per round)")
-        if time.monotonic() > deadline:
+            table.add("8B stages", f"{name} c={concurrency} K={k} ({used})", "PASS",
+                      f"round {latency['round_ms']:.2f} ms = {per_round} (ms per round); "
+                      f"{report['totals']['output_tokens_per_s']:.0f} tokens/s, {report['totals']['generated_tokens'] / max(report['totals']['rounds'], 1):.2f} tokens a round")
+        if not memory or time.monotonic() > deadline:
             table.add("memory", name, "SKIP", "time budget spent")
             return
         devices = sorted({int(d.split(":")[1]) for d in (plan.target_device, plan.draft_device) if d.startswith("cuda")})
@@ -483,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
                                              "the tiny pair with --dry-run)")
     p.add_argument("--work", type=Path, help="work files, the 8B checkpoint among them (default: a temporary dir)")
     p.add_argument("--budget-min", type=float, default=40, help="stop starting checks after this many minutes")
-    p.add_argument("--skip", default="", help="comma-separated: transports, services, big")
+    p.add_argument("--skip", default="", help="comma-separated: transports, services, big, memory")
+    p.add_argument("--warm", action="store_true", help="8B stages: run each workload once untimed first")
     p.add_argument("--dtypes", default="float32,bfloat16", help="the services checks' dtypes (comma-separated)")
     p.add_argument("--transports", default="grpc,shm,cuda-ipc,nccl",
                    help="the transports the transport and services checks run (comma-separated)")
@@ -512,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         services(plan, pair, work, table, deadline)
     if "big" not in skip:
         try:
-            big_target(plan, work, table, deadline)
+            big_target(plan, work, table, deadline, warm=args.warm, memory="memory" not in skip)
         except Exception as exc:  # noqa: BLE001
             table.add("8B stages", "", "FAIL", f"{type(exc).__name__}: {str(exc)[:300]}")
     import torch
