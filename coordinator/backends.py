@@ -19,7 +19,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -275,11 +275,14 @@ class GrpcTarget:
                              logprobs=logprobs_from_pb(response.prefilled.logprobs))
 
     def verify(self, session_id: str, token: int, drafts: list[int], want_features: bool = True,
-               q: list[DraftProbs] | None = None, parents: list[int] | None = None) -> VerifyResult:
+               q: list[DraftProbs] | None = None, parents: list[int] | None = None, decode: int = 1,
+               stop_ids: Sequence[int] = ()) -> VerifyResult:
         self._drain()
         request = target_pb2.TargetRequest(verify=target_pb2.Verify(token=token, drafts=drafts,
                                                                     want_features=want_features,
-                                                                    q=draft_probs_to_pb(q), parents=parents))
+                                                                    q=draft_probs_to_pb(q), parents=parents,
+                                                                    decode=decode if decode > 1 else 0,
+                                                                    stop_ids=stop_ids if decode > 1 else ()))
         cohort = None
         if self._cohorts is not None:
             self._cohorts.leave()  # a round without a propose first: this step did not go to the draft

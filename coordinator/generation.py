@@ -117,6 +117,7 @@ class Generations:
             trees=TreeGate() if settings.tree_policy else None,
             fits=(lambda width: running.active * width <= budget) if budget else None,
             default_tree=parse_tree(settings.tree) if settings.tree else None,
+            decode_steps=settings.decode_steps,
         )
 
     def attach(self, monitor: Monitor) -> None:

@@ -268,6 +268,9 @@ TREE_HELP = ("EAGLE-2 draft trees for requests that name none: NODES[,DEPTH[,TOP
              "to the EAGLE-3 reference's 7 and 10); unset: chains of K")
 COHORT_RELAY_HELP = ("on: the verifies of all generations go to the target on one stream, one message per batch; "
                      "off: each on its generation's own stream (default on)")
+DECODE_STEPS = 8
+DECODE_STEPS_HELP = ("tokens a target-only round decodes on the target before answering: the round trip through the "
+                     f"coordinator is paid once per that many (default {DECODE_STEPS}; 1: a token a round)")
 TREE_POLICY_HELP = "on: each round runs the tree or the chain, whichever has measured faster here (default on)"
 
 
@@ -302,6 +305,8 @@ class CoordinatorSettings(ServiceSettings):
     # The verifies of all generations to the target on one stream, one message per batch (coordinator/relay.py);
     # off: each on its generation's Session stream.
     cohort_relay: bool = Field(True, description=COHORT_RELAY_HELP)
+    # Tokens a target-only round decodes on the target before it answers (Verify.decode; 1: one a round).
+    decode_steps: int = Field(DECODE_STEPS, ge=1, le=64, description=DECODE_STEPS_HELP)
     # EAGLE-2 draft trees: the tree of requests that name none, NODES[,DEPTH[,TOP_K]] (none: chains), and
     # whether the tree gate (tandem/gates.py) chooses tree or chain each round by their measured speed.
     tree: TreeSpec | None = Field(None, description=TREE_HELP)
@@ -353,6 +358,7 @@ class ServeSettings(BaseSettings):
     tree: TreeSpec | None = Field(None, description=TREE_HELP)
     tree_policy: bool = Field(True, description=TREE_POLICY_HELP)
     cohort_relay: bool = Field(True, description=COHORT_RELAY_HELP)
+    decode_steps: int | None = Field(None, ge=1, le=64, description=DECODE_STEPS_HELP)  # none: the coordinator's
     # Prometheus /metrics of each child (none: off, or the child's own TANDEM_<SERVICE>_METRICS_PORT)
     coordinator_metrics_port: int | None = Field(None, ge=0, le=65535)
     target_metrics_port: int | None = Field(None, ge=0, le=65535)

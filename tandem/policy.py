@@ -56,6 +56,7 @@ class Speculation:
     # whether a verify this wide fits the server's load (adaptive K's budget: n running x width <= budget)
     fits: Callable[[int], bool] | None = None
     default_tree: TreeParams | None = None  # the tree of a request that names none (None: chains)
+    decode_steps: int = 1  # tokens a target-only round asks the target for (Verify.decode)
 
 
 class KPolicy:

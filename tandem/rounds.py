@@ -213,11 +213,13 @@ def run_rounds(
                 drafts = drafter.draft(k, branches, tree)
             if k > 0 and not alive():
                 stats.num_rounds_without_draft += 1
-            # verify
-            verdict = target.verify(session, token, drafts, alive(), drafts.q, drafts.parents)
+            # verify (target-only: up to decode_steps tokens in the target's own batches, target_server/decode.py)
+            decode = min(speculation.decode_steps, limit - stopper.produced) if not alive() else 1
+            extra = {"decode": decode, "stop_ids": sorted(stop_ids)} if decode > 1 else {}
+            verdict = target.verify(session, token, drafts, alive(), drafts.q, drafts.parents, **extra)
             # commit
             accepted = len(verdict.accepted)
-            stats.count_round(len(drafts), accepted, drafts.parents is not None)
+            stats.count_round(len(drafts), accepted if drafts else 0, drafts.parents is not None)
             now = time.perf_counter()
             policy.record(len(drafts), accepted, now - started, drafts.parents is not None, verdict.warming)
             started = now

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 
 from tandem.aux_layers import CONVENTION_HELP, CONVENTIONS
-from tandem.config import COHORT_RELAY_HELP, OVERLAP_HELP, TREE_HELP, TREE_POLICY_HELP
+from tandem.config import COHORT_RELAY_HELP, DECODE_STEPS_HELP, OVERLAP_HELP, TREE_HELP, TREE_POLICY_HELP
 from tandem.dtypes import DTYPE_NAMES
 from tandem_tools.demos import add_demo_arg
 
@@ -130,6 +130,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", metavar="NODES[,DEPTH[,TOP_K]]", help=TREE_HELP)
     p.add_argument("--tree-policy", choices=["on", "off"], help=TREE_POLICY_HELP)
     p.add_argument("--cohort-relay", choices=["on", "off"], help=COHORT_RELAY_HELP)
+    p.add_argument("--decode-steps", type=int, help=DECODE_STEPS_HELP)
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:

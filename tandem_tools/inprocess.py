@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from draft_server.engine import DraftEngine
-from tandem.config import SPEC_DRAFT_COST
+from tandem.config import DECODE_STEPS, SPEC_DRAFT_COST
 from tandem.gates import AcceptanceGate, TreeGate
 from tandem.pairing import TargetShape, check_pair
 from tandem.params import GenerationRequest
@@ -57,7 +57,7 @@ class InProcessGenerator:
             check_pair(target_shape(self.target), self.draft.shape())
         # one gate for the generator, as one for a coordinator: it learns from every generation
         self.speculation = Speculation(gate=AcceptanceGate(draft_cost) if draft_cost else None,
-                                       trees=TreeGate() if tree_policy else None)
+                                       trees=TreeGate() if tree_policy else None, decode_steps=DECODE_STEPS)
         self._tokenizer = None
         self.target_dir = Path(target_dir)
 

@@ -140,6 +140,8 @@ def serve(settings: ServeSettings) -> int:
             coordinator_args += ["--overlap", "on" if settings.overlap else "off"]
             if settings.overlap_branches is not None:
                 coordinator_args += ["--overlap-branches", str(settings.overlap_branches)]
+            if settings.decode_steps is not None:
+                coordinator_args += ["--decode-steps", str(settings.decode_steps)]
             if settings.tree is not None:
                 coordinator_args += ["--tree", settings.tree]
             coordinator_args += ["--tree-policy", "on" if settings.tree_policy else "off"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -49,6 +49,7 @@ from target_server.acceptance import (
     tree_problem,
     tree_q,
 )
+from target_server.decode import check_decode, decode_many, decode_one
 from target_server.kv import VERIFY_TOKENS, KVBudget, KVLayer, KVPool, kv_budget_tokens  # noqa: F401
 from target_server.loading import eos_token_ids, load_target
 from target_server.native import load_native, unsupported
@@ -241,24 +242,41 @@ class TargetEngine(SessionOwner):
         return result
 
     def verify(self, session_id: str, token: int, drafts: list[int], want_features: bool = True,
-               q: list[DraftProbs] | None = None, parents: list[int] | None = None) -> VerifyResult:
+               q: list[DraftProbs] | None = None, parents: list[int] | None = None, decode: int = 1,
+               stop_ids: Sequence[int] = ()) -> VerifyResult:
         """`q`: for a sampled session, the distribution the draft sampled each draft from (speculative
         sampling, target_server/acceptance.py); None: the drafts are the draft's argmax. `parents`: the
-        drafts are a tree (Drafts.parents; its q: one per node, empty for one not sampled); None: a chain."""
-        step, tokens = self._verify_step(session_id, token, drafts, want_features, q, parents)
-        return self.batcher.submit(step, tokens, key=session_id, group="verify")
+        drafts are a tree (Drafts.parents; its q: one per node, empty for one not sampled); None: a chain.
+        `decode` > 1: up to that many tokens target-only, ending after a stop id (target_server/decode.py)."""
+        def step(t: int, n: int = 1) -> VerifyResult:
+            built, tokens = self._verify_step(session_id, t, drafts, want_features, q, parents, n)
+            return self.batcher.submit(built, tokens, key=session_id, group="verify")
+
+        first = step(token, decode)
+        return first if decode <= 1 else decode_one(step, first, decode, stop_ids)
 
     def verify_many(self, calls: list[tuple[tuple, StepClock | None]]) -> list[VerifyResult | Exception]:
         """Verifies the coordinator's cohort relay gathered, `(verify's arguments, clock)` each, run as one
-        batch: a result, or the error of a step that failed (it fails alone), each."""
-        return self.batcher.submit_many(calls, self._verify_step, "verify")
+        batch: a result, or the error of a step that failed (it fails alone), each. Decodes (arguments
+        ending in decode > 1, stop_ids) go on in batches of the cohort's decodes."""
+        first = self.batcher.submit_many(calls, self._verify_step, "verify")
+        decodes = [args[6:8] if len(args) > 6 else (1, ()) for args, _ in calls]
+        return first if all(d <= 1 for d, _ in decodes) else decode_many(
+            lambda going: self.batcher.submit_many([((calls[i][0][0], t, [], False, None, None), None) for i, t in going],
+                                                   self._verify_step, "verify"), first, decodes)
 
     def _verify_step(self, session_id: str, token: int, drafts: list[int], want_features: bool,
-                     q: list[DraftProbs] | None, parents: list[int] | None) -> tuple[Step, int]:
-        """A verify's step and its tokens, or InvalidRequest; the session counts as used."""
+                     q: list[DraftProbs] | None, parents: list[int] | None, decode: int = 1,
+                     stop_ids: Sequence[int] = ()) -> tuple[Step, int]:
+        """A verify's step and its tokens, or InvalidRequest; the session counts as used. A decode's first
+        step checks the decode (`stop_ids`: the caller's)."""
         session = self.sessions.get(session_id)
         session.last_used = time.monotonic()
         self._check_ids([token, *drafts], "the verify input")
+        check_decode(decode, drafts, want_features, parents)
+        if decode > 1 and session.length + decode > session.reserved:
+            raise InvalidRequest(f"decode of {decode} tokens would grow the session to {session.length + decode} "
+                                 f"tokens, past the {session.reserved} its prefill reserved (prompt + max_new_tokens)")
         if parents is not None and not self.supports_trees:
             raise InvalidRequest("draft trees need the native engine (the Llama family) or a full-attention "
                                  f"model; this target runs transformers' {type(self.model).__name__}")

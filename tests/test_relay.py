@@ -161,3 +161,52 @@ def test_chain_proposes_share_a_message_and_a_bad_one_fails_alone(tiny_dir):
                 call.cancel()
     finally:
         service.server.stop(None)
+
+
+def decode(target: GrpcTarget, sid: str, prompt: list[int], n: int, per_call: int, stop_ids=()) -> list[int]:
+    """A prefill, then target-only verifies of `per_call` tokens each (Verify.decode) until n tokens."""
+    t = target.prefill(sid, prompt, SamplingParams(), want_features=False, max_new_tokens=n + 1).token
+    out = [t]
+    while len(out) < n and t not in stop_ids:
+        result = target.verify(sid, t, [], want_features=False, decode=min(per_call, n - len(out)), stop_ids=stop_ids)
+        assert result.features is None
+        out += [*result.accepted, result.bonus]
+        t = result.bonus
+    target.release(sid)
+    return out
+
+
+def test_a_target_only_decode_of_many_tokens_gives_what_single_tokens_give(target):
+    stub, engine, relay = target
+    prompts = id_prompts(4, engine.vocab_size, seed=5)
+    single = [decode(GrpcTarget(stub, [], timeout=60), f"one{i}", p, 12, 1) for i, p in enumerate(prompts)]
+    own = [decode(GrpcTarget(stub, [], timeout=60), f"own{i}", p, 12, 5) for i, p in enumerate(prompts)]
+    assert own == single
+    relayed: list = [None] * len(prompts)
+    threads = [threading.Thread(target=lambda i=i: relayed.__setitem__(i, decode(
+        GrpcTarget(stub, [], timeout=60, relay=relay), f"relay{i}", prompts[i], 12, 5))) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert relayed == single
+    stop = single[0][4]  # a decode ends after a stop id: the first one it makes
+    stopped = decode(GrpcTarget(stub, [], timeout=60), "stop", prompts[0], 12, 8, stop_ids=[stop])
+    assert stopped == single[0][: single[0].index(stop) + 1]
+    assert engine.num_sessions == 0
+
+
+def test_a_decode_with_drafts_or_features_is_refused_naming_why(target):
+    stub, _, _ = target
+    own = GrpcTarget(stub, [], timeout=60)
+    t = own.prefill("bad-decode", [5, 6, 7], SamplingParams(), want_features=False, max_new_tokens=8).token
+    for kwargs, words in (({"drafts": [t]}, "takes no drafts"), ({"want_features": True}, "returns no features"),
+                          ({"decode": 65}, "at most 64"), ({"decode": 30}, "past the")):
+        call = {"drafts": [], "want_features": False, "decode": 4, **kwargs}
+        with pytest.raises(BackendError) as refused:
+            own.verify("bad-decode", t, call["drafts"], want_features=call["want_features"], decode=call["decode"])
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in refused.value.details
+        own = GrpcTarget(stub, [], timeout=60)  # a refused step ends its stream: the session is gone
+        t = own.prefill("bad-decode", [5, 6, 7], SamplingParams(), want_features=False, max_new_tokens=8).token
+    assert len(own.verify("bad-decode", t, [], want_features=False, decode=4).accepted) == 3
+    own.release("bad-decode")
