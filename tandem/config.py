@@ -268,9 +268,10 @@ TREE_HELP = ("EAGLE-2 draft trees for requests that name none: NODES[,DEPTH[,TOP
              "to the EAGLE-3 reference's 7 and 10); unset: chains of K")
 COHORT_RELAY_HELP = ("on: the verifies of all generations go to the target on one stream, one message per batch; "
                      "off: each on its generation's own stream (default on)")
-DECODE_STEPS = 8
-DECODE_STEPS_HELP = ("tokens a target-only round decodes on the target before answering: the round trip through the "
-                     f"coordinator is paid once per that many (default {DECODE_STEPS}; 1: a token a round)")
+DECODE_STEPS = 16
+DECODE_STEPS_HELP = ("tokens a target-only round decodes on the target before answering (or what it has after 50 ms): "
+                     f"the round trip through the coordinator is paid once per that many (default {DECODE_STEPS}; 1: a "
+                     "token a round)")
 TREE_POLICY_HELP = "on: each round runs the tree or the chain, whichever has measured faster here (default on)"
 
 

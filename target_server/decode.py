@@ -6,17 +6,22 @@ an 8.5 ms round and the rest was the round trip (relay, coordinator, gRPC). Deco
 once per n. Each token is still one step of the target's batcher, batched with every other session's steps,
 with the session's own sampling: the output is what n plain target-only rounds give. The coordinator asks for
 it only where nothing drafts (tandem/rounds.py) and no further than the generation's limit; it stops after a
-stop id, and the coordinator's stopper cuts there as before.
+stop id, and the coordinator's stopper cuts there as before. It also answers once ANSWER_WITHIN_S have passed,
+whatever it has by then: where a token takes long (SmolLM2-135M on this CPU: ~40 ms) a client streaming the
+answer gets its tokens as often as before, and where tokens are fast the round trip is paid once per many.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
 
 from tandem.protocol import VerifyResult
 from tandem.sessions import InvalidRequest
 
-MAX_DECODE = 64  # tokens a call: a round's answer waits for all of them
+MAX_DECODE = 64  # tokens a call
+ANSWER_WITHIN_S = 0.05  # a decode answers with what it has once this long has passed since its first token
 
 
 def check_decode(decode: int, drafts: Sequence[int], want_features: bool, parents: Sequence[int] | None) -> None:
@@ -36,6 +41,7 @@ class Decoding:
 
     def __init__(self, first: VerifyResult | BaseException, decode: int, stop_ids: Sequence[int]):
         self.left, self.stop_ids = decode, set(stop_ids)
+        self.until = time.monotonic() + ANSWER_WITHIN_S
         self.token = -1
         self.tokens: list[int] = []
         self.logprobs: list | None = None
@@ -45,7 +51,7 @@ class Decoding:
 
     @property
     def more(self) -> bool:
-        return self.error is None and self.left > 0
+        return self.error is None and self.left > 0 and time.monotonic() < self.until
 
     def add(self, result: VerifyResult | BaseException) -> None:
         if isinstance(result, BaseException):
@@ -65,22 +71,56 @@ class Decoding:
                             warming=self.warming)
 
 
-def decode_one(step: Callable[[int], VerifyResult], first: VerifyResult, decode: int,
-               stop_ids: Sequence[int]) -> VerifyResult:
-    """A session's decode after its first step's `first`: `step(token)` runs a plain target-only verify."""
-    decoding = Decoding(first, decode, stop_ids)
-    while decoding.more:
-        decoding.add(step(decoding.token))
-    return decoding.result()
+class DecodeLoop:
+    """The decodes in flight, of every caller (a cohort's, a session stream's), stepped together: one batch of
+    the target's a step for all of them. Run apart, two cohorts' decodes fell out of step for good, each
+    stepping while the other's batch ran: a batch of 15 sessions and one of 1, in turn, every step (demo pair,
+    16 target-only clients through the services). One caller at a time runs the steps, until its own decodes
+    are done; another waiting then takes over."""
 
+    def __init__(self, steps: Callable[[list[tuple[str, int]]], list]):
+        self._steps = steps  # [(session_id, token), ...] -> a result or an exception each, as one batch
+        self._changed = threading.Condition()
+        self._active: list[tuple[str, Decoding]] = []
+        self._running = False
 
-def decode_many(steps: Callable[[list[tuple[int, int]]], list], first: list,
-                decodes: list[tuple[int, Sequence[int]]]) -> list:
-    """A cohort's results: `first[i]` is call i's first step's result (or exception), `decodes[i]` its
-    (decode, stop_ids); `steps([(i, token), ...])` runs the next steps of those calls as one batch."""
-    decodings = [Decoding(result, decode, stop_ids) if decode > 1 else None
-                 for result, (decode, stop_ids) in zip(first, decodes, strict=True)]
-    while going := [i for i, d in enumerate(decodings) if d is not None and d.more]:
-        for i, result in zip(going, steps([(i, decodings[i].token) for i in going]), strict=True):
-            decodings[i].add(result)
-    return [result if d is None else d.result() for d, result in zip(decodings, first, strict=True)]
+    def after(self, first: list, decodes: list[tuple[str, int, Sequence[int]]]) -> list:
+        """The results of calls whose first steps gave `first` (a result or an exception each), `decodes` their
+        (session id, decode, stop ids): a decode's tokens once it is done, the others' `first` as it is."""
+        decodings = [Decoding(result, decode, stop_ids) if decode > 1 else None
+                     for result, (_, decode, stop_ids) in zip(first, decodes, strict=True)]
+        self.run([(call[0], d) for d, call in zip(decodings, decodes, strict=True) if d is not None])
+        return [result if d is None else d.result() for d, result in zip(decodings, first, strict=True)]
+
+    def run(self, mine: list[tuple[str, Decoding]]) -> None:
+        """Returns once `mine` are done (each holds its result or its error)."""
+        with self._changed:
+            self._active += [item for item in mine if item[1].more]
+            while any(d.more for _, d in mine):
+                if not self._running:
+                    self._running = True
+                    break
+                self._changed.wait()
+            else:
+                return
+        going: list[tuple[str, Decoding]] = []
+        try:
+            while any(d.more for _, d in mine):
+                with self._changed:
+                    self._active = [item for item in self._active if item[1].more]
+                    going = list(self._active)  # others add to _active meanwhile
+                results = self._steps([(session_id, d.token) for session_id, d in going])
+                with self._changed:
+                    for (_, decoding), result in zip(going, results, strict=True):
+                        decoding.add(result)
+                    self._changed.notify_all()
+        except BaseException as exc:
+            with self._changed:
+                for _, decoding in going:
+                    if decoding.more:
+                        decoding.add(exc)
+            raise
+        finally:
+            with self._changed:
+                self._running = False
+                self._changed.notify_all()

@@ -49,7 +49,7 @@ from target_server.acceptance import (
     tree_problem,
     tree_q,
 )
-from target_server.decode import check_decode, decode_many, decode_one
+from target_server.decode import DecodeLoop, check_decode
 from target_server.kv import VERIFY_TOKENS, KVBudget, KVLayer, KVPool, kv_budget_tokens  # noqa: F401
 from target_server.loading import eos_token_ids, load_target
 from target_server.native import load_native, unsupported
@@ -124,6 +124,9 @@ class TargetEngine(SessionOwner):
         self.kv_pool = self._pool(kv_cache_tokens)
         # One forward at a time (the model and the capture hooks are shared), batched across sessions.
         self.batcher: Batcher[Step] = Batcher(self._run_batch, max_batch_size, max_batch_tokens)
+        self.decodes = DecodeLoop(lambda going: self.batcher.submit_many(
+            [((session_id, token, [], False, None, None), None) for session_id, token in going], self._verify_step,
+            "verify"))
 
     @property
     def buckets_compiling(self) -> int:
@@ -253,17 +256,14 @@ class TargetEngine(SessionOwner):
             return self.batcher.submit(built, tokens, key=session_id, group="verify")
 
         first = step(token, decode)
-        return first if decode <= 1 else decode_one(step, first, decode, stop_ids)
+        return first if decode <= 1 else self.decodes.after([first], [(session_id, decode, stop_ids)])[0]
 
     def verify_many(self, calls: list[tuple[tuple, StepClock | None]]) -> list[VerifyResult | Exception]:
         """Verifies the coordinator's cohort relay gathered, `(verify's arguments, clock)` each, run as one
         batch: a result, or the error of a step that failed (it fails alone), each. Decodes (arguments
         ending in decode > 1, stop_ids) go on in batches of the cohort's decodes."""
         first = self.batcher.submit_many(calls, self._verify_step, "verify")
-        decodes = [args[6:8] if len(args) > 6 else (1, ()) for args, _ in calls]
-        return first if all(d <= 1 for d, _ in decodes) else decode_many(
-            lambda going: self.batcher.submit_many([((calls[i][0][0], t, [], False, None, None), None) for i, t in going],
-                                                   self._verify_step, "verify"), first, decodes)
+        return self.decodes.after(first, [(args[0], *(args[6:8] or (1, ()))) for args, _ in calls])
 
     def _verify_step(self, session_id: str, token: int, drafts: list[int], want_features: bool,
                      q: list[DraftProbs] | None, parents: list[int] | None, decode: int = 1,
