@@ -14,7 +14,8 @@ What it runs (README, "Validating the GPU paths"):
                bfloat16 agreeing with target-only at least as well as target-only agrees with itself
                batched (the noise floor); each transport with overlap off and on
   8B stages    a random-weight target of Llama-3.1-8B's shape (and a random head): time per round by
-               stage (target, draft, transport, coordinator, queueing) at 1 and 16 concurrent requests
+               stage (target, draft, transport, coordinator, queueing) at 1 and 16 concurrent requests,
+               EAGLE-3 K=4 and target-only (--warm: each workload once untimed first, for a compiled target)
   memory       64 clients with long prompts on that target: only RESOURCE_EXHAUSTED refusals, never an
                out-of-memory error, and the GPU's peak use
 

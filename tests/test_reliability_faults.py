@@ -86,8 +86,10 @@ def test_a_killed_draft_leaves_the_output_unchanged_and_speculation_resumes_afte
     while_down = client.generate(**LONG)  # a new request while the draft is down: target-only
     assert while_down.token_ids == target_only
     assert while_down.stats["num_draft_tokens"] == 0
-    # every round but the last, which has room for the bonus token only and drafts nothing anyway
-    assert while_down.stats["num_rounds_without_draft"] == while_down.stats["num_rounds"] - 1 > 0
+    # every round but a last one with room for the bonus token only (it drafts nothing anyway); target-only rounds
+    # decode several tokens each (Verify.decode), so whether such a last round comes depends on where they end
+    rounds = while_down.stats["num_rounds"]
+    assert rounds - 1 <= while_down.stats["num_rounds_without_draft"] <= rounds and rounds > 1
 
     stack["draft"].restart()  # on the same port
     assert_speculation_resumes(stack, client, target_only)
