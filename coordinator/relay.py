@@ -35,16 +35,16 @@ class CohortRelay:
     other generations' steps were queued meanwhile."""
 
     def __init__(self, service: str, method: Callable, pack: Callable[[list], object], row_bytes: int,
-                 max_message_mib: int, step_timeout: float | None = None, runners: int = 1):
+                 max_message_mib: int, step_timeout: float | None = None):
         # inline features come in the messages: keep a message's rows within half the message limit
         tokens = max(1, (max_message_mib << 19) // max(row_bytes, 1))
         self.service = service
         self._method = method
         self._pack = pack  # [(session id, request)] -> the message
         self._step_timeout = step_timeout
-        self._batcher: Batcher[tuple[str, object]] = Batcher(self._run, MAX_BATCH, tokens, runners=runners)
-        self._idle: list[_Stream] = []  # streams with no message in flight: a batch takes one, or opens one
-        self._lock = threading.Lock()
+        self._batcher: Batcher[tuple[str, object]] = Batcher(self._run, MAX_BATCH, tokens)
+        self._stream: _Stream | None = None
+        self._lock = threading.Lock()  # the stream is opened and closed by one batch at a time
 
     def step(self, session_id: str, request, tokens: int, cohort: tuple[int, int] | None):
         result = self._batcher.submit((session_id, request), tokens, key=session_id, group="step", cohort=cohort)
@@ -59,15 +59,16 @@ class CohortRelay:
     def _run(self, steps: list[tuple[str, object]]) -> list:
         message = self._pack(steps)
         with self._lock:
-            stream = self._idle.pop() if self._idle else _Stream(self.service, self._method, None)
-        try:
-            stream.send(message)
-            answer = stream.recv(self._step_timeout)
-        except BackendError as exc:  # the stream is broken: dropped, the next batch takes or opens another
-            stream.cancel()
-            return [exc] * len(steps)
-        with self._lock:
-            self._idle.append(stream)
+            if self._stream is None:
+                self._stream = _Stream(self.service, self._method, None)
+            stream = self._stream
+            try:
+                stream.send(message)
+                answer = stream.recv(self._step_timeout)
+            except BackendError as exc:  # the stream is broken: the next batch opens another
+                stream.cancel()
+                self._stream = None
+                return [exc] * len(steps)
         if len(answer.results) != len(steps):
             return [BackendError(self.service, grpc.StatusCode.INTERNAL,
                                  f"the cohort relay answered {len(answer.results)} of {len(steps)} steps")] * len(steps)
@@ -75,9 +76,9 @@ class CohortRelay:
 
     def close(self) -> None:
         with self._lock:
-            idle, self._idle = self._idle, []
-        for stream in idle:
-            stream.close()
+            if self._stream is not None:
+                self._stream.close()
+                self._stream = None
 
 
 def target_relay(stub: target_pb2_grpc.TargetServiceStub, info: target_pb2.TargetInfo,
@@ -86,9 +87,7 @@ def target_relay(stub: target_pb2_grpc.TargetServiceStub, info: target_pb2.Targe
         return target_pb2.CohortSteps(steps=[target_pb2.SessionStep(session_id=sid, request=r) for sid, r in steps])
 
     row_bytes = 3 * info.hidden_size * ITEMSIZE.get(info.dtype, 4)
-    # two messages in flight: a cohort's target-only decode (Verify.decode) holds its answer for many steps, and
-    # another cohort's steps sent meanwhile join the target's batches at once (target_server/decode.py)
-    return CohortRelay("target", stub.Cohort, pack, row_bytes, max_message_mib, runners=2)
+    return CohortRelay("target", stub.Cohort, pack, row_bytes, max_message_mib)
 
 
 def draft_relay(stub: draft_pb2_grpc.DraftServiceStub, info: draft_pb2.DraftInfo, max_message_mib: int,

@@ -74,10 +74,8 @@ class Batcher(Generic[Item]):
 
     def __init__(
         self, run: Callable[[list[Item]], Sequence[Any]], max_batch: int, max_tokens: int, max_wait: float = 0.01,
-        window: float = 0.5, runners: int = 1,
+        window: float = 0.5,
     ):
-        """`runners`: batches that may run at once (an engine's: one; the coordinator's relays: a message may
-        go while another's answer is awaited)."""
         if max_batch < 1 or max_tokens < 1:
             raise ValueError(f"max_batch and max_tokens must be >= 1, got {max_batch}, {max_tokens}")
         self._run = run
@@ -85,12 +83,11 @@ class Batcher(Generic[Item]):
         self.max_tokens = max_tokens
         self.max_wait = max_wait
         self.window = window
-        self.runners = runners
         self._queue: list[_Job] = []
         lock = threading.Lock()
         self._changed = threading.Condition(lock)  # a batch finished: the waiting callers look
         self._arrived = threading.Condition(lock)  # a step was queued: the runner looks
-        self._running = 0  # batches running now: at most `runners`
+        self._running = False
         self._served: dict[object, tuple[int, float]] = {}  # session -> the batch that last served it, its end
         self._away: dict[object, float] = {}  # session -> its time away between batches (moving average)
         self._away_any = 0.0  # the same over all sessions: a new session's guess
@@ -142,20 +139,17 @@ class Batcher(Generic[Item]):
                 self._queue.append(job)
             self._arrived.notify()
             while not all(job.done for job in jobs):
-                if self._running < self.runners and self._queue:
-                    self._running += 1
+                if not self._running and self._queue:
+                    self._running = True
                     if not all(job.gathered for job in self._queue):
                         self._refill()
-                    if not self._queue:  # another runner took them while this one waited
-                        self._running -= 1
-                        continue
                     batch = self._take()
                     self._changed.release()
                     try:
                         self._run_batch(batch)
                     finally:
                         self._changed.acquire()
-                        self._running -= 1
+                        self._running = False
                         self._changed.notify_all()
                 else:
                     self._changed.wait()

@@ -698,21 +698,3 @@ def test_the_read_ahead_hands_over_in_order_raises_after_and_stops_when_asked():
     time.sleep(0.1)
     started = time.monotonic()
     assert endless.stop(5) and time.monotonic() - started < 1
-
-
-def test_with_two_runners_a_second_batch_runs_while_the_first_waits():
-    """The coordinator's target relay: a message goes while another's answer (a long decode) is awaited."""
-    both = threading.Barrier(2, timeout=10)
-
-    def run(items: list) -> list:
-        both.wait()  # returns only once two batches run at once
-        return items
-
-    batcher = Batcher(run, max_batch=1, max_tokens=10, runners=2)
-    out: dict = {}
-    threads = [threading.Thread(target=lambda x=x: out.__setitem__(x, batcher.submit(x, 1, key=x))) for x in "ab"]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(15)
-    assert out == {"a": "a", "b": "b"}
