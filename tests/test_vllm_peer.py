@@ -168,6 +168,20 @@ def test_vllm_cases_run_block_by_block_in_the_bench_schedule(tmp_path, monkeypat
     assert any("vLLM fake target-only ready" in line for line in lines)
 
 
+def test_an_eagle3_engine_that_fails_to_start_leaves_vllms_plain_decoding_in_the_bench(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "asked.jsonl"))
+    monkeypatch.setattr(vllm_peer, "SPIN_S", 0.0)
+    failing = FAKE_WORKER.replace("import json, os, sys\n", "import json, os, sys\nif '--head' in sys.argv:\n"
+                                  "    sys.exit('Fatal Python error: stack overflow')\n")
+    config = BenchConfig(target=tmp_path / "target", draft=tmp_path / "head", prompts=[[1, 2, 3]], stacks=[],
+                         num_draft_tokens=[2], temperatures=[0.0], concurrency=[1], max_new_tokens=4,
+                         vllm_python=fake_python(tmp_path, failing))
+    lines = []
+    runs = run_bench(config, tmp_path / "out", echo=lines.append)
+    assert [(r["stack"], r["mode"]) for r in runs] == [("vllm", "target-only")]
+    assert any(line.startswith("bench: vLLM eagle3-k2 skipped (its other engines run)") for line in lines), lines
+
+
 @pytest.fixture(scope="module")
 def vllm_python() -> Path:
     python = default_vllm_python()

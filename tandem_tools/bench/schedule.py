@@ -113,7 +113,9 @@ class Case:
         }
 
 
-def make_cases(config: BenchConfig, peer: bool, vllm: bool = False) -> list[Case]:
+def make_cases(config: BenchConfig, peer: bool, vllm: bool | Sequence[int] = False) -> list[Case]:
+    """`vllm`: vLLM's cases too, EAGLE-3 at every K (True) or at these Ks (its engines that started)."""
+    vllm_ks = config.num_draft_tokens if vllm is True else [] if vllm is False else list(vllm)
     cases = []
     for temperature in config.temperatures:
         for concurrency in config.concurrency:
@@ -123,9 +125,9 @@ def make_cases(config: BenchConfig, peer: bool, vllm: bool = False) -> list[Case
                           for k in config.num_draft_tokens for overlap in config.overlap]
                 cases += [Case(stack, EAGLE3_TREE, max(config.num_draft_tokens), temperature, concurrency,
                                tree=tree_params(config, n)) for n in config.trees]
-            if vllm:  # vLLM's engines draft without overlap
+            if vllm is not False:  # vLLM's engines draft without overlap
                 cases.append(Case(VLLM, TARGET_ONLY, 0, temperature, concurrency))
-                cases += [Case(VLLM, EAGLE3, k, temperature, concurrency) for k in config.num_draft_tokens]
+                cases += [Case(VLLM, EAGLE3, k, temperature, concurrency) for k in config.num_draft_tokens if k in vllm_ks]
             if peer and concurrency == 1:  # generate() with an assistant takes one sequence at a time
                 cases += [Case("in-process", PEER, k, temperature, 1) for k in config.num_draft_tokens]
     return cases
@@ -152,7 +154,8 @@ def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = 
     runners: dict[tuple[str, str, bool], object] = {}  # (stack, mode, overlap)
     try:
         _start_runners(config, out_dir, runners, echo)
-        cases = make_cases(config, peer=config.assistant is not None, vllm=(VLLM, TARGET_ONLY, False) in runners)
+        peer = runners.get((VLLM, TARGET_ONLY, False))
+        cases = make_cases(config, peer=config.assistant is not None, vllm=False if peer is None else peer.ks)
         echo(f"bench: {len(cases)} cases x {len(config.prompts)} prompts x {config.max_new_tokens} tokens")
         warm = config.prompts[0]
         for case in cases:  # one short generation each: first-call allocations are not measured

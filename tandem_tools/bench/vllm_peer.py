@@ -205,8 +205,14 @@ class VllmPeer:
                 name = "target-only" if mode == TARGET_ONLY else f"eagle3-k{k}"
                 echo(f"bench: starting vLLM {name} ({'eager' if eager else 'builds and compiles its engine: ~100 s'}) ...")
                 started = time.perf_counter()
-                engine = VllmEngine(python, target, head if mode == EAGLE3 else None, k, max_model_len,
-                                    out_dir / f"vllm-{name}.log", eager=eager)
+                try:
+                    engine = VllmEngine(python, target, head if mode == EAGLE3 else None, k, max_model_len,
+                                        out_dir / f"vllm-{name}.log", eager=eager)
+                except VllmError as e:
+                    if mode != EAGLE3:
+                        raise
+                    echo(f"bench: vLLM {name} skipped (its other engines run): {e}")  # one engine failed, not vLLM
+                    continue
                 self.engines[mode, k] = engine
                 for c in sorted(set(concurrency)):  # first batches of each size: not timed
                     engine.request(self._payload([warm] * c, c, 0.0, [0] * c, 8))
@@ -221,6 +227,11 @@ class VllmPeer:
                  max_new: int) -> dict:
         return {"prompts": prompts, "concurrency": concurrency, "max_tokens": max_new, "temperature": temperature,
                 "seeds": seeds}
+
+    @property
+    def ks(self) -> list[int]:
+        """The Ks of the EAGLE-3 engines that started."""
+        return [k for mode, k in self.engines if mode == EAGLE3]
 
     def run_block(self, mode: str, k: int, temperature: float, prompts: list[list[int]], seeds: list[int],
                   max_new: int, concurrency: int) -> tuple[float, list[Outcome]]:
