@@ -87,6 +87,8 @@ class DecodeLoop:
     def after(self, first: list, decodes: list[tuple[str, int, Sequence[int]]]) -> list:
         """The results of calls whose first steps gave `first` (a result or an exception each), `decodes` their
         (session id, decode, stop ids): a decode's tokens once it is done, the others' `first` as it is."""
+        if all(decode <= 1 for _, decode, _ in decodes):
+            return first  # plain verifies (the drafting rounds): nothing to step
         decodings = [Decoding(result, decode, stop_ids) if decode > 1 else None
                      for result, (_, decode, stop_ids) in zip(first, decodes, strict=True)]
         self.run([(call[0], d) for d, call in zip(decodings, decodes, strict=True) if d is not None])

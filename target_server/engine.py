@@ -251,11 +251,8 @@ class TargetEngine(SessionOwner):
         sampling, target_server/acceptance.py); None: the drafts are the draft's argmax. `parents`: the
         drafts are a tree (Drafts.parents; its q: one per node, empty for one not sampled); None: a chain.
         `decode` > 1: up to that many tokens target-only, ending after a stop id (target_server/decode.py)."""
-        def step(t: int, n: int = 1) -> VerifyResult:
-            built, tokens = self._verify_step(session_id, t, drafts, want_features, q, parents, n)
-            return self.batcher.submit(built, tokens, key=session_id, group="verify")
-
-        first = step(token, decode)
+        step, tokens = self._verify_step(session_id, token, drafts, want_features, q, parents, decode)
+        first = self.batcher.submit(step, tokens, key=session_id, group="verify")
         return first if decode <= 1 else self.decodes.after([first], [(session_id, decode, stop_ids)])[0]
 
     def verify_many(self, calls: list[tuple[tuple, StepClock | None]]) -> list[VerifyResult | Exception]:
@@ -274,9 +271,6 @@ class TargetEngine(SessionOwner):
         session.last_used = time.monotonic()
         self._check_ids([token, *drafts], "the verify input")
         check_decode(decode, drafts, want_features, parents)
-        if decode > 1 and session.length + decode > session.reserved:
-            raise InvalidRequest(f"decode of {decode} tokens would grow the session to {session.length + decode} "
-                                 f"tokens, past the {session.reserved} its prefill reserved (prompt + max_new_tokens)")
         if parents is not None and not self.supports_trees:
             raise InvalidRequest("draft trees need the native engine (the Llama family) or a full-attention "
                                  f"model; this target runs transformers' {type(self.model).__name__}")
@@ -288,7 +282,7 @@ class TargetEngine(SessionOwner):
                 dense = (dense_q if parents is None else tree_q)(q, drafts, self.vocab_size)
             except ValueError as exc:
                 raise InvalidRequest(str(exc)) from None
-        grown = session.length + 1 + len(drafts)
+        grown = session.length + max(1 + len(drafts), decode)  # a decode's tokens, all of them
         if grown > self.max_context:
             raise InvalidRequest(f"verify would pass the context of {self.max_context} tokens")
         if grown > session.reserved:

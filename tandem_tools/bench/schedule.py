@@ -154,8 +154,8 @@ def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = 
     runners: dict[tuple[str, str, bool], object] = {}  # (stack, mode, overlap)
     try:
         _start_runners(config, out_dir, runners, echo)
-        peer = runners.get((VLLM, TARGET_ONLY, False))
-        cases = make_cases(config, peer=config.assistant is not None, vllm=False if peer is None else peer.ks)
+        vllm = runners.get((VLLM, TARGET_ONLY, False))
+        cases = make_cases(config, peer=config.assistant is not None, vllm=False if vllm is None else vllm.ks)
         echo(f"bench: {len(cases)} cases x {len(config.prompts)} prompts x {config.max_new_tokens} tokens")
         warm = config.prompts[0]
         for case in cases:  # one short generation each: first-call allocations are not measured
