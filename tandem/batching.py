@@ -19,10 +19,11 @@ is away left the engine idle for a whole window per batch (measured at 4 concurr
 between 11 ms batches; EAGLE-3 went from 200-237 to 264-298 tok/s on the demo pair). The engines
 `forget` a session when it is released, so that no batch waits for one that has ended.
 
-Steps of different groups never share a batch (`submit(..., group=...)`): the engines pad every
-sequence of a batch to its longest, so a 48-token prefill among one-token verifies would make the
-forward 48 times wider than the verifies need (measured on the demo target at 16 sessions: prefills
-took 28% of its time while they were 3% of its steps). The batch takes the oldest step's group; the
+Steps of different groups never share a batch (`submit(..., group=...)`): an engine that pads every
+sequence of a batch to its longest (the draft's, transformers' target) would make a 48-token prefill among
+one-token verifies 48 times wider than the verifies need (measured on the demo target at 16 sessions:
+prefills took 28% of its time while they were 3% of its steps); the native target pads nothing, and puts
+its prefills in the verifies' group. The batch takes the oldest step's group; the
 steps it leaves run in the next batch, so neither group waits longer than one batch.
 
 Cohorts: the steps of one batch leave together, but reach the next service one by one, spread over

@@ -114,6 +114,9 @@ class TargetEngine(SessionOwner):
             self.vocab_size = loaded.vocab_size
             self.runner = HFRunner(loaded, self.device)
         self.engine = "native" if native is not None else "hf"
+        # The native forward pads nothing: a prefill shares its batch with the verifies and decodes (one forward's
+        # fixed cost for both); transformers' pads every sequence to the longest, so prefills batch apart.
+        self._prefill_group = "verify" if native is not None else "prefill"
         config = self.config
         self.hidden_size = int(config.hidden_size)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
@@ -237,7 +240,7 @@ class TargetEngine(SessionOwner):
         session = Session(params=params, generator=generator, reserved=reserve)
         try:
             step = Step("prefill", session, list(prompt_ids), want_features)
-            result = self.batcher.submit(step, len(prompt_ids), key=session_id, group="prefill")
+            result = self.batcher.submit(step, len(prompt_ids), key=session_id, group=self._prefill_group)
             self.sessions.add(session_id, session)
         except BaseException:
             self._free(session)
@@ -299,7 +302,7 @@ class TargetEngine(SessionOwner):
         """The batch in as few forwards as keep each one's padded KV within the budget; a forward that
         runs out of memory fails its steps with ResourceExhausted (the server is full), not the process."""
         results: dict[int, PrefillResult | VerifyResult | Exception] = {}
-        for part in self.runner.parts(steps, self.kv_budget.tokens):
+        for part in self.runner.parts(steps, self.kv_budget.tokens, self.kv_pool):
             try:
                 results.update(zip(map(id, part), self._forward(part), strict=True))
             except torch.OutOfMemoryError as exc:

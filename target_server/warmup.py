@@ -45,14 +45,14 @@ class WarmUp:
 
     def __init__(self, runner: NativeRunner):
         self.runner = runner
-        self._ready: set[tuple[int, int]] = set()
+        self.compiled: set[tuple[int, int]] = set()  # (tokens, pool rows) ready to run compiled
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._pending = 0  # buckets queued and not yet compiled (or failed)
         self._idle = threading.Condition()
 
     def ready(self, steps: list[Step], width: int, pool: PagedKVPool) -> bool:
-        if (width, pool.owner.shape[0]) in self._ready:
+        if (width, pool.owner.shape[0]) in self.compiled:
             return True
         if not any(step.kind == "prefill" for step in steps):
             self.queue(width, pool)
@@ -93,7 +93,7 @@ class WarmUp:
             try:
                 positions, batch = plan([], width, pool, dense=False)
                 runner._forward(torch.zeros(width, dtype=torch.long, device=runner.device), positions, batch)
-                self._ready.add((width, rows))
+                self.compiled.add((width, rows))
                 log.info("compiled the target's forward for %d tokens over a pool of %d rows in %.0f s (eager until "
                          "now)", width, rows, time.monotonic() - start)
             except Exception:  # the bucket stays eager; the service carries on

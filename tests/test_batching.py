@@ -21,6 +21,8 @@ from tandem.sessions import ResourceExhausted
 from tandem.timing import StepClock
 from tandem_tools.inprocess import InProcessGenerator
 from target_server.engine import TargetEngine
+from target_server.paged import bucket
+from target_server.steps import Session, Step
 
 
 def run_concurrently(generator: InProcessGenerator, requests: list[GenerationRequest]) -> list[list[int]]:
@@ -174,6 +176,45 @@ def test_steps_of_different_groups_never_share_a_batch():
         gate.set()
         assert first.result() == ("verify", 0) and [f.result() for f in rest] == steps
     assert seen == [[("verify", 0)], [("verify", 1), ("verify", 3), ("verify", 4)], [("prefill", 2), ("prefill", 5)]]
+
+def test_a_native_targets_prefill_shares_the_batch_of_verifies(tiny_dir):
+    """The native forward pads nothing, so a prefill runs in one forward with the verifies queued beside it
+    (one forward's fixed cost for both), and gives what it gives alone."""
+    engine = TargetEngine(tiny_dir / "target", engine="native")
+    greedy = SamplingParams(temperature=0.0)
+    alone = engine.prefill("alone", [7, 8, 9, 10], greedy, max_new_tokens=8)
+    a, c = (engine.prefill(s, [5, 6], greedy, max_new_tokens=8) for s in ("a", "c"))
+    run, seen, gate = held_batches()
+    steps = engine.batcher._run
+    engine.batcher._run = lambda batch: run([step.kind for step in batch]) and steps(batch)
+    with ThreadPoolExecutor(4) as pool:
+        held = pool.submit(engine.verify, "a", a.token, [])
+        time.sleep(0.1)  # it runs alone; the next two queue behind it
+        queued = [pool.submit(engine.verify, "c", c.token, []),
+                  pool.submit(engine.prefill, "b", [7, 8, 9, 10], greedy, max_new_tokens=8)]
+        time.sleep(0.2)
+        gate.set()
+        verify, prefill = (f.result() for f in queued)
+    assert seen == [["verify"], ["verify", "prefill"]]
+    assert prefill.token == alone.token and verify.bonus == held.result().bonus  # c is a's sequence
+    torch.testing.assert_close(prefill.features, alone.features, rtol=1e-4, atol=1e-4)
+
+
+def test_a_compiled_target_mixes_prefills_in_only_at_a_width_it_has_compiled(tiny_dir):
+    """A new width would run eagerly (or compile on the requests' path): the verifies run in their own bucket
+    then, and the prefills after them."""
+    engine = TargetEngine(tiny_dir / "target", engine="native")
+    runner, pool = engine.runner, engine.kv_pool
+    session = Session(params=SamplingParams(temperature=0.0), generator=None)
+    steps = [Step("verify", session, [1], False), Step("prefill", session, [1] * 20, True),
+             Step("verify", session, [2, 3], False)]
+    assert runner.parts(steps, None, pool) == [steps]  # eager: one forward
+    runner.compiled = True
+    assert runner.parts(steps, None, pool) == [[steps[0], steps[2]], [steps[1]]]
+    assert runner.parts(steps[1:2], None, pool) == [steps[1:2]]
+    runner.buckets.add((bucket(23), pool.owner.shape[0]))
+    assert runner.parts(steps, None, pool) == [steps]
+
 
 def test_a_batch_does_not_wait_for_a_session_that_ended():
     """The runner waits for sessions due back soon, unless the engine said they are released."""
