@@ -39,7 +39,7 @@ import torch
 
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.model import DraftKV, Eagle3Draft
-from draft_server.rollout import GreedyStep, draws_for, read_rollout, rollout
+from draft_server.rollout import GreedyPropose, GreedyStep, draws_for, read_rollout, rollout
 from draft_server.sampling import DraftSampler
 from draft_server.steps import Outcomes, _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
 from draft_server.tree import SiblingRates, grow_tree
@@ -83,6 +83,7 @@ class DraftEngine(SessionOwner):
         if target_dir is not None:
             check_pair(read_target_shape(target_dir), self.shape())
         self.greedy_step = GreedyStep(self.model) if GreedyStep.wanted() else None  # before packing: unpacked
+        self.greedy_propose = GreedyPropose(self.greedy_step.model) if self.greedy_step is not None else None
         if can_pack(self.device, self.dtype):  # a CPU in float32: big projections over prepacked weights
             pack_linears(self.model)
         self.feature_size = 3 * self.config.target_hidden_size
@@ -286,6 +287,13 @@ class DraftEngine(SessionOwner):
     def _run_one(self, step: _Step) -> Drafts:
         """One session alone: its own KV, no padding."""
         session, kv = step.session, step.session.kv
+        if (self.greedy_propose is not None and session.sampler is None and kv.k is not None
+                and step.k in GreedyPropose.KS):
+            tokens, rows = self.greedy_propose.propose(kv, session.length, step.features.to(self.device, self.dtype),
+                                                       step.next_tokens, step.k)
+            session.length += len(step.next_tokens)
+            session.proposed = [(tokens, rows)]
+            return _drafts(tokens, None)
         draws = draws_for([session.sampler], [session.length + len(step.next_tokens)], step.k, self.draft_vocab,
                           self.device)
         a, position = self._extend(step)

@@ -215,6 +215,26 @@ class Eagle3Draft(nn.Module):
         a = self(a.view(1, 1, -1), tokens, positions, kv, None)[0, -1]
         return a, self.to_target_ids(self.draft_logits(a[None]).argmax(-1)), kv.k, kv.v
 
+    def greedy_propose(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, rounds: int) -> tuple[torch.Tensor, ...]:
+        """A lone greedy session's whole propose as a pure function (rollout.GreedyPropose compiles it, a graph
+        per `rounds`): its m new pairs (features [m, 3Ht], tokens [m], positions [m]) appended to the layer's
+        KV k, v, then `rounds` drafts -> the drafts (target ids [rounds]), the outputs that proposed them
+        [rounds, H], and the KV with the m pairs (the rollout's own is dropped: exact features replace it)."""
+        kv = DraftKV()
+        kv.k, kv.v = k, v
+        a = self(self.fuse(features)[None], tokens[None], positions[None], kv)[0, -1]
+        committed = kv.k, kv.v
+        position = positions[-1:][None] + 1
+        drafts, rows = [], []
+        for n in range(rounds):
+            drafts.append(self.to_target_ids(self.draft_logits(a[None]).argmax(-1)))
+            rows.append(a)
+            if n + 1 < rounds:
+                a = self(a.view(1, 1, -1), drafts[-1][:, None], position, kv, None)[0, -1]
+                position = position + 1
+        return torch.cat(drafts), torch.stack(rows), *committed
+
     def draft_logits(self, a: torch.Tensor) -> torch.Tensor:
         """a [..., H] (a step's output) -> logits over the draft vocabulary [..., draft_vocab]."""
         return self.lm_head(a if self.config.norm_output else self.norm(a))

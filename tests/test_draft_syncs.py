@@ -132,28 +132,33 @@ def test_a_packed_cpu_draft_proposes_what_the_unpacked_one_does(tiny_dir, monkey
             assert pa.ids == pb.ids and max(abs(x - y) for x, y in zip(pa.probs, pb.probs, strict=True)) < 1e-4
 
 
-def test_a_compiled_greedy_rollout_drafts_what_the_eager_one_does(tiny_dir, monkeypatch):
-    """TANDEM_COMPILE: a lone greedy session's rollout steps run as one compiled call each (rollout.GreedyStep;
-    dynamo's eager backend here: the test is about the plumbing), compiled at start-up (two graphs, none after),
-    with the same drafts as the eager rollout, step after step; a sampled session keeps the eager path."""
+def test_a_compiled_greedy_propose_drafts_what_the_eager_one_does(tiny_dir, monkeypatch):
+    """TANDEM_COMPILE: a lone greedy session's proposes after its first run as one compiled call each
+    (rollout.GreedyPropose, for K in GreedyPropose.KS), its first propose's and other Ks' rollout steps one
+    compiled call a step (rollout.GreedyStep); dynamo's eager backend here: the test is about the plumbing. All
+    compiled at start-up (nothing after, whatever the new pairs' count or the tensors' kind), with the drafts of
+    the eager engine, propose after propose; a sampled session keeps the eager path."""
     compile_eagerly(monkeypatch)
     monkeypatch.setenv("TANDEM_COMPILE", "1")
     torch._dynamo.reset()
     compiled = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
     monkeypatch.setenv("TANDEM_COMPILE", "0")
     eager = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
-    assert compiled.greedy_step is not None and eager.greedy_step is None
-    calls = []
-    step = compiled.greedy_step._step
-    compiled.greedy_step._step = lambda *args: calls.append(1) or step(*args)
+    assert compiled.greedy_propose is not None and eager.greedy_propose is None and eager.greedy_step is None
+    steps, proposes = [], []
+    step, propose = compiled.greedy_step._step, compiled.greedy_propose._propose
+    compiled.greedy_step._step = lambda *args: steps.append(1) or step(*args)
+    compiled.greedy_propose._propose = lambda *args: proposes.append(args[-1]) or propose(*args)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for engine in (compiled, eager):
         _open(engine, "g", None)
         _open(engine, "s", SAMPLED)
-    for i in range(4):
+    ks = [K, 3, K, 7, 1]
+    for i, k in enumerate(ks):
         features, tokens = _inputs(compiled, 1 + i % 3, 30 + i)
-        assert list(compiled.propose("g", features, tokens, K)) == list(eager.propose("g", features, tokens, K))
-        sampled = compiled.propose("s", features, tokens, K)
-        assert list(sampled) == list(eager.propose("s", features, tokens, K)) and sampled.q is not None
-    assert len(calls) == 5 * (K - 1)  # the first propose's steps and four more, the sampled session's none
+        assert list(compiled.propose("g", features, tokens, k)) == list(eager.propose("g", features, tokens, k))
+        sampled = compiled.propose("s", features, tokens, k)
+        assert list(sampled) == list(eager.propose("s", features, tokens, k)) and sampled.q is not None
+    assert proposes == [K, 3, K, 1]  # K=7 is not compiled whole: the first propose's steps and its, one at a time
+    assert len(steps) == (K - 1) + (7 - 1)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled after start-up
