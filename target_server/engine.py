@@ -114,8 +114,8 @@ class TargetEngine(SessionOwner):
             self.vocab_size = loaded.vocab_size
             self.runner = HFRunner(loaded, self.device)
         self.engine = "native" if native is not None else "hf"
-        # The native forward pads nothing: a prefill shares its batch with the verifies and decodes (one forward's
-        # fixed cost for both); transformers' pads every sequence to the longest, so prefills batch apart.
+        # The native forward pads nothing: a prefill shares its batch with the verifies and decodes (one forward
+        # where it is compiled: NativeRunner.parts); transformers' pads every sequence to the longest.
         self._prefill_group = "verify" if native is not None else "prefill"
         config = self.config
         self.hidden_size = int(config.hidden_size)

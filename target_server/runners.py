@@ -127,18 +127,19 @@ class NativeRunner:
         return pool
 
     def parts(self, steps: list[Step], budget: int | None, pool: PagedKVPool) -> list[list[Step]]:
-        """One forward whatever the sessions' pasts (nothing is gathered or padded), prefills and verifies
-        together: a forward's fixed cost once (demo target, compiled, 15 decodes and a 48-token prompt: 8.1 ms
-        together, 10.2 apart). Unless the compiled forward has no graph for their width together: a new width
-        would run eagerly, or compile on the requests' path, so the verifies run in their bucket and the
-        prefills after, as they come (in a bench at 16 requests, decodes joined by two or three prompts ran
-        eagerly in a third of the target's time)."""
+        """One forward whatever the sessions' pasts (nothing is gathered or padded), compiled prefills and
+        verifies together: a forward's fixed cost once (demo target, 15 decodes and a 48-token prompt: 8.1 ms
+        together, 10.2 apart). Unless the compiled forward has no graph for their width together (a new width
+        would run eagerly, or compile on the requests' path: in a bench at 16 requests, decodes joined by two or
+        three prompts ran eagerly in a third of the target's time), or the forward is eager (its attention is
+        dense over the pool's rows where a batch of prompts alone attends each prompt's own: 30.4 ms together,
+        20.1 apart): then the verifies run first and the prefills after, as they come."""
         prefills = [step for step in steps if step.kind == "prefill"]
-        if not self.compiled or not prefills or len(prefills) == len(steps):
+        if not prefills or len(prefills) == len(steps):
             return [steps]
         key = (bucket(sum(len(step.ids) for step in steps), self.device.type), pool.owner.shape[0])
         ready = self.warm_up.compiled if self.warm_up is not None else self.buckets
-        if key in ready and key not in self.failed:
+        if self.compiled and key in ready and key not in self.failed:
             return [steps]
         return [[step for step in steps if step.kind != "prefill"], prefills]
 

@@ -178,8 +178,8 @@ def test_steps_of_different_groups_never_share_a_batch():
     assert seen == [[("verify", 0)], [("verify", 1), ("verify", 3), ("verify", 4)], [("prefill", 2), ("prefill", 5)]]
 
 def test_a_native_targets_prefill_shares_the_batch_of_verifies(tiny_dir):
-    """The native forward pads nothing, so a prefill runs in one forward with the verifies queued beside it
-    (one forward's fixed cost for both), and gives what it gives alone."""
+    """The native forward pads nothing, so a prefill joins the batch of the verifies queued beside it (one
+    forward where the widths are compiled: NativeRunner.parts), and gives what it gives alone."""
     engine = TargetEngine(tiny_dir / "target", engine="native")
     greedy = SamplingParams(temperature=0.0)
     alone = engine.prefill("alone", [7, 8, 9, 10], greedy, max_new_tokens=8)
@@ -201,19 +201,21 @@ def test_a_native_targets_prefill_shares_the_batch_of_verifies(tiny_dir):
 
 
 def test_a_compiled_target_mixes_prefills_in_only_at_a_width_it_has_compiled(tiny_dir):
-    """A new width would run eagerly (or compile on the requests' path): the verifies run in their own bucket
-    then, and the prefills after them."""
+    """A new width would run eagerly (or compile on the requests' path), and eagerly a prompt's attention is
+    dense over the pool: the verifies run on their own then, and the prefills after them."""
     engine = TargetEngine(tiny_dir / "target", engine="native")
     runner, pool = engine.runner, engine.kv_pool
     session = Session(params=SamplingParams(temperature=0.0), generator=None)
     steps = [Step("verify", session, [1], False), Step("prefill", session, [1] * 20, True),
              Step("verify", session, [2, 3], False)]
-    assert runner.parts(steps, None, pool) == [steps]  # eager: one forward
-    runner.compiled = True
-    assert runner.parts(steps, None, pool) == [[steps[0], steps[2]], [steps[1]]]
-    assert runner.parts(steps[1:2], None, pool) == [steps[1:2]]
+    apart = [[steps[0], steps[2]], [steps[1]]]
     runner.buckets.add((bucket(23), pool.owner.shape[0]))
+    assert runner.parts(steps, None, pool) == apart  # eager: dense attention, a batch of prompts alone is cheaper
+    runner.compiled = True
     assert runner.parts(steps, None, pool) == [steps]
+    runner.buckets.clear()
+    assert runner.parts(steps, None, pool) == apart
+    assert runner.parts(steps[1:2], None, pool) == [steps[1:2]] and runner.parts(steps[::2], None, pool) == [steps[::2]]
 
 
 def test_a_batch_does_not_wait_for_a_session_that_ended():
