@@ -27,6 +27,7 @@ import torch
 
 from draft_server.model import DraftKV, Eagle3Draft
 from draft_server.sampling import DraftSampler, QSettings, draft_q, draw
+from tandem.compiling import compile_graphs
 from tandem.protocol import DraftProbs
 
 log = logging.getLogger("tandem.draft")
@@ -77,11 +78,8 @@ class GreedyPropose:
 
     def __init__(self, model: Eagle3Draft):
         started = time.monotonic()
-        try:  # a graph per K and per one new pair or more: past dynamo's default of 8 a function
-            self._propose = torch.compile(model.greedy_propose, dynamic=True, recompile_limit=4 * len(self.KS))
-        except TypeError:  # older torch (2.11, the CUDA images'): dynamo's global setting
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(self.KS))
-            self._propose = torch.compile(model.greedy_propose, dynamic=True)
+        # a graph per K and per one new pair or more
+        self._propose = compile_graphs(model.greedy_propose, 4 * len(self.KS), dynamic=True)
         attention = model.midlayer.self_attn
         device, dtype = model.d2t.device, model.fc.weight.dtype
         width = 3 * model.config.target_hidden_size
@@ -90,13 +88,10 @@ class GreedyPropose:
                 for m in (1, 2):
                     k, v = (torch.zeros(1, attention.num_kv_heads, 8, attention.head_dim, device=device, dtype=dtype)
                             for _ in range(2))
-                    self(torch.zeros(m, width, device=device, dtype=dtype), torch.zeros(m, dtype=torch.long,
-                         device=device), torch.arange(8, 8 + m, device=device), k, v, rounds)
+                    self._propose(torch.zeros(m, width, device=device, dtype=dtype), torch.zeros(
+                        m, dtype=torch.long, device=device), torch.arange(8, 8 + m, device=device), k, v, rounds)
         log.info("compiled the draft's greedy propose for K = %d..%d in %.0f s", self.KS[0], self.KS[-1],
                  time.monotonic() - started)
-
-    def __call__(self, features, tokens, positions, k, v, rounds):
-        return self._propose(features, tokens, positions, k, v, rounds)
 
     def propose(self, kv: DraftKV, length: int, features: torch.Tensor, next_tokens: list[int], rounds: int
                 ) -> tuple[list[int], torch.Tensor]:
@@ -107,9 +102,9 @@ class GreedyPropose:
         if not features.is_inference():  # a graph is guarded on it: ours were traced on inference tensors
             features = features.clone()
         kv.crop(length)
-        drafts, rows, kv.k, kv.v = self(features, torch.tensor(next_tokens, device=device),
-                                        torch.arange(length, length + len(next_tokens), device=device),
-                                        kv.k.contiguous(), kv.v.contiguous(), rounds)
+        drafts, rows, kv.k, kv.v = self._propose(features, torch.tensor(next_tokens, device=device),
+                                                 torch.arange(length, length + len(next_tokens), device=device),
+                                                 kv.k.contiguous(), kv.v.contiguous(), rounds)
         return read_rollout(drafts[None], None)[0], rows
 
 

@@ -114,9 +114,6 @@ class TargetEngine(SessionOwner):
             self.vocab_size = loaded.vocab_size
             self.runner = HFRunner(loaded, self.device)
         self.engine = "native" if native is not None else "hf"
-        # The native forward pads nothing: a prefill shares its batch with the verifies and decodes (one forward
-        # where it is compiled: NativeRunner.parts); transformers' pads every sequence to the longest.
-        self._prefill_group = "verify" if native is not None else "prefill"
         config = self.config
         self.hidden_size = int(config.hidden_size)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
@@ -240,7 +237,10 @@ class TargetEngine(SessionOwner):
         session = Session(params=params, generator=generator, reserved=reserve)
         try:
             step = Step("prefill", session, list(prompt_ids), want_features)
-            result = self.batcher.submit(step, len(prompt_ids), key=session_id, group=self._prefill_group)
+            # the native forward pads nothing: a prefill joins the verifies and decodes (one forward where it is
+            # compiled: NativeRunner.parts); transformers' pads every sequence to the longest
+            group = "verify" if self.engine == "native" else "prefill"
+            result = self.batcher.submit(step, len(prompt_ids), key=session_id, group=group)
             self.sessions.add(session_id, session)
         except BaseException:
             self._free(session)

@@ -29,6 +29,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers.cache_utils import Cache
 
+from tandem.compiling import compile_graphs
 from tandem.packed import PACK_MIN_WEIGHTS, PackedLinear, can_pack, pack_linears
 from tandem.protocol import tree_depths
 from target_server.kv import VERIFY_TOKENS, KVLayer, KVPool
@@ -65,14 +66,8 @@ def compile_default(device: torch.device) -> bool | str:
 
 
 def _compile(model: torch.nn.Module, options: dict | None) -> Callable:
-    """One graph a bucket (34 up to 4096 tokens), again for each size the pool grows to. The limit is the
-    compile's own where torch takes it (dynamo's config is per thread, and the batcher's thread is not this
-    one); older torch (2.11, the CUDA images') takes no such argument, and gets dynamo's global setting."""
-    try:
-        return torch.compile(model, fullgraph=True, dynamic=False, recompile_limit=256, options=options)
-    except TypeError:
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        return torch.compile(model, fullgraph=True, dynamic=False, options=options)
+    """One graph a bucket (34 up to 4096 tokens), again for each size the pool grows to."""
+    return compile_graphs(model, 256, fullgraph=True, dynamic=False, options=options)
 
 
 def _new_rows(steps: list[Step]) -> list[int]:
