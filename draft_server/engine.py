@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from draft_server.ahead import GreedyAhead, branches
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.model import DraftKV, Eagle3Draft
 from draft_server.rollout import GreedyPropose, GreedyStep, draws_for, read_rollout, rollout
@@ -101,6 +102,7 @@ class DraftEngine(SessionOwner):
         self._draft_id = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=d2t.device)
         self._draft_id[self.model.to_target_ids(torch.arange(d2t.numel(), device=d2t.device))] = torch.arange(
             d2t.numel(), device=d2t.device)
+        self.greedy_ahead = GreedyAhead(self.greedy_step.model, self._draft_id) if self.greedy_step is not None else None
 
     def release(self, session_id: str) -> bool:
         self.batcher.forget(session_id)
@@ -337,72 +339,33 @@ class DraftEngine(SessionOwner):
 
     @torch.inference_mode()
     def _run_ahead(self, step: _Ahead) -> list[Branch]:
-        """The new committed pairs and the assumed drafts, then K batched steps per branch."""
-        model, session, device = self.model, step.session, self.device
+        """The new committed pairs and the assumed drafts, then K batched steps per branch (ahead.branches)."""
+        session, device, k = step.session, self.device, step.k
         m, j_max = len(step.next_tokens), len(step.assumed)
-        kv, start = session.kv, session.length
-        base = start + m  # the committed pairs are kept; the assumed drafts are not
+        start = session.length
+        session.kv.crop(start)
         # what the host knows, uploaded before any forward (on a GPU an upload waits for the stream)
         assumed = torch.tensor(step.assumed, device=device)  # [J]
         prefix = self.outcomes.logprobs(j_max, session.sampler is not None).to(device)  # [J+1]
         n = min(step.branches, self.draft_vocab)
         b = min(step.branches, (j_max + 1) * n)  # the branches: the best b of J+1 forks x n bonus tokens
-        # every uniform a branch may draw with: the one at base+1+t is column t (sliced per fork below)
-        draws = draws_for([session.sampler] * b, [base + 1] * b, j_max + step.k, self.draft_vocab, device)
-        if m == 0:
-            # after a propose the assumed drafts are fed with the hidden states that proposed them: exactly
-            # what a rollout here computes. After a hit (m > 0) they are re-rolled from the exact new pairs
-            # (J more one-token forwards, hidden behind the verify) rather than fed those stale states
-            hidden = torch.cat([model.fuse(step.features.to(device, self.dtype)), step.rows.to(device, self.dtype)])
-            tokens = torch.tensor([step.next_tokens + step.assumed], device=device)  # [1, m+J]
-            positions = torch.arange(start, start + m + j_max, device=device)[None]
-            out = model(hidden[None], tokens, positions, kv)[0]  # [m+J, H]
-            last = out[m - 1 : m] if m else step.rows[:1].to(device, self.dtype)
-            fork = torch.cat([last, out[m:]])  # [J+1, H]
+        tokens = torch.tensor(step.next_tokens if m else step.assumed, device=device)
+        positions = torch.arange(start, start + len(tokens), device=device)
+        features = step.features.to(device, self.dtype)
+        rows = step.rows.to(device, self.dtype) if m == 0 else None
+        if session.sampler is None and self.greedy_ahead is not None and self.greedy_ahead.fits(k, j_max, b):
+            out = self.greedy_ahead(features, tokens, positions, session.kv.k, session.kv.v, rows, assumed, prefix,
+                                    n, k)
         else:
-            # the new pairs changed the context the drafts were proposed in (they were the draft's guesses
-            # at those positions): roll the assumed drafts through again, one step each, from the exact pairs
-            hidden = model.fuse(step.features.to(device, self.dtype))[None]  # [1, m, H]
-            tokens = torch.tensor([step.next_tokens], device=device)
-            positions = torch.arange(start, start + m, device=device)[None]
-            a = model(hidden, tokens, positions, kv)[:, -1:]  # [1, 1, H]
-            forks = [a[0, 0]]
-            for j in range(j_max):
-                a = model(a, assumed[j].view(1, 1), positions[:, -1:] + 1 + j, kv)
-                forks.append(a[0, 0])
-            fork = torch.stack(forks)  # [J+1, H]
-        session.length = base
-        # fork j (j drafts accepted): the hidden state whose logits pick the token after them
-        logits = model.draft_logits(fork).float()  # [J+1, draft_vocab]
-        if session.sampler is not None:  # what the bonus is drawn from is nearer the sampled distribution
-            logits = logits / session.sampler.temperature
-        logp = logits.log_softmax(-1)
-        # outcome (j, c): d_1..d_j accepted, then c; c != d_{j+1}, for that one was rejected.
-        # log P(j) from the verifies so far, log P(c | j) from the draft's logits
-        rejected = self._draft_id[assumed]  # [J] draft ids, -1 outside
-        ruled_out = torch.zeros_like(logp, dtype=torch.bool)
-        ruled_out[torch.arange(j_max, device=device), rejected.clamp(min=0)] = rejected >= 0
-        logp = logp.masked_fill(ruled_out, float("-inf")).log_softmax(-1)
-        top = logp.topk(n, dim=-1)  # [J+1, n]
-        score = (prefix[:, None] + top.values).flatten()
-        best = score.topk(b).indices  # [B], all on the device until the one read at the end
-        forks = best // n  # [B]: how many drafts each branch accepts
-        bonus = model.to_target_ids(top.indices[forks, best % n])  # [B]
-        # the branches' rollouts: one row each over the shared KV, masked to its accepted prefix
-        branch_kv = DraftKV()
-        branch_kv.k = kv.k.expand(b, -1, -1, -1)  # [B, kv_heads, base+J, hd]
-        branch_kv.v = kv.v.expand(b, -1, -1, -1)
-        valid = torch.arange(base + j_max, device=device)[None] < (base + forks)[:, None]  # [B, base+J]
-        valid = torch.cat([valid, valid.new_ones(b, 1)], dim=1)
-        position = (base + forks)[:, None]  # [B, 1]: where each branch's bonus goes
-        a = model(fork[forks][:, None], bonus[:, None], position, branch_kv, valid[:, None, None])  # [B, 1, H]
-        # the token after the one at `position`: keyed as a propose after that outcome would key it
-        if draws is not None:
-            draws = replace(draws, uniforms=draws.uniforms.gather(1, forks[:, None] + torch.arange(step.k, device=device)))
-        drafts, q, rows = rollout(self.model, self.q_top_n, a, branch_kv, position + 1, step.k, draws, valid)
-        kv.crop(base)
+            # every uniform a branch may draw with: the one at base+1+t is column t (sliced per fork)
+            draws = draws_for([session.sampler] * b, [start + m + 1] * b, j_max + k, self.draft_vocab, device)
+            out = branches(self.model, features, tokens, positions, session.kv.k, session.kv.v, rows, assumed,
+                           prefix, self._draft_id, n, b, k, session.sampler and session.sampler.temperature, draws,
+                           self.q_top_n)
+        drafts, q, rows, forks, bonus, session.kv.k, session.kv.v = out
+        session.length = start + m
+        session.kv.crop(session.length)  # the committed pairs are kept; the assumed drafts are not
         drafts, qs, (forks, bonus) = read_rollout(drafts, q, forks, bonus)  # [B * K], [B * K], [B] x2
-        k = step.k
         session.proposed = [(drafts[i * k : (i + 1) * k], rows[i]) for i in range(b)]
         return [Branch(accepted=forks[i], bonus=bonus[i], drafts=drafts[i * k : (i + 1) * k],
                        q=qs[i * k : (i + 1) * k] if qs else None) for i in range(b)]

@@ -104,8 +104,14 @@ class GreedyPropose:
         kv.crop(length)
         drafts, rows, kv.k, kv.v = self._propose(features, torch.tensor(next_tokens, device=device),
                                                  torch.arange(length, length + len(next_tokens), device=device),
-                                                 kv.k.contiguous(), kv.v.contiguous(), rounds)
+                                                 plain(kv.k), plain(kv.v), rounds)
         return read_rollout(drafts[None], None)[0], rows
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous, with the strides of its shape: a compiled graph is guarded on them, and a size-1 axis of
+    a tensor cut from a bigger one (a KV cropped after an ahead) keeps the bigger one's stride."""
+    return t.contiguous().view(-1).view(t.shape)
 
 
 @dataclass(frozen=True)
@@ -175,7 +181,7 @@ def _greedy_rollout(model: Eagle3Draft, step: GreedyStep, a: torch.Tensor, kv: D
     draft, _ = pick(model, 0, model.draft_logits(a[:, -1]), None, 0)
     a = a[0, -1]  # [H]
     drafts, rows = [draft], [a]
-    k, v = kv.k.contiguous(), kv.v.contiguous()  # one graph: the strides it was compiled for
+    k, v = plain(kv.k), plain(kv.v)  # one graph: the strides it was compiled for
     for _ in range(rounds - 1):
         a, draft, k, v = step(a, draft[:, None], position, k, v)
         drafts.append(draft)

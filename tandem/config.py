@@ -155,8 +155,11 @@ SPEC_DRAFT_COST = 0.3
 # Overlap: outcomes of a verify the draft prepares the next round for while it runs. On the demo pair
 # (K=3) 4, 8, 16, 32 branches hit about 63%, 73%, 82%, 90% of verifies; their rollouts are one batch,
 # cheap on a GPU, but on a CPU core the ahead step grows past the verify it hides behind beyond 16
-# (tokens/s over overlap off, 2 cores: 1.12x, 1.15x, 1.18x, 1.07x; 64: 0.81x).
-OVERLAP_BRANCHES = 16
+# (tokens/s over overlap off, 2 cores: 1.12x, 1.15x, 1.18x, 1.07x; 64: 0.81x). Compiled (TANDEM_COMPILE,
+# draft_server/ahead.py), a K=5 ahead of the demo head takes 2.4-2.8 ms with 4 branches, 3.3-3.9 with 8 and
+# 6.7-7.9 with 16, where the verify it hides behind takes ~4.5 ms; through the services (one request) 8 hit
+# 59% of verifies and 4 45%: 8, the branches the draft compiles for.
+OVERLAP_BRANCHES = 8
 OVERLAP_HELP = "on: the draft prepares the next round while the target verifies (default off)"
 # Speculative sampling: a sampled request's drafts are drawn from the draft's q cut to its N likeliest
 # tokens (renormalised), and q's support crosses to the target with each draft. Measured on the demo pair

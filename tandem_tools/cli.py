@@ -8,7 +8,14 @@ import sys
 from collections.abc import Callable
 
 from tandem.aux_layers import CONVENTION_HELP, CONVENTIONS
-from tandem.config import COHORT_RELAY_HELP, DECODE_STEPS_HELP, OVERLAP_HELP, TREE_HELP, TREE_POLICY_HELP
+from tandem.config import (
+    COHORT_RELAY_HELP,
+    DECODE_STEPS_HELP,
+    OVERLAP_BRANCHES,
+    OVERLAP_HELP,
+    TREE_HELP,
+    TREE_POLICY_HELP,
+)
 from tandem.dtypes import DTYPE_NAMES
 from tandem_tools.demos import add_demo_arg
 
@@ -126,7 +133,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                         "accepted drafts pay for it (default 0.3; 0 = off)")
     p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP)
     p.add_argument("--overlap-branches", type=int,
-                   help="overlap: verify outcomes the draft prepares for (default 16)")
+                   help=f"overlap: verify outcomes the draft prepares for (default {OVERLAP_BRANCHES})")
     p.add_argument("--tree", metavar="NODES[,DEPTH[,TOP_K]]", help=TREE_HELP)
     p.add_argument("--tree-policy", choices=["on", "off"], help=TREE_POLICY_HELP)
     p.add_argument("--cohort-relay", choices=["on", "off"], help=COHORT_RELAY_HELP)

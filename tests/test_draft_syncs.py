@@ -8,8 +8,10 @@ import pytest
 import torch
 from helpers import compile_eagerly
 
+from draft_server.ahead import GreedyAhead
 from draft_server.engine import DraftEngine
 from draft_server.steps import _Step
+from tandem.config import OVERLAP_BRANCHES
 from tandem.params import SamplingParams
 from tandem_tools.opcount import OpCounter
 
@@ -132,19 +134,30 @@ def test_a_packed_cpu_draft_proposes_what_the_unpacked_one_does(tiny_dir, monkey
             assert pa.ids == pb.ids and max(abs(x - y) for x, y in zip(pa.probs, pb.probs, strict=True)) < 1e-4
 
 
-def test_a_compiled_greedy_propose_drafts_what_the_eager_one_does(tiny_dir, monkeypatch):
+@pytest.fixture(scope="module")
+def compiled_and_eager(tiny_dir) -> tuple[DraftEngine, DraftEngine]:
+    """A draft engine with TANDEM_COMPILE (dynamo's eager backend: the graphs, guards and recompiles, none of
+    inductor's time) and one without."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        compile_eagerly(monkeypatch)
+        monkeypatch.setattr(GreedyAhead, "KS", (1, 3, K))  # the Ks the tests use: dynamo traces ~2 s a K
+        monkeypatch.setenv("TANDEM_COMPILE", "1")
+        torch._dynamo.reset()
+        compiled = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
+        monkeypatch.setenv("TANDEM_COMPILE", "0")
+        eager = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
+    assert compiled.greedy_propose is not None and compiled.greedy_ahead is not None
+    assert eager.greedy_propose is None and eager.greedy_step is None and eager.greedy_ahead is None
+    return compiled, eager
+
+
+def test_a_compiled_greedy_propose_drafts_what_the_eager_one_does(compiled_and_eager):
     """TANDEM_COMPILE: a lone greedy session's proposes after its first run as one compiled call each
     (rollout.GreedyPropose, for K in GreedyPropose.KS), its first propose's and other Ks' rollout steps one
-    compiled call a step (rollout.GreedyStep); dynamo's eager backend here: the test is about the plumbing. All
-    compiled at start-up (nothing after, whatever the new pairs' count or the tensors' kind), with the drafts of
-    the eager engine, propose after propose; a sampled session keeps the eager path."""
-    compile_eagerly(monkeypatch)
-    monkeypatch.setenv("TANDEM_COMPILE", "1")
-    torch._dynamo.reset()
-    compiled = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
-    monkeypatch.setenv("TANDEM_COMPILE", "0")
-    eager = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
-    assert compiled.greedy_propose is not None and eager.greedy_propose is None and eager.greedy_step is None
+    compiled call a step (rollout.GreedyStep). All compiled at start-up (nothing after, whatever the new pairs'
+    count or the tensors' kind), with the drafts of the eager engine, propose after propose; a sampled session
+    keeps the eager path."""
+    compiled, eager = compiled_and_eager
     steps, proposes = [], []
     step, propose = compiled.greedy_step._step, compiled.greedy_propose._propose
     compiled.greedy_step._step = lambda *args: steps.append(1) or step(*args)
@@ -161,4 +174,39 @@ def test_a_compiled_greedy_propose_drafts_what_the_eager_one_does(tiny_dir, monk
         assert list(sampled) == list(eager.propose("s", features, tokens, k)) and sampled.q is not None
     assert proposes == [K, 3, K, 1]  # K=7 is not compiled whole: the first propose's steps and its, one at a time
     assert len(steps) == (K - 1) + (7 - 1)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled after start-up
+
+
+def test_a_compiled_greedy_ahead_prepares_what_the_eager_one_does(compiled_and_eager):
+    """TANDEM_COMPILE: overlap's ahead for a lone greedy session runs as one compiled call (ahead.GreedyAhead)
+    where it assumes K drafts and prepares K, K in GreedyAhead.KS, over the default branches: right after a
+    propose (no new pairs) and after a hit (1 to K+1 new pairs). The branches of the eager engine, ahead after
+    ahead, nothing compiled after start-up; other shapes and a sampled session keep the eager path."""
+    compiled, eager = compiled_and_eager
+    calls = []
+    ahead = compiled.greedy_ahead._ahead
+    compiled.greedy_ahead._ahead = lambda *args: calls.append(args[-1]) or ahead(*args)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    b = OVERLAP_BRANCHES
+    # (new pairs, K, branches); None: a miss, a propose of K first and then the ahead
+    script = [(None, K, b), (2, K, b), (1, K, b), (K + 1, 3, b), (3, 3, b), (None, 3, 3), (2, 3, b), (None, 1, b)]
+
+    def run(engine: DraftEngine, name: str) -> list:
+        out, assumed = [], engine.sessions.get(name).proposed[0][0]
+        for i, (m, k, branches) in enumerate(script):
+            if m is None:
+                assumed = list(engine.propose(name, *_inputs(engine, 2, 40 + i), k))
+                features, tokens = None, []
+            else:
+                features, tokens = _inputs(engine, m, 40 + i)
+            prepared = engine.prepare(name, features, tokens, assumed, k, branches)
+            out.append([(p.accepted, p.bonus, p.drafts) for p in prepared])
+            assumed = prepared[0].drafts
+        return out
+
+    for name, sampling in (("ahead-greedy", None), ("ahead-sampled", SAMPLED)):
+        _open(compiled, name, sampling, seed=4)
+        _open(eager, name, sampling, seed=4)
+        assert run(compiled, name) == run(eager, name)
+    assert calls == [K, K, K, 3, 3, 1]  # K+1 pairs assuming K and preparing 3: eager; 3 branches: eager
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled after start-up
