@@ -141,11 +141,13 @@ def check_address(v: str) -> str:
     return v
 
 
-# Measured on the 2-core CPU with the demo pair (services, K=3, adaptation off): EAGLE-3 over
-# target-only 1.29x at 1 request, 1.04x at 16, 1.27x at 64, so drafts still pay at 64 there and the
-# default leaves K alone up to 64 (256 // 64 - 1 = 3). A GPU's knee is elsewhere: measure it with
-# `tandem bench --concurrency ...` and TANDEM_COORDINATOR_SPEC_TOKEN_BUDGET=0, then set the budget.
-SPEC_TOKEN_BUDGET = 256
+# Measured on the 2-core CPU with the demo pair, compiled (TANDEM_COMPILE=background; services, K=5, the
+# budget and the gate off, one run): EAGLE-3 over target-only 1.15x at 2 requests, 0.89x at 4, 0.84x at 8,
+# 0.77x at 16 (an eager target had drafts paying up to 64). 24 keeps K=5 up to 4 running (K = 24 // n - 1,
+# the gate sheds what does not pay), K=2 at 8, and no drafting from 12 on, and a one-request tree of 16
+# nodes fits. A GPU's knee is elsewhere: measure it with `tandem bench --concurrency ...` and
+# TANDEM_COORDINATOR_SPEC_TOKEN_BUDGET=0, then set the budget.
+SPEC_TOKEN_BUDGET = 24
 # Acceptance gate (tandem.gates.AcceptanceGate): one draft token's cost as a share of a verify
 # round, drafting and moving the features included. Measured on the 2-core CPU: a K=3 round of the
 # demo pair takes about twice a target-only round (1 + 0.3 * 3 = 1.9), as does one of the tiny pair.
