@@ -114,8 +114,9 @@ class GreedyAhead:
         log.info("compiled the draft's greedy ahead for K = %d..%d in %.0f s", self.KS[0], self.KS[-1],
                  time.monotonic() - started)
 
-    def fits(self, rounds: int, assumed: int, count: int) -> bool:
-        return rounds in self.KS and assumed == rounds and count == self.BRANCHES
+    def fits(self, rounds: int, assumed: int, per_fork: int, count: int) -> bool:
+        """Whether an ahead of these sizes has a graph (the ints are the graphs' constants: others would compile)."""
+        return rounds in self.KS and assumed == rounds and per_fork == count == self.BRANCHES
 
     def _branches(self, features, tokens, positions, k, v, rows, assumed, prefix, per_fork: int, rounds: int):
         return branches(self.model, features, tokens, positions, k, v, rows, assumed, prefix, self.draft_id,

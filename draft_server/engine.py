@@ -40,7 +40,7 @@ import torch
 from draft_server.ahead import GreedyAhead, branches
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.model import DraftKV, Eagle3Draft
-from draft_server.rollout import GreedyPropose, GreedyStep, draws_for, read_rollout, rollout
+from draft_server.rollout import GreedyPropose, GreedyStep, SampledPropose, draws_for, read_rollout, rollout
 from draft_server.sampling import DraftSampler
 from draft_server.steps import Outcomes, _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
 from draft_server.tree import SiblingRates, grow_tree
@@ -102,7 +102,10 @@ class DraftEngine(SessionOwner):
         self._draft_id = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=d2t.device)
         self._draft_id[self.model.to_target_ids(torch.arange(d2t.numel(), device=d2t.device))] = torch.arange(
             d2t.numel(), device=d2t.device)
-        self.greedy_ahead = GreedyAhead(self.greedy_step.model, self._draft_id) if self.greedy_step is not None else None
+        self.greedy_ahead = self.sampled_propose = None
+        if self.greedy_step is not None:
+            self.greedy_ahead = GreedyAhead(self.greedy_step.model, self._draft_id)
+            self.sampled_propose = SampledPropose(self.greedy_step.model, q_top_n)
 
     def release(self, session_id: str) -> bool:
         self.batcher.forget(session_id)
@@ -298,6 +301,13 @@ class DraftEngine(SessionOwner):
             return _drafts(tokens, None)
         draws = draws_for([session.sampler], [session.length + len(step.next_tokens)], step.k, self.draft_vocab,
                           self.device)
+        if (self.sampled_propose is not None and session.sampler is not None and kv.k is not None
+                and self.sampled_propose.fits(step.k, session.sampler)):
+            tokens, qs, rows = self.sampled_propose.propose(kv, session.length, step.features.to(self.device, self.dtype),
+                                                            step.next_tokens, step.k, session.sampler, draws.uniforms)
+            session.length += len(step.next_tokens)
+            session.proposed = [(tokens, rows)]
+            return _drafts(tokens, qs)
         a, position = self._extend(step)
         drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, step.k, draws, step=self.greedy_step)
         kv.crop(session.length)  # the rollout's KV is dropped: exact target features replace it
@@ -353,7 +363,7 @@ class DraftEngine(SessionOwner):
         positions = torch.arange(start, start + len(tokens), device=device)
         features = step.features.to(device, self.dtype)
         rows = step.rows.to(device, self.dtype) if m == 0 else None
-        if session.sampler is None and self.greedy_ahead is not None and self.greedy_ahead.fits(k, j_max, b):
+        if session.sampler is None and self.greedy_ahead is not None and self.greedy_ahead.fits(k, j_max, n, b):
             out = self.greedy_ahead(features, tokens, positions, session.kv.k, session.kv.v, rows, assumed, prefix,
                                     n, k)
         else:

@@ -108,6 +108,72 @@ class GreedyPropose:
         return read_rollout(drafts[None], None)[0], rows
 
 
+class SampledPropose:
+    """A lone sampled session's propose after its first as one compiled call a K (sampled_propose): the extend,
+    then K drafts each drawn from q at the request's temperature and top-p, cut to the `top_n` likeliest, with
+    their q: what the eager rollout draws, with the same uniforms. Over GreedyStep's unpacked copy of the head,
+    compiled at start-up for K = 1..KS, one new pair or more, with and without top-p; requests with a top-k
+    (each its own graphs) and other Ks run eagerly."""
+
+    KS = range(1, 6)
+
+    def __init__(self, model: Eagle3Draft, top_n: int):
+        started = time.monotonic()
+        self.model, self.top_n, self.vocab = model, top_n, model.config.draft_vocab_size
+        self._propose = compile_graphs(self._sampled_propose, 4 * 2 * len(self.KS), dynamic=True)
+        attention = model.midlayer.self_attn
+        device, dtype = model.d2t.device, model.fc.weight.dtype
+        width = 3 * model.config.target_hidden_size
+        with torch.inference_mode():  # as the engine calls it: inference tensors, a contiguous KV
+            for rounds in self.KS:
+                for m in (1, 2):
+                    for top_p in (1.0, 0.9):
+                        k, v = (torch.zeros(1, attention.num_kv_heads, 8, attention.head_dim, device=device,
+                                            dtype=dtype) for _ in range(2))
+                        self._propose(torch.zeros(m, width, device=device, dtype=dtype),
+                                      torch.zeros(m, dtype=torch.long, device=device),
+                                      torch.arange(8, 8 + m, device=device), k, v, rounds,
+                                      torch.ones(1, 1, device=device), torch.full((1, 1), top_p, device=device),
+                                      torch.zeros(1, rounds, dtype=torch.float64, device=device), top_p >= 1.0)
+        log.info("compiled the draft's sampled propose for K = %d..%d in %.0f s", self.KS[0], self.KS[-1],
+                 time.monotonic() - started)
+
+    def fits(self, rounds: int, sampler: DraftSampler) -> bool:
+        return rounds in self.KS and (sampler.top_k == 0 or sampler.top_k >= self.vocab)
+
+    def _sampled_propose(self, features, tokens, positions, k, v, rounds: int, temperature, top_p, uniforms,
+                         cut_only: bool):
+        """The m new pairs appended to the layer's KV k, v, then `rounds` drafts drawn with `uniforms` [1, rounds]
+        -> the drafts [1, rounds], their q (ids, probs, support), the outputs that proposed them [1, rounds, H],
+        and the KV with the m pairs (the rollout's own is dropped: exact features replace it)."""
+        kv = DraftKV()
+        kv.k, kv.v = k, v
+        model = self.model
+        a = model(model.fuse(features)[None], tokens[None], positions[None], kv)[:, -1:]  # [1, 1, H]
+        committed = kv.k, kv.v
+        settings = QSettings(temperature=temperature, top_k=[self.vocab], top_p=top_p, cut_only=cut_only,
+                             top_k_col=torch.full((1, 1), self.vocab, device=temperature.device))
+        drafts, q, rows = rollout(model, self.top_n, a, kv, positions[-1:][None] + 1, rounds,
+                                  Draws(None, settings, uniforms))
+        return drafts, q, rows, *committed
+
+    def propose(self, kv: DraftKV, length: int, features: torch.Tensor, next_tokens: list[int], rounds: int,
+                sampler: DraftSampler, uniforms: torch.Tensor) -> tuple[list[int], list[DraftProbs], torch.Tensor]:
+        """As GreedyPropose.propose, for a sampled session: `rounds` drafts drawn with `uniforms` [1, rounds]
+        (draws_for's), their q, and the outputs that proposed them [rounds, H]."""
+        device = features.device
+        if not features.is_inference():  # a graph is guarded on it: ours were traced on inference tensors
+            features = features.clone()
+        kv.crop(length)
+        drafts, q, rows, kv.k, kv.v = self._propose(
+            features, torch.tensor(next_tokens, device=device),
+            torch.arange(length, length + len(next_tokens), device=device), plain(kv.k), plain(kv.v), rounds,
+            torch.tensor([[sampler.temperature]], device=device), torch.tensor([[sampler.top_p]], device=device),
+            uniforms, sampler.top_p >= 1.0)
+        drafts, qs, _ = read_rollout(drafts, q)
+        return drafts, qs, rows[0]
+
+
 def plain(t: torch.Tensor) -> torch.Tensor:
     """t contiguous, with the strides of its shape: a compiled graph is guarded on them, and a size-1 axis of
     a tensor cut from a bigger one (a KV cropped after an ahead) keeps the bigger one's stride."""

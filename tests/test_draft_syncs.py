@@ -10,6 +10,7 @@ from helpers import compile_eagerly
 
 from draft_server.ahead import GreedyAhead
 from draft_server.engine import DraftEngine
+from draft_server.rollout import SampledPropose
 from draft_server.steps import _Step
 from tandem.config import OVERLAP_BRANCHES
 from tandem.params import SamplingParams
@@ -140,14 +141,15 @@ def compiled_and_eager(tiny_dir) -> tuple[DraftEngine, DraftEngine]:
     inductor's time) and one without."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         compile_eagerly(monkeypatch)
-        monkeypatch.setattr(GreedyAhead, "KS", (1, 3, K))  # the Ks the tests use: dynamo traces ~2 s a K
+        for compiled_call in (GreedyAhead, SampledPropose):  # the Ks the tests use: dynamo traces ~2 s a K
+            monkeypatch.setattr(compiled_call, "KS", (1, 3, K))
         monkeypatch.setenv("TANDEM_COMPILE", "1")
         torch._dynamo.reset()
         compiled = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
         monkeypatch.setenv("TANDEM_COMPILE", "0")
         eager = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
-    assert compiled.greedy_propose is not None and compiled.greedy_ahead is not None
-    assert eager.greedy_propose is None and eager.greedy_step is None and eager.greedy_ahead is None
+    assert None not in (compiled.greedy_propose, compiled.greedy_ahead, compiled.sampled_propose)
+    assert (eager.greedy_propose, eager.greedy_step, eager.greedy_ahead, eager.sampled_propose) == (None,) * 4
     return compiled, eager
 
 
@@ -209,4 +211,29 @@ def test_a_compiled_greedy_ahead_prepares_what_the_eager_one_does(compiled_and_e
         _open(eager, name, sampling, seed=4)
         assert run(compiled, name) == run(eager, name)
     assert calls == [K, K, K, 3, 3, 1]  # K+1 pairs assuming K and preparing 3: eager; 3 branches: eager
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled after start-up
+
+
+def test_a_compiled_sampled_propose_draws_what_the_eager_one_does(compiled_and_eager):
+    """TANDEM_COMPILE: a lone sampled session's proposes after its first run as one compiled call each
+    (rollout.SampledPropose, K in its KS), with and without top-p: the same drafts, drawn with the same uniforms,
+    and the same q as the eager engine's, nothing compiled after start-up; a top-k request and other Ks keep the
+    eager path."""
+    compiled, eager = compiled_and_eager
+    calls = []
+    propose = compiled.sampled_propose._propose
+    compiled.sampled_propose._propose = lambda *args: calls.append(args[5]) or propose(*args)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    requests = {"plain": SamplingParams(temperature=0.7, seed=5), "top-p": SamplingParams(temperature=1.0, top_p=0.8,
+                seed=6), "top-k": SamplingParams(temperature=1.0, top_k=5, seed=7)}
+    for name, sampling in requests.items():
+        for engine in (compiled, eager):
+            _open(engine, f"sampled-{name}", sampling)
+    for i, k in enumerate([K, 3, 7, 1, K]):
+        for name in requests:
+            features, tokens = _inputs(compiled, 1 + i % 3, 50 + i)
+            a, b = (engine.propose(f"sampled-{name}", features, tokens, k) for engine in (compiled, eager))
+            assert list(a) == list(b) and a.q == b.q
+            _check(list(a), a.q, True, k)
+    assert calls == [K, K, 3, 3, 1, 1, K, K]  # no top-k, K in KS: compiled; K=7 and the top-k request eagerly
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled after start-up
