@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from draft_server.model import DraftKV, Eagle3Draft
-from draft_server.rollout import Draws, plain, rollout
+from draft_server.rollout import Draws, plain, rollout, warm_inputs
 from tandem.compiling import compile_graphs
 from tandem.config import OVERLAP_BRANCHES
 
@@ -97,19 +97,12 @@ class GreedyAhead:
         started = time.monotonic()
         self.model, self.draft_id = model, draft_id
         self._ahead = compile_graphs(self._branches, 4 * len(self.KS), dynamic=True)
-        attention = model.midlayer.self_attn
         device, dtype = model.d2t.device, model.fc.weight.dtype
-        width, hidden = 3 * model.config.target_hidden_size, model.config.hidden_size
         with torch.inference_mode():  # as the engine calls it: inference tensors, a contiguous KV
             for rounds in self.KS:
-                for m in (0, 1, 2):
-                    k, v = (torch.zeros(1, attention.num_kv_heads, 8, attention.head_dim, device=device, dtype=dtype)
-                            for _ in range(2))
-                    assumed = torch.zeros(rounds, dtype=torch.long, device=device)
-                    self(torch.zeros(m, width, device=device, dtype=dtype),
-                         torch.zeros(m or rounds, dtype=torch.long, device=device), torch.arange(
-                             8, 8 + (m or rounds), device=device), k, v,
-                         torch.zeros(rounds, hidden, device=device, dtype=dtype) if m == 0 else None, assumed,
+                for m in (0, 1, 2):  # with none, the tokens are the assumed drafts, fed with their rows
+                    rows = torch.zeros(rounds, model.config.hidden_size, device=device, dtype=dtype) if m == 0 else None
+                    self(*warm_inputs(model, m, m or rounds), rows, torch.zeros(rounds, dtype=torch.long, device=device),
                          torch.zeros(rounds + 1, device=device), self.BRANCHES, rounds)
         log.info("compiled the draft's greedy ahead for K = %d..%d in %.0f s", self.KS[0], self.KS[-1],
                  time.monotonic() - started)

@@ -80,16 +80,10 @@ class GreedyPropose:
         started = time.monotonic()
         # a graph per K and per one new pair or more
         self._propose = compile_graphs(model.greedy_propose, 4 * len(self.KS), dynamic=True)
-        attention = model.midlayer.self_attn
-        device, dtype = model.d2t.device, model.fc.weight.dtype
-        width = 3 * model.config.target_hidden_size
         with torch.inference_mode():  # as the engine calls it: inference tensors, a contiguous KV
             for rounds in self.KS:
                 for m in (1, 2):
-                    k, v = (torch.zeros(1, attention.num_kv_heads, 8, attention.head_dim, device=device, dtype=dtype)
-                            for _ in range(2))
-                    self._propose(torch.zeros(m, width, device=device, dtype=dtype), torch.zeros(
-                        m, dtype=torch.long, device=device), torch.arange(8, 8 + m, device=device), k, v, rounds)
+                    self._propose(*warm_inputs(model, m), rounds)
         log.info("compiled the draft's greedy propose for K = %d..%d in %.0f s", self.KS[0], self.KS[-1],
                  time.monotonic() - started)
 
@@ -121,18 +115,12 @@ class SampledPropose:
         started = time.monotonic()
         self.model, self.top_n, self.vocab = model, top_n, model.config.draft_vocab_size
         self._propose = compile_graphs(self._sampled_propose, 4 * 2 * len(self.KS), dynamic=True)
-        attention = model.midlayer.self_attn
-        device, dtype = model.d2t.device, model.fc.weight.dtype
-        width = 3 * model.config.target_hidden_size
+        device = model.d2t.device
         with torch.inference_mode():  # as the engine calls it: inference tensors, a contiguous KV
             for rounds in self.KS:
                 for m in (1, 2):
                     for top_p in (1.0, 0.9):
-                        k, v = (torch.zeros(1, attention.num_kv_heads, 8, attention.head_dim, device=device,
-                                            dtype=dtype) for _ in range(2))
-                        self._propose(torch.zeros(m, width, device=device, dtype=dtype),
-                                      torch.zeros(m, dtype=torch.long, device=device),
-                                      torch.arange(8, 8 + m, device=device), k, v, rounds,
+                        self._propose(*warm_inputs(model, m), rounds,
                                       torch.ones(1, 1, device=device), torch.full((1, 1), top_p, device=device),
                                       torch.zeros(1, rounds, dtype=torch.float64, device=device), top_p >= 1.0)
         log.info("compiled the draft's sampled propose for K = %d..%d in %.0f s", self.KS[0], self.KS[-1],
@@ -172,6 +160,18 @@ class SampledPropose:
             uniforms, sampler.top_p >= 1.0)
         drafts, qs, _ = read_rollout(drafts, q)
         return drafts, qs, rows[0]
+
+
+def warm_inputs(model: Eagle3Draft, m: int, n: int | None = None) -> tuple[torch.Tensor, ...]:
+    """What a compiled draft call is traced on at start-up, made as the engine makes them (under the caller's
+    inference mode; a contiguous KV of 8 pairs): features [m, 3Ht], n tokens (default m) at positions 8..,
+    and the layer's KV k, v."""
+    attention = model.midlayer.self_attn
+    device, dtype = model.d2t.device, model.fc.weight.dtype
+    n = m if n is None else n
+    k, v = (torch.zeros(1, attention.num_kv_heads, 8, attention.head_dim, device=device, dtype=dtype) for _ in range(2))
+    return (torch.zeros(m, 3 * model.config.target_hidden_size, device=device, dtype=dtype),
+            torch.zeros(n, dtype=torch.long, device=device), torch.arange(8, 8 + n, device=device), k, v)
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
