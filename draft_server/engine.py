@@ -292,19 +292,11 @@ class DraftEngine(SessionOwner):
     def _run_one(self, step: _Step) -> Drafts:
         """One session alone: its own KV, no padding."""
         session, kv = step.session, step.session.kv
-        if (self.greedy_propose is not None and session.sampler is None and kv.k is not None
-                and step.k in GreedyPropose.KS):
-            tokens, rows = self.greedy_propose.propose(kv, session.length, step.features.to(self.device, self.dtype),
-                                                       step.next_tokens, step.k)
-            session.length += len(step.next_tokens)
-            session.proposed = [(tokens, rows)]
-            return _drafts(tokens, None)
         draws = draws_for([session.sampler], [session.length + len(step.next_tokens)], step.k, self.draft_vocab,
                           self.device)
-        if (self.sampled_propose is not None and session.sampler is not None and kv.k is not None
-                and self.sampled_propose.fits(step.k, session.sampler)):
-            tokens, qs, rows = self.sampled_propose.propose(kv, session.length, step.features.to(self.device, self.dtype),
-                                                            step.next_tokens, step.k, session.sampler, draws.uniforms)
+        compiled = self._compiled_propose(step, draws) if kv.k is not None else None
+        if compiled is not None:
+            tokens, qs, rows = compiled
             session.length += len(step.next_tokens)
             session.proposed = [(tokens, rows)]
             return _drafts(tokens, qs)
@@ -314,6 +306,17 @@ class DraftEngine(SessionOwner):
         drafts, qs, _ = read_rollout(drafts, q)  # [K], [K]
         session.proposed = [(drafts, rows[0])]
         return _drafts(drafts, qs)
+
+    def _compiled_propose(self, step: _Step, draws) -> tuple | None:
+        """A propose after the session's first as one compiled call where one fits it (GreedyPropose,
+        SampledPropose): its drafts, their q (sampled) and the outputs that proposed them [K, H]; else None."""
+        session, features = step.session, step.features.to(self.device, self.dtype)
+        if draws is None and self.greedy_propose is not None and step.k in GreedyPropose.KS:
+            tokens, rows = self.greedy_propose.propose(session.kv, session.length, features, step.next_tokens, step.k)
+            return tokens, None, rows
+        if draws is not None and self.sampled_propose is not None and self.sampled_propose.fits(step.k, draws.settings):
+            return self.sampled_propose.propose(session.kv, session.length, features, step.next_tokens, step.k, draws)
+        return None
 
     def _extend(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
         """A lone session's new pairs appended to its KV -> the last output a [1, 1, H] and the position its

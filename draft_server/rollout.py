@@ -126,8 +126,9 @@ class SampledPropose:
         log.info("compiled the draft's sampled propose for K = %d..%d in %.0f s", self.KS[0], self.KS[-1],
                  time.monotonic() - started)
 
-    def fits(self, rounds: int, sampler: DraftSampler) -> bool:
-        return rounds in self.KS and (sampler.top_k == 0 or sampler.top_k >= self.vocab)
+    def fits(self, rounds: int, settings: QSettings) -> bool:
+        """Whether a lone row's rollout of these settings has a graph: no top-k (each would compile its own)."""
+        return rounds in self.KS and settings.top_k == [self.vocab]
 
     def _sampled_propose(self, features, tokens, positions, k, v, rounds: int, temperature, top_p, uniforms,
                          cut_only: bool):
@@ -146,18 +147,18 @@ class SampledPropose:
         return drafts, q, rows, *committed
 
     def propose(self, kv: DraftKV, length: int, features: torch.Tensor, next_tokens: list[int], rounds: int,
-                sampler: DraftSampler, uniforms: torch.Tensor) -> tuple[list[int], list[DraftProbs], torch.Tensor]:
-        """As GreedyPropose.propose, for a sampled session: `rounds` drafts drawn with `uniforms` [1, rounds]
-        (draws_for's), their q, and the outputs that proposed them [rounds, H]."""
+                draws: Draws) -> tuple[list[int], list[DraftProbs], torch.Tensor]:
+        """As GreedyPropose.propose, for a sampled session: `rounds` drafts drawn as `draws` (draws_for's, its
+        settings and uniforms already on the device) says, their q, and the outputs that proposed them [rounds, H]."""
         device = features.device
         if not features.is_inference():  # a graph is guarded on it: ours were traced on inference tensors
             features = features.clone()
         kv.crop(length)
+        settings = draws.settings
         drafts, q, rows, kv.k, kv.v = self._propose(
             features, torch.tensor(next_tokens, device=device),
             torch.arange(length, length + len(next_tokens), device=device), plain(kv.k), plain(kv.v), rounds,
-            torch.tensor([[sampler.temperature]], device=device), torch.tensor([[sampler.top_p]], device=device),
-            uniforms, sampler.top_p >= 1.0)
+            settings.temperature, settings.top_p, draws.uniforms, settings.cut_only)
         drafts, qs, _ = read_rollout(drafts, q)
         return drafts, qs, rows[0]
 
