@@ -11,7 +11,13 @@ message as one batch (Batcher.submit_many) and answers it in one message.
 
 Each session keeps its Session streams: its prefill and its first propose (the prompt's features, in
 chunks) go there, and so do trees, ahead steps and a profiled request's steps; the streams' end releases
-the sessions. A step that fails fails alone (its StepError); a broken relay stream fails the steps in
+the sessions. A message of target-only decodes waits on the target up to its ANSWER_WITHIN_S (target_server/decode.py), so it
+does not hold back the next message: that one goes beside it on a stream of its own (a generation just prefilled
+had waited up to 50 ms to start decoding), and its decodes join the target's steps already running. 16
+target-only clients, demo pair, compiled, closed loop: 1385-1770 tokens/s before, 1880-2011 after; the target's
+batches of 16 went from 67% of its forwards to 80%.
+
+A step that fails fails alone (its StepError); a broken relay stream fails the steps in
 flight (as a broken session stream would) and the next batch opens a new one.
 """
 
@@ -35,16 +41,21 @@ class CohortRelay:
     other generations' steps were queued meanwhile."""
 
     def __init__(self, service: str, method: Callable, pack: Callable[[list], object], row_bytes: int,
-                 max_message_mib: int, step_timeout: float | None = None):
+                 max_message_mib: int, step_timeout: float | None = None,
+                 long: Callable[[object], bool] | None = None):
         # inline features come in the messages: keep a message's rows within half the message limit
         tokens = max(1, (max_message_mib << 19) // max(row_bytes, 1))
         self.service = service
         self._method = method
         self._pack = pack  # [(session id, request)] -> the message
         self._step_timeout = step_timeout
-        self._batcher: Batcher[tuple[str, object]] = Batcher(self._run, MAX_BATCH, tokens)
-        self._stream: _Stream | None = None
-        self._lock = threading.Lock()  # the stream is opened and closed by one batch at a time
+        beside = None
+        if long is not None:  # a message with a long step in it lets the next one go meanwhile
+            beside = lambda steps: any(long(request) for _, request in steps)
+        self._batcher: Batcher[tuple[str, object]] = Batcher(self._run, MAX_BATCH, tokens, beside=beside)
+        self._idle: list[_Stream] = []  # open streams no message is on: one per message in flight at most
+        self._lock = threading.Lock()
+        self._closed = False
 
     def step(self, session_id: str, request, tokens: int, cohort: tuple[int, int] | None):
         result = self._batcher.submit((session_id, request), tokens, key=session_id, group="step", cohort=cohort)
@@ -59,16 +70,21 @@ class CohortRelay:
     def _run(self, steps: list[tuple[str, object]]) -> list:
         message = self._pack(steps)
         with self._lock:
-            if self._stream is None:
-                self._stream = _Stream(self.service, self._method, None)
-            stream = self._stream
-            try:
-                stream.send(message)
-                answer = stream.recv(self._step_timeout)
-            except BackendError as exc:  # the stream is broken: the next batch opens another
-                stream.cancel()
-                self._stream = None
-                return [exc] * len(steps)
+            stream = self._idle.pop() if self._idle else None
+        if stream is None:
+            stream = _Stream(self.service, self._method, None)
+        try:
+            stream.send(message)
+            answer = stream.recv(self._step_timeout)
+        except BackendError as exc:  # the stream is broken: the next batch opens another
+            stream.cancel()
+            return [exc] * len(steps)
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._idle.append(stream)
+        if closed:
+            stream.close()
         if len(answer.results) != len(steps):
             return [BackendError(self.service, grpc.StatusCode.INTERNAL,
                                  f"the cohort relay answered {len(answer.results)} of {len(steps)} steps")] * len(steps)
@@ -76,9 +92,10 @@ class CohortRelay:
 
     def close(self) -> None:
         with self._lock:
-            if self._stream is not None:
-                self._stream.close()
-                self._stream = None
+            self._closed = True
+            streams, self._idle = self._idle, []
+        for stream in streams:
+            stream.close()
 
 
 def target_relay(stub: target_pb2_grpc.TargetServiceStub, info: target_pb2.TargetInfo,
@@ -87,7 +104,8 @@ def target_relay(stub: target_pb2_grpc.TargetServiceStub, info: target_pb2.Targe
         return target_pb2.CohortSteps(steps=[target_pb2.SessionStep(session_id=sid, request=r) for sid, r in steps])
 
     row_bytes = 3 * info.hidden_size * ITEMSIZE.get(info.dtype, 4)
-    return CohortRelay("target", stub.Cohort, pack, row_bytes, max_message_mib)
+    return CohortRelay("target", stub.Cohort, pack, row_bytes, max_message_mib,
+                       long=lambda request: request.verify.decode > 1)
 
 
 def draft_relay(stub: draft_pb2_grpc.DraftServiceStub, info: draft_pb2.DraftInfo, max_message_mib: int,

@@ -71,15 +71,18 @@ class Batcher(Generic[Item]):
     """`submit(item, tokens)` -> that item's result, computed in a batch with whatever else is queued.
 
     `run(items)` returns one result per item, or an exception instance for an item that failed.
+    `beside(items)`: whether the next batch may start while this one runs (a relay's message that waits
+    on a long call); default never.
     """
 
     def __init__(
         self, run: Callable[[list[Item]], Sequence[Any]], max_batch: int, max_tokens: int, max_wait: float = 0.01,
-        window: float = 0.5,
+        window: float = 0.5, beside: Callable[[list[Item]], bool] | None = None,
     ):
         if max_batch < 1 or max_tokens < 1:
             raise ValueError(f"max_batch and max_tokens must be >= 1, got {max_batch}, {max_tokens}")
         self._run = run
+        self._beside = beside
         self.max_batch = max_batch
         self.max_tokens = max_tokens
         self.max_wait = max_wait
@@ -145,12 +148,17 @@ class Batcher(Generic[Item]):
                     if not all(job.gathered for job in self._queue):
                         self._refill()
                     batch = self._take()
+                    blocking = self._beside is None or not self._beside([job.item for job in batch])
+                    if not blocking:  # the next batch need not wait for this one
+                        self._running = False
+                        self._changed.notify_all()
                     self._changed.release()
                     try:
                         self._run_batch(batch)
                     finally:
                         self._changed.acquire()
-                        self._running = False
+                        if blocking:
+                            self._running = False
                         self._changed.notify_all()
                 else:
                     self._changed.wait()
@@ -162,7 +170,10 @@ class Batcher(Generic[Item]):
         for key in [k for k, (b, _) in self._served.items() if b < recent]:
             del self._served[key]
             self._away.pop(key, None)
-        deadline = time.monotonic() + min(self.max_wait, self.window * self._last_seconds)
+        window = min(self.max_wait, self.window * self._last_seconds)
+        if self._beside is not None and self._beside([job.item for job in self._queue]):
+            window = self.max_wait  # a long batch: worth the wait, whatever the last one took
+        deadline = time.monotonic() + window
         while len(self._queue) < self.max_batch:
             queued = {job.key for job in self._queue}
             due = any(end + self._away.get(k, self._away_any) <= deadline
@@ -218,9 +229,9 @@ class Batcher(Generic[Item]):
         for job in batch:  # here, before the next batch: a step's compute time is its batch's
             if job.clock is not None:
                 job.clock.batch_ended()
-        self.steps += len(batch)
         self._last_seconds = (time.monotonic_ns() - start) / 1e9
         with self._changed:
+            self.steps += len(batch)
             self.batches += 1
             for job in batch:
                 if job.key is not None and not job.gathered:

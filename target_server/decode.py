@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from tandem.protocol import VerifyResult
-from tandem.sessions import InvalidRequest
+from tandem.sessions import InvalidRequest, SessionNotFound
 
 MAX_DECODE = 64  # tokens a call
 ANSWER_WITHIN_S = 0.05  # a decode answers with what it has once this long has passed since its first token
@@ -39,19 +39,20 @@ def check_decode(decode: int, drafts: Sequence[int], want_features: bool, parent
 class Decoding:
     """One session's tokens over the steps of a decode: `token` is the next step's input while `more`."""
 
-    def __init__(self, first: VerifyResult | BaseException, decode: int, stop_ids: Sequence[int]):
+    def __init__(self, decode: int, stop_ids: Sequence[int], token: int = -1):
+        """`token`: the first step's input, for a decode whose first step the loop makes too (else add the
+        first step's result)."""
         self.left, self.stop_ids = decode, set(stop_ids)
         self.until = time.monotonic() + ANSWER_WITHIN_S
-        self.token = -1
+        self.token = token
         self.tokens: list[int] = []
         self.logprobs: list | None = None
         self.warming = False
         self.error: BaseException | None = None
-        self.add(first)
 
     @property
     def more(self) -> bool:
-        return self.error is None and self.left > 0 and time.monotonic() < self.until
+        return self.error is None and self.left > 0 and (not self.tokens or time.monotonic() < self.until)
 
     def add(self, result: VerifyResult | BaseException) -> None:
         if isinstance(result, BaseException):
@@ -89,10 +90,46 @@ class DecodeLoop:
         (session id, decode, stop ids): a decode's tokens once it is done, the others' `first` as it is."""
         if all(decode <= 1 for _, decode, _ in decodes):
             return first  # plain verifies (the drafting rounds): nothing to step
-        decodings = [Decoding(result, decode, stop_ids) if decode > 1 else None
-                     for result, (_, decode, stop_ids) in zip(first, decodes, strict=True)]
+        decodings = [Decoding(decode, stop_ids) if decode > 1 else None for _, decode, stop_ids in decodes]
+        for decoding, result in zip(decodings, first, strict=True):
+            if decoding is not None:
+                decoding.add(result)
         self.run([(call[0], d) for d, call in zip(decodings, decodes, strict=True) if d is not None])
         return [result if d is None else d.result() for d, result in zip(decodings, first, strict=True)]
+
+    def cohort(self, calls: list[tuple[tuple, object]], check: Callable, plain: Callable[[list], list]) -> list:
+        """A cohort relay message's verifies, `(arguments, clock)` each, a result or an exception each: the
+        decodes' (arguments ending in decode > 1, stop ids) checked by `check(*arguments)` and stepped here from
+        their first step (join), after the others, run by `plain(their calls)`."""
+        results: list = [None] * len(calls)
+        plain_calls, decodes = [], []
+        for i, (args, clock) in enumerate(calls):
+            if len(args) > 6 and args[6] > 1:
+                try:
+                    check(*args)
+                except (InvalidRequest, SessionNotFound) as exc:
+                    results[i] = exc
+                    continue
+                decodes.append((i, (args[0], args[1], args[6], args[7])))
+            else:
+                plain_calls.append((i, (args, clock)))
+        if plain_calls:
+            for (i, _), result in zip(plain_calls, plain([call for _, call in plain_calls]), strict=True):
+                results[i] = result
+        if decodes:
+            for (i, _), result in zip(decodes, self.join([d for _, d in decodes]), strict=True):
+                results[i] = result
+        return results
+
+    def join(self, decodes: list[tuple[str, int, int, Sequence[int]]]) -> list:
+        """The results of decodes (session id, input token, decode, stop ids) whose first step is the loop's
+        too: it joins the next step of the decodes running. Made as a batch of its own, a decode call's first
+        step cost a forward's fixed cost for a few sessions while the others waited: with the relay's decode
+        messages in flight side by side (coordinator/relay.py), 16 target-only clients ran batches of 2-9 in
+        turn with the loop's."""
+        decodings = [(session_id, Decoding(decode, stop_ids, token)) for session_id, token, decode, stop_ids in decodes]
+        self.run(decodings)
+        return [d.result() for _, d in decodings]
 
     def run(self, mine: list[tuple[str, Decoding]]) -> None:
         """Returns once `mine` are done (each holds its result or its error)."""
@@ -115,6 +152,10 @@ class DecodeLoop:
                 with self._changed:
                     for (_, decoding), result in zip(going, results, strict=True):
                         decoding.add(result)
+                    now = time.monotonic()
+                    if any(d.tokens and now >= d.until for _, d in going):  # all answer: back as one message
+                        for _, decoding in going:
+                            decoding.until = min(decoding.until, now)
                     self._changed.notify_all()
         except BaseException as exc:
             with self._changed:

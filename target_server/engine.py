@@ -261,9 +261,9 @@ class TargetEngine(SessionOwner):
     def verify_many(self, calls: list[tuple[tuple, StepClock | None]]) -> list[VerifyResult | Exception]:
         """Verifies the coordinator's cohort relay gathered, `(verify's arguments, clock)` each, run as one
         batch: a result, or the error of a step that failed (it fails alone), each. Decodes (arguments
-        ending in decode > 1, stop_ids) go on in batches of the cohort's decodes."""
-        first = self.batcher.submit_many(calls, self._verify_step, "verify")
-        return self.decodes.after(first, [(args[0], *(args[6:8] or (1, ()))) for args, _ in calls])
+        ending in decode > 1, stop_ids) are the decode loop's from their first step."""
+        return self.decodes.cohort(calls, self._verify_step,
+                                   lambda plain: self.batcher.submit_many(plain, self._verify_step, "verify"))
 
     def _verify_step(self, session_id: str, token: int, drafts: list[int], want_features: bool,
                      q: list[DraftProbs] | None, parents: list[int] | None, decode: int = 1,

@@ -230,6 +230,30 @@ def test_a_batch_does_not_wait_for_a_session_that_ended():
     assert 0.25 < time.monotonic() - started < 3.0
 
 
+def test_a_long_batch_lets_the_next_one_run_beside_it():
+    """`beside`: a batch the relay marks long (a target-only decode message) does not hold back the steps
+    queued after it; a plain batch does."""
+    release = threading.Event()
+    ran: list[list[str]] = []
+
+    def run(items: list[str]) -> list[str]:
+        ran.append(list(items))
+        if "long" in items:
+            release.wait(5)
+        return items
+
+    batcher = Batcher(run, max_batch=8, max_tokens=100, max_wait=0.0, beside=lambda items: "long" in items)
+    with ThreadPoolExecutor(2) as pool:
+        long = pool.submit(batcher.submit, "long", 1, "a")
+        while not ran:
+            time.sleep(0.001)
+        assert batcher.submit("short", 1, key="b") == "short"  # ran while the long one still runs
+        assert not long.done()
+        release.set()
+        assert long.result(5) == "long"
+    assert ran == [["long"], ["short"]]
+
+
 def cohort_step(batcher: Batcher, item, cohort: tuple[int, int] | None):
     """Submit as a service does: the step's clock carries the cohort it came with; returns the result
     and the batch (id, size) that computed it."""

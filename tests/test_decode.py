@@ -6,6 +6,7 @@ import threading
 import time
 
 from tandem.protocol import VerifyResult
+from tandem.sessions import InvalidRequest
 from target_server import decode
 from target_server.decode import DecodeLoop
 
@@ -68,3 +69,64 @@ def test_a_decode_answers_with_what_it_has_once_its_time_is_up(monkeypatch):
 
     (slow,) = DecodeLoop(steps).after([VerifyResult(accepted=[], bonus=0, features=None)], [("s", 16, [])])
     assert 2 <= len(slow.accepted) + 1 <= 3  # the first token, then a step or two within 50 ms
+
+
+def test_a_cohorts_decodes_take_their_first_step_in_the_loops_batch_and_a_bad_one_fails_alone(monkeypatch):
+    """DecodeLoop.cohort: a relay message's decodes join the steps already running (no batch of their own for
+    a first step); its plain verifies run first, as they came; a decode its checks refuse fails alone."""
+    monkeypatch.setattr(decode, "ANSWER_WITHIN_S", 30.0)
+    batches: list[list[str]] = []
+    joined = threading.Event()
+
+    def steps(going):
+        batches.append([session for session, _ in going])
+        if len(batches) == 2:
+            joined.wait(5)
+            time.sleep(0.05)
+        return [VerifyResult(accepted=[], bonus=token + 1, features=None) for _, token in going]
+
+    loop = DecodeLoop(steps)
+
+    def check(session_id, *args):
+        if session_id == "bad":
+            raise InvalidRequest("no such thing")
+
+    plain = lambda calls: [VerifyResult(accepted=[], bonus=-1, features=None) for _ in calls]
+    call = lambda session, token, n: ((session, token, [], False, None, None, n, []), None)
+    out: dict[str, list] = {}
+    first = threading.Thread(target=lambda: out.setdefault("a", loop.cohort([call("a", 0, 4)], check, plain)))
+    first.start()
+    while len(batches) < 2:
+        time.sleep(0.001)
+    second = threading.Thread(target=lambda: out.setdefault("b", loop.cohort(
+        [call("b", 10, 3), call("bad", 0, 3), call("v", 5, 1)], check, plain)))
+    second.start()
+    time.sleep(0.02)
+    joined.set()
+    first.join(5)
+    second.join(5)
+    assert [(r.accepted, r.bonus) for r in out["a"]] == [([1, 2, 3], 4)]
+    b, bad, v = out["b"]
+    assert (b.accepted, b.bonus) == ([11, 12], 13)
+    assert isinstance(bad, InvalidRequest) and v.bonus == -1
+    assert batches == [["a"], ["a"], ["a", "b"], ["a", "b"], ["b"]]  # b's first step is in the loop's batch
+
+
+def test_once_one_decodes_time_is_up_every_decode_in_its_step_answers(monkeypatch):
+    """They go back to the coordinator together and come back as one message, not in pieces that then step
+    apart."""
+    monkeypatch.setattr(decode, "ANSWER_WITHIN_S", 0.05)
+
+    def steps(going):
+        time.sleep(0.01)
+        return [VerifyResult(accepted=[], bonus=token + 1, features=None) for _, token in going]
+
+    loop = DecodeLoop(steps)
+    out: dict[str, list] = {}
+    early = threading.Thread(target=lambda: out.setdefault("early", loop.join([("e", 0, 64, [])])))
+    early.start()
+    time.sleep(0.03)
+    late = loop.join([("l", 0, 64, [])])  # its own time is up 30 ms after the early one's
+    early.join(5)
+    (e,), (l,) = out["early"], late
+    assert 1 <= len(l.accepted) + 1 < len(e.accepted) < 64  # back with the early one, with fewer tokens
