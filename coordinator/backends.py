@@ -229,8 +229,11 @@ class GrpcTarget:
         probe: RequestProbe | None = None,
         cohorts: CohortLink | None = None,
         relay: CohortRelay | None = None,
+        answer_within_ms: int = 0,
     ):
+        """`answer_within_ms`: how long a target-only decode may run before answering (0: the target's default)."""
         self.eos_token_ids = eos_token_ids
+        self._answer_within_ms = answer_within_ms
         self._stream = _Stream("target", stub.Session, timeout, probe)
         self._features: RelayedFeatures | None = None
         self._cohorts = cohorts  # shared with the generation's GrpcDraft
@@ -282,7 +285,9 @@ class GrpcTarget:
                                                                     want_features=want_features,
                                                                     q=draft_probs_to_pb(q), parents=parents,
                                                                     decode=decode if decode > 1 else 0,
-                                                                    stop_ids=stop_ids if decode > 1 else ()))
+                                                                    stop_ids=stop_ids if decode > 1 else (),
+                                                                    answer_within_ms=self._answer_within_ms
+                                                                    if decode > 1 else 0))
         cohort = None
         if self._cohorts is not None:
             self._cohorts.leave()  # a round without a propose first: this step did not go to the draft

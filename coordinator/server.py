@@ -51,11 +51,11 @@ def delta_to_pb(delta: TextDelta) -> coordinator_pb2.GenerateResponse:
     return msg
 
 
-def call_of(context: grpc.ServicerContext) -> Call:
+def call_of(context: grpc.ServicerContext, streamed: bool = True) -> Call:
     """The client's deadline (passed on to the internal streams), liveness and cancel."""
     remaining = context.time_remaining()
     timeout = remaining if remaining is not None and math.isfinite(remaining) and remaining < 1e7 else None
-    return Call(timeout, context.is_active, context.add_callback)
+    return Call(timeout, context.is_active, context.add_callback, streamed)
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -82,7 +82,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def Generate(self, request, context):
         response, text = coordinator_pb2.GenerateResponse(), []
         probe = self._probe(request)
-        for delta in self._deltas(request, context, probe):
+        for delta in self._deltas(request, context, probe, streamed=False):
             response.MergeFrom(delta_to_pb(delta))  # ids append; the last delta brings finish_reason and stats
             text.append(delta.text)
         response.text = "".join(text)
@@ -98,10 +98,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 probe.to_client(msg, last=delta.finish_reason is not None)
             yield msg
 
-    def _deltas(self, request, context, probe: RequestProbe | None):
+    def _deltas(self, request, context, probe: RequestProbe | None, streamed: bool = True):
         template = self.generations.settings.chat_template
         return self.generations.stream(lambda pair: client_request_from_pb(request, pair, template),
-                                       call_of(context), probe)
+                                       call_of(context, streamed), probe)
 
     def _probe(self, request: coordinator_pb2.GenerateRequest) -> RequestProbe | None:
         if not request.profile:

@@ -22,10 +22,14 @@ from tandem.sessions import InvalidRequest, SessionNotFound
 
 MAX_DECODE = 64  # tokens a call
 ANSWER_WITHIN_S = 0.05  # a decode answers with what it has once this long has passed since its first token
+MAX_ANSWER_WITHIN_MS = 10_000  # the longest a caller may ask a decode to run before answering
 
 
-def check_decode(decode: int, drafts: Sequence[int], want_features: bool, parents: Sequence[int] | None) -> None:
+def check_decode(decode: int, drafts: Sequence[int], want_features: bool, parents: Sequence[int] | None,
+                 answer_within_ms: int = 0) -> None:
     """InvalidRequest naming what is wrong with a decode of more than one token."""
+    if answer_within_ms > MAX_ANSWER_WITHIN_MS:
+        raise InvalidRequest(f"answer_within_ms is {answer_within_ms}; at most {MAX_ANSWER_WITHIN_MS}")
     if decode <= 1:
         return
     if decode > MAX_DECODE:
@@ -39,11 +43,11 @@ def check_decode(decode: int, drafts: Sequence[int], want_features: bool, parent
 class Decoding:
     """One session's tokens over the steps of a decode: `token` is the next step's input while `more`."""
 
-    def __init__(self, decode: int, stop_ids: Sequence[int], token: int = -1):
+    def __init__(self, decode: int, stop_ids: Sequence[int], token: int = -1, answer_within_ms: int = 0):
         """`token`: the first step's input, for a decode whose first step the loop makes too (else add the
-        first step's result)."""
+        first step's result); `answer_within_ms`: 0 for ANSWER_WITHIN_S."""
         self.left, self.stop_ids = decode, set(stop_ids)
-        self.until = time.monotonic() + ANSWER_WITHIN_S
+        self.until = time.monotonic() + (answer_within_ms / 1e3 if answer_within_ms > 0 else ANSWER_WITHIN_S)
         self.token = token
         self.tokens: list[int] = []
         self.logprobs: list | None = None
@@ -85,12 +89,14 @@ class DecodeLoop:
         self._active: list[tuple[str, Decoding]] = []
         self._running = False
 
-    def after(self, first: list, decodes: list[tuple[str, int, Sequence[int]]]) -> list:
+    def after(self, first: list, decodes: list[tuple[str, int, Sequence[int], int]]) -> list:
         """The results of calls whose first steps gave `first` (a result or an exception each), `decodes` their
-        (session id, decode, stop ids): a decode's tokens once it is done, the others' `first` as it is."""
-        if all(decode <= 1 for _, decode, _ in decodes):
+        (session id, decode, stop ids, answer within ms): a decode's tokens once it is done, the others' `first`
+        as it is."""
+        if all(decode <= 1 for _, decode, _, _ in decodes):
             return first  # plain verifies (the drafting rounds): nothing to step
-        decodings = [Decoding(decode, stop_ids) if decode > 1 else None for _, decode, stop_ids in decodes]
+        decodings = [Decoding(decode, stop_ids, answer_within_ms=within) if decode > 1 else None
+                     for _, decode, stop_ids, within in decodes]
         for decoding, result in zip(decodings, first, strict=True):
             if decoding is not None:
                 decoding.add(result)
@@ -99,7 +105,7 @@ class DecodeLoop:
 
     def cohort(self, calls: list[tuple[tuple, object]], check: Callable, plain: Callable[[list], list]) -> list:
         """A cohort relay message's verifies, `(arguments, clock)` each, a result or an exception each: the
-        decodes' (arguments ending in decode > 1, stop ids) checked by `check(*arguments)` and stepped here from
+        decodes' (arguments ending in decode > 1, stop ids, answer within ms) checked by `check(*arguments)` and stepped here from
         their first step (join), after the others, run by `plain(their calls)`."""
         results: list = [None] * len(calls)
         plain_calls, decodes = [], []
@@ -110,7 +116,7 @@ class DecodeLoop:
                 except (InvalidRequest, SessionNotFound) as exc:
                     results[i] = exc
                     continue
-                decodes.append((i, (args[0], args[1], args[6], args[7])))
+                decodes.append((i, (args[0], args[1], args[6], args[7], args[8] if len(args) > 8 else 0)))
             else:
                 plain_calls.append((i, (args, clock)))
         if plain_calls:
@@ -121,13 +127,14 @@ class DecodeLoop:
                 results[i] = result
         return results
 
-    def join(self, decodes: list[tuple[str, int, int, Sequence[int]]]) -> list:
-        """The results of decodes (session id, input token, decode, stop ids) whose first step is the loop's
-        too: it joins the next step of the decodes running. Made as a batch of its own, a decode call's first
-        step cost a forward's fixed cost for a few sessions while the others waited: with the relay's decode
-        messages in flight side by side (coordinator/relay.py), 16 target-only clients ran batches of 2-9 in
-        turn with the loop's."""
-        decodings = [(session_id, Decoding(decode, stop_ids, token)) for session_id, token, decode, stop_ids in decodes]
+    def join(self, decodes: list[tuple[str, int, int, Sequence[int], int]]) -> list:
+        """The results of decodes (session id, input token, decode, stop ids, answer within ms) whose first step
+        is the loop's too: it joins the next step of the decodes running. Made as a batch of its own, a decode
+        call's first step cost a forward's fixed cost for a few sessions while the others waited: with the relay's
+        decode messages in flight side by side (coordinator/relay.py), 16 target-only clients ran batches of 2-9
+        in turn with the loop's."""
+        decodings = [(session_id, Decoding(decode, stop_ids, token, within))
+                     for session_id, token, decode, stop_ids, within in decodes]
         self.run(decodings)
         return [d.result() for _, d in decodings]
 

@@ -249,31 +249,34 @@ class TargetEngine(SessionOwner):
 
     def verify(self, session_id: str, token: int, drafts: list[int], want_features: bool = True,
                q: list[DraftProbs] | None = None, parents: list[int] | None = None, decode: int = 1,
-               stop_ids: Sequence[int] = ()) -> VerifyResult:
+               stop_ids: Sequence[int] = (), answer_within_ms: int = 0) -> VerifyResult:
         """`q`: for a sampled session, the distribution the draft sampled each draft from (speculative
         sampling, target_server/acceptance.py); None: the drafts are the draft's argmax. `parents`: the
         drafts are a tree (Drafts.parents; its q: one per node, empty for one not sampled); None: a chain.
-        `decode` > 1: up to that many tokens target-only, ending after a stop id (target_server/decode.py)."""
-        step, tokens = self._verify_step(session_id, token, drafts, want_features, q, parents, decode)
+        `decode` > 1: up to that many tokens target-only, ending after a stop id or `answer_within_ms` (decode.py)."""
+        step, tokens = self._verify_step(session_id, token, drafts, want_features, q, parents, decode, (),
+                                         answer_within_ms)
         first = self.batcher.submit(step, tokens, key=session_id, group="verify")
-        return first if decode <= 1 else self.decodes.after([first], [(session_id, decode, stop_ids)])[0]
+        if decode <= 1:
+            return first
+        return self.decodes.after([first], [(session_id, decode, stop_ids, answer_within_ms)])[0]
 
     def verify_many(self, calls: list[tuple[tuple, StepClock | None]]) -> list[VerifyResult | Exception]:
         """Verifies the coordinator's cohort relay gathered, `(verify's arguments, clock)` each, run as one
         batch: a result, or the error of a step that failed (it fails alone), each. Decodes (arguments
-        ending in decode > 1, stop_ids) are the decode loop's from their first step."""
+        ending in decode > 1, stop_ids, answer_within_ms) are the decode loop's from their first step."""
         return self.decodes.cohort(calls, self._verify_step,
                                    lambda plain: self.batcher.submit_many(plain, self._verify_step, "verify"))
 
     def _verify_step(self, session_id: str, token: int, drafts: list[int], want_features: bool,
                      q: list[DraftProbs] | None, parents: list[int] | None, decode: int = 1,
-                     stop_ids: Sequence[int] = ()) -> tuple[Step, int]:
+                     stop_ids: Sequence[int] = (), answer_within_ms: int = 0) -> tuple[Step, int]:
         """A verify's step and its tokens, or InvalidRequest; the session counts as used. A decode's first
         step checks the decode (`stop_ids`: the caller's)."""
         session = self.sessions.get(session_id)
         session.last_used = time.monotonic()
         self._check_ids([token, *drafts], "the verify input")
-        check_decode(decode, drafts, want_features, parents)
+        check_decode(decode, drafts, want_features, parents, answer_within_ms)
         if parents is not None and not self.supports_trees:
             raise InvalidRequest("draft trees need the native engine (the Llama family) or a full-attention "
                                  f"model; this target runs transformers' {type(self.model).__name__}")

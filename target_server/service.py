@@ -138,7 +138,7 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
                         with clock.compute():
                             result = engine.verify(session_id, v.token, list(v.drafts), v.want_features,
                                                    draft_probs_from_pb(v.q), parents_from_pb(v.parents), v.decode,
-                                                   list(v.stop_ids))
+                                                   list(v.stop_ids), v.answer_within_ms)
                         head = target_pb2.TargetResponse(
                             verified=target_pb2.Verified(accepted=result.accepted, bonus=result.bonus,
                                                          warming=result.warming)
@@ -167,7 +167,7 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
                 raise InvalidRequest("the cohort relay takes verifies only")
             v = step.request.verify
             return (step.session_id, v.token, list(v.drafts), v.want_features, draft_probs_from_pb(v.q),
-                    parents_from_pb(v.parents), v.decode, list(v.stop_ids))
+                    parents_from_pb(v.parents), v.decode, list(v.stop_ids), v.answer_within_ms)
 
         answer = target_pb2.CohortResults()
         for step, (result, clock) in zip(steps, self.cohort(steps, parse, engine.verify_many), strict=True):

@@ -29,11 +29,12 @@ def test_decodes_of_two_callers_step_in_one_batch_and_each_caller_gets_its_own_t
 
     def call(name: str, sessions: list[str], decode: int, stop: list[int]) -> None:
         out[name] = loop.after([first(100 * i) for i in range(len(sessions))],
-                               [(s, decode, stop) for s in sessions])
+                               [(s, decode, stop, 0) for s in sessions])
 
     a = threading.Thread(target=call, args=("a", ["a0", "a1"], 4, []))
     a.start()
-    while len(batches) < 2:
+    give_up = time.monotonic() + 10  # a caller that died would leave this waiting
+    while len(batches) < 2 and time.monotonic() < give_up:
         time.sleep(0.001)
     b = threading.Thread(target=call, args=("b", ["b0"], 6, [3]))
     b.start()
@@ -54,7 +55,7 @@ def test_a_failed_step_ends_only_the_decodes_it_held():
 
     loop = DecodeLoop(steps)
     first = VerifyResult(accepted=[], bonus=0, features=None)
-    good, bad, plain = loop.after([first, first, first], [("good", 3, []), ("bad", 3, []), ("plain", 1, [])])
+    good, bad, plain = loop.after([first, first, first], [("good", 3, [], 0), ("bad", 3, [], 0), ("plain", 1, [], 0)])
     assert (good.accepted, good.bonus) == ([0, 1], 2)
     assert isinstance(bad, ValueError)
     assert plain is first
@@ -67,7 +68,7 @@ def test_a_decode_answers_with_what_it_has_once_its_time_is_up(monkeypatch):
         time.sleep(0.03)  # a slow model's token
         return [VerifyResult(accepted=[], bonus=token + 1, features=None) for _, token in going]
 
-    (slow,) = DecodeLoop(steps).after([VerifyResult(accepted=[], bonus=0, features=None)], [("s", 16, [])])
+    (slow,) = DecodeLoop(steps).after([VerifyResult(accepted=[], bonus=0, features=None)], [("s", 16, [], 0)])
     assert 2 <= len(slow.accepted) + 1 <= 3  # the first token, then a step or two within 50 ms
 
 
@@ -96,7 +97,8 @@ def test_a_cohorts_decodes_take_their_first_step_in_the_loops_batch_and_a_bad_on
     out: dict[str, list] = {}
     first = threading.Thread(target=lambda: out.setdefault("a", loop.cohort([call("a", 0, 4)], check, plain)))
     first.start()
-    while len(batches) < 2:
+    give_up = time.monotonic() + 10  # a caller that died would leave this waiting
+    while len(batches) < 2 and time.monotonic() < give_up:
         time.sleep(0.001)
     second = threading.Thread(target=lambda: out.setdefault("b", loop.cohort(
         [call("b", 10, 3), call("bad", 0, 3), call("v", 5, 1)], check, plain)))
@@ -123,10 +125,22 @@ def test_once_one_decodes_time_is_up_every_decode_in_its_step_answers(monkeypatc
 
     loop = DecodeLoop(steps)
     out: dict[str, list] = {}
-    early = threading.Thread(target=lambda: out.setdefault("early", loop.join([("e", 0, 64, [])])))
+    early = threading.Thread(target=lambda: out.setdefault("early", loop.join([("e", 0, 64, [], 0)])))
     early.start()
     time.sleep(0.03)
-    late = loop.join([("l", 0, 64, [])])  # its own time is up 30 ms after the early one's
+    late = loop.join([("l", 0, 64, [], 0)])  # its own time is up 30 ms after the early one's
     early.join(5)
     (e,), (l,) = out["early"], late
     assert 1 <= len(l.accepted) + 1 < len(e.accepted) < 64  # back with the early one, with fewer tokens
+
+
+def test_a_decode_asked_to_answer_later_runs_that_long():
+    """Verify.answer_within_ms: a unary client's decode (the coordinator's Generate) answers once done, or once
+    its own time is up, not after the target's 50 ms."""
+
+    def steps(going):
+        time.sleep(0.01)
+        return [VerifyResult(accepted=[], bonus=token + 1, features=None) for _, token in going]
+
+    (long,) = DecodeLoop(steps).join([("u", 0, 30, [], 2000)])
+    assert (long.accepted, long.bonus) == (list(range(1, 30)), 30)  # all 30, though they took ~300 ms

@@ -190,6 +190,9 @@ def test_a_target_only_decode_of_many_tokens_gives_what_single_tokens_give(targe
     for thread in threads:
         thread.join(60)
     assert relayed == single
+    unary = [decode(GrpcTarget(stub, [], timeout=60, relay=relay, answer_within_ms=2000), f"unary{i}", p, 12, 11)
+             for i, p in enumerate(prompts)]  # a unary client's decodes: answered once done, not every 50 ms
+    assert unary == single
     stop = single[0][4]  # a decode ends after a stop id: the first one it makes
     stopped = decode(GrpcTarget(stub, [], timeout=60), "stop", prompts[0], 12, 8, stop_ids=[stop])
     assert stopped == single[0][: single[0].index(stop) + 1]
@@ -198,15 +201,16 @@ def test_a_target_only_decode_of_many_tokens_gives_what_single_tokens_give(targe
 
 def test_a_decode_with_drafts_or_features_is_refused_naming_why(target):
     stub, _, _ = target
-    own = GrpcTarget(stub, [], timeout=60)
-    t = own.prefill("bad-decode", [5, 6, 7], SamplingParams(), want_features=False, max_new_tokens=8).token
-    for kwargs, words in (({"drafts": [t]}, "takes no drafts"), ({"want_features": True}, "returns no features"),
-                          ({"decode": 65}, "at most 64"), ({"decode": 30}, "past the")):
-        call = {"drafts": [], "want_features": False, "decode": 4, **kwargs}
+    for kwargs, words in (({"drafts": [5]}, "takes no drafts"), ({"want_features": True}, "returns no features"),
+                          ({"decode": 65}, "at most 64"), ({"decode": 30}, "past the"),
+                          ({"answer_within_ms": 10_001}, "answer_within_ms is 10001")):
+        call = {"drafts": [], "want_features": False, "decode": 4, "answer_within_ms": 0, **kwargs}
+        own = GrpcTarget(stub, [], timeout=60, answer_within_ms=call["answer_within_ms"])  # a refusal ends the stream
+        t = own.prefill("bad-decode", [5, 6, 7], SamplingParams(), want_features=False, max_new_tokens=8).token
         with pytest.raises(BackendError) as refused:
             own.verify("bad-decode", t, call["drafts"], want_features=call["want_features"], decode=call["decode"])
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in refused.value.details
-        own = GrpcTarget(stub, [], timeout=60)  # a refused step ends its stream: the session is gone
-        t = own.prefill("bad-decode", [5, 6, 7], SamplingParams(), want_features=False, max_new_tokens=8).token
+    own = GrpcTarget(stub, [], timeout=60)
+    t = own.prefill("bad-decode", [5, 6, 7], SamplingParams(), want_features=False, max_new_tokens=8).token
     assert len(own.verify("bad-decode", t, [], want_features=False, decode=4).accepted) <= 3  # 3 unless slow
     own.release("bad-decode")

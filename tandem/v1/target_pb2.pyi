@@ -92,7 +92,7 @@ class Prefill(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., want_features: _Optional[bool] = ..., want_timing: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., verify_tokens: _Optional[int] = ...) -> None: ...
 
 class Verify(_message.Message):
-    __slots__ = ("token", "drafts", "want_features", "q", "parents", "decode", "stop_ids")
+    __slots__ = ("token", "drafts", "want_features", "q", "parents", "decode", "stop_ids", "answer_within_ms")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class Verify(_message.Message):
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_WITHIN_MS_FIELD_NUMBER: _ClassVar[int]
     token: int
     drafts: _containers.RepeatedScalarFieldContainer[int]
     want_features: bool
@@ -107,7 +108,8 @@ class Verify(_message.Message):
     parents: _containers.RepeatedScalarFieldContainer[int]
     decode: int
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., want_features: _Optional[bool] = ..., q: _Optional[_Iterable[_Union[_common_pb2.DraftProbs, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ..., decode: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    answer_within_ms: int
+    def __init__(self, token: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., want_features: _Optional[bool] = ..., q: _Optional[_Iterable[_Union[_common_pb2.DraftProbs, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ..., decode: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., answer_within_ms: _Optional[int] = ...) -> None: ...
 
 class CohortSteps(_message.Message):
     __slots__ = ("steps",)
