@@ -154,7 +154,7 @@ class Batcher(Generic[Item]):
                         self._changed.notify_all()
                     self._changed.release()
                     try:
-                        self._run_batch(batch)
+                        self._run_batch(batch, timed=blocking)
                     finally:
                         self._changed.acquire()
                         if blocking:
@@ -214,7 +214,8 @@ class Batcher(Generic[Item]):
         self._queue = left
         return batch
 
-    def _run_batch(self, batch: list[_Job]) -> None:
+    def _run_batch(self, batch: list[_Job], timed: bool = True) -> None:
+        """`timed`: its time sets the next wait's window (a batch run beside others does not)."""
         start = time.monotonic_ns()
         batch_id = next(self._batch_ids)
         for job in batch:  # a step's wait for its batch is queueing in its timing
@@ -229,7 +230,8 @@ class Batcher(Generic[Item]):
         for job in batch:  # here, before the next batch: a step's compute time is its batch's
             if job.clock is not None:
                 job.clock.batch_ended()
-        self._last_seconds = (time.monotonic_ns() - start) / 1e9
+        if timed:
+            self._last_seconds = (time.monotonic_ns() - start) / 1e9
         with self._changed:
             self.steps += len(batch)
             self.batches += 1
