@@ -106,7 +106,8 @@ class BigFeaturesTarget:
         self.sessions.add(session_id)
         return PrefillResult(token=7, features=self.features[: len(prompt_ids)])
 
-    def verify(self, session_id, token, drafts, want_features=True, q=None, parents=None, decode=1, stop_ids=()):
+    def verify(self, session_id, token, drafts, want_features=True, q=None, parents=None, decode=1, stop_ids=(),
+               answer_within_ms=0):
         return VerifyResult(accepted=drafts[:1], bonus=9, features=self.features[:2])
 
     def release(self, session_id):
