@@ -105,8 +105,8 @@ class DecodeLoop:
 
     def cohort(self, calls: list[tuple[tuple, object]], check: Callable, plain: Callable[[list], list]) -> list:
         """A cohort relay message's verifies, `(arguments, clock)` each, a result or an exception each: the
-        decodes' (arguments ending in decode > 1, stop ids, answer within ms) checked by `check(*arguments)` and stepped here from
-        their first step (join), after the others, run by `plain(their calls)`."""
+        decodes' (arguments ending in decode > 1, stop ids, answer within ms) checked by `check(*arguments)` and
+        stepped here from their first step (join), after the others, run by `plain(their calls)`."""
         results: list = [None] * len(calls)
         plain_calls, decodes = [], []
         for i, (args, clock) in enumerate(calls):
