@@ -14,10 +14,10 @@ chunks) go there, and so do trees, ahead steps and a profiled request's steps; t
 the sessions. A message of target-only decodes waits on the target until they answer (50 ms, or the Verify's
 answer_within_ms; target_server/decode.py), so it does not hold back the next message: that one goes beside it
 on a stream of its own (a generation just prefilled had waited up to 50 ms to start decoding), and its decodes
-join the target's steps already running (DecodeLoop.cohort). Traced in the target under 16 closed-loop target-
-only clients (demo pair, compiled): batches of all 16 went from 67% of its forwards to 80% (the rest had
-alternated 11 and 5, or 1s and 2s); throughput, old and new serves alternated twice in one window, 1456-1941
-against 1634-1709 tokens/s: within this machine's noise, with less spread.
+join the target's steps already running (DecodeLoop.cohort). Traced in the target under 16 closed-loop
+target-only clients (demo pair, compiled): batches of all 16 went from 67% of its forwards to 80% (the rest
+had alternated 11 and 5, or 1s and 2s); throughput, old and new serves alternated twice in one window,
+1456-1941 against 1634-1709 tokens/s: within this machine's noise, with less spread.
 
 A step that fails fails alone (its StepError); a broken relay stream fails the steps in
 flight (as a broken session stream would) and the next batch opens a new one.
