@@ -197,3 +197,26 @@ def test_a_wide_tree_is_verified_within_what_its_prefill_reserved(generator):
     assert verdict.accepted == [7] * len(verdict.accepted)
     for session in ("narrow", "roomy"):
         target.release(session)
+
+
+def test_the_tree_acceptance_bench_measures_the_chain_and_each_tree(tiny_dir, tmp_path):
+    """bench/tree_acceptance.py (the README's tree-against-chain rows), small, on the tiny pair."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "tree_acceptance.py"
+    spec = importlib.util.spec_from_file_location("tree_acceptance", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS[:2]))
+    out = tmp_path / "rows.json"
+    assert bench.main(["--target", str(tiny_dir / "target"), "--draft", str(tiny_dir / "draft"), "--prompts",
+                       str(prompts), "--max-new-tokens", "6", "--temperature", "0,1", "--nodes", "6", "--depth",
+                       "3", "--top-k", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["temperature"], r["shape"]) for r in rows] == [
+        (0.0, "chain K=3"), (0.0, "tree N=6 top-k 2"), (1.0, "chain K=3"), (1.0, "tree N=6 top-k 2")]
+    assert all(r["mean_acceptance_length"] >= 1.0 for r in rows)
+    assert rows[0]["over_chain"] == rows[2]["over_chain"] == 1.0
