@@ -24,7 +24,7 @@ from tandem.pairing import PairMismatch
 from tandem.service import Service, StartupError, run_service
 from tandem.text import TextDelta
 from tandem.traffic import MeteredChannel
-from tandem.v1 import coordinator_pb2, coordinator_pb2_grpc, target_pb2
+from tandem.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2, target_pb2
 
 log = logging.getLogger("tandem.coordinator")
 
@@ -77,6 +77,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             has_tokenizer=pair.tokenizer is not None,
             draft_attached=pair.draft is not None,
             target_buckets_compiling=pair.target.ModelInfo(target_pb2.TargetInfoRequest(), timeout=10).buckets_compiling,
+            draft_compiling=pair.draft is not None
+            and pair.draft.ModelInfo(draft_pb2.DraftInfoRequest(), timeout=10).compiling,
         )
 
     def Generate(self, request, context):

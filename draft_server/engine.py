@@ -30,6 +30,8 @@ assume chains: after a tree the session's next ahead is refused.
 
 from __future__ import annotations
 
+import copy
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -39,6 +41,8 @@ import torch
 
 from draft_server.ahead import GreedyAhead, branches
 from draft_server.checkpoint import load_draft, read_config
+from draft_server.compiled import CompiledCalls, compile_calls
+from draft_server.compiled import compile_mode as compiled_mode
 from draft_server.model import DraftKV, Eagle3Draft
 from draft_server.rollout import GreedyPropose, GreedyStep, SampledPropose, draws_for, read_rollout, rollout
 from draft_server.sampling import DraftSampler
@@ -83,8 +87,8 @@ class DraftEngine(SessionOwner):
                                              aux_layer_convention=aux_layer_convention)
         if target_dir is not None:
             check_pair(read_target_shape(target_dir), self.shape())
-        self.greedy_step = GreedyStep(self.model) if GreedyStep.wanted() else None  # before packing: unpacked
-        self.greedy_propose = GreedyPropose(self.greedy_step.model) if self.greedy_step is not None else None
+        compile_mode = compiled_mode()
+        unpacked = copy.deepcopy(self.model) if compile_mode else None  # the compiled calls' copy: before packing
         if can_pack(self.device, self.dtype):  # a CPU in float32: big projections over prepacked weights
             pack_linears(self.model)
         self.feature_size = 3 * self.config.target_hidden_size
@@ -102,10 +106,21 @@ class DraftEngine(SessionOwner):
         self._draft_id = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=d2t.device)
         self._draft_id[self.model.to_target_ids(torch.arange(d2t.numel(), device=d2t.device))] = torch.arange(
             d2t.numel(), device=d2t.device)
-        self.greedy_ahead = self.sampled_propose = None
-        if self.greedy_step is not None:
-            self.greedy_ahead = GreedyAhead(self.greedy_step.model, self._draft_id)
-            self.sampled_propose = SampledPropose(self.greedy_step.model, q_top_n)
+        # the compiled calls (draft_server/compiled.py), None until compiled: the eager paths run meanwhile
+        self.greedy_step: GreedyStep | None = None
+        self.greedy_propose: GreedyPropose | None = None
+        self.greedy_ahead: GreedyAhead | None = None
+        self.sampled_propose: SampledPropose | None = None
+        self.compiled = threading.Event()  # set once there is nothing (more) to compile
+        if compile_mode:
+            self.compiled = compile_calls(unpacked, self._draft_id, q_top_n, self._install,
+                                          background=compile_mode == "background")
+        else:
+            self.compiled.set()
+
+    def _install(self, calls: CompiledCalls) -> None:
+        self.greedy_propose, self.greedy_ahead, self.sampled_propose = calls.propose, calls.ahead, calls.sampled
+        self.greedy_step = calls.step
 
     def release(self, session_id: str) -> bool:
         self.batcher.forget(session_id)

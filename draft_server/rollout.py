@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -42,9 +41,10 @@ class GreedyStep:
     (inductor cannot lower PackedLinear), compiled at start-up, two graphs (~7 s here the first time). With
     TANDEM_COMPILE set to 1 or background; untested on a GPU, so not by default there."""
 
-    def __init__(self, model: Eagle3Draft):
+    def __init__(self, model: Eagle3Draft, copied: bool = False):
+        """`copied`: `model` is already the engine's unpacked copy, this step's own."""
         started = time.monotonic()
-        self.model = copy.deepcopy(model)
+        self.model = model if copied else copy.deepcopy(model)
         self._step = torch.compile(self.model.greedy_step, dynamic=True)
         attention = model.midlayer.self_attn
         device, dtype = model.d2t.device, model.fc.weight.dtype
@@ -57,10 +57,6 @@ class GreedyStep:
             a, _, k, v = self(torch.zeros(model.config.hidden_size, device=device, dtype=dtype), tokens, positions, k, v)
             self(a, tokens, positions + 1, k, v)  # the KV it returns has strides of its own: a second graph
         log.info("compiled the draft's greedy rollout step in %.0f s", time.monotonic() - started)
-
-    @staticmethod
-    def wanted() -> bool:
-        return os.environ.get("TANDEM_COMPILE", "0") != "0"
 
     def __call__(self, a, tokens, positions, k, v):
         return self._step(a, tokens, positions, k, v)

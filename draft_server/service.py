@@ -62,6 +62,7 @@ class DraftServicer(EngineServicer[DraftEngine], draft_pb2_grpc.DraftServiceServ
             max_context=engine.max_context,
             target_max_context=engine.target_max_context or 0,
             transport=self.transport.caps if self.transport is not None else None,
+            compiling=not engine.compiled.is_set(),
         )
 
     def OpenTransport(self, request, context):

@@ -4,11 +4,14 @@ Counted with tandem_tools.opcount, which counts on a CPU the syncs a GPU would s
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from helpers import compile_eagerly
 
 from draft_server.ahead import GreedyAhead
+from draft_server.compiled import CompiledCalls
 from draft_server.engine import DraftEngine
 from draft_server.rollout import SampledPropose
 from draft_server.steps import _Step
@@ -177,6 +180,47 @@ def test_a_compiled_greedy_propose_drafts_what_the_eager_one_does(compiled_and_e
     assert proposes == [K, 3, K, 1]  # K=7 is not compiled whole: the first propose's steps and its, one at a time
     assert len(steps) == (K - 1) + (7 - 1)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled after start-up
+
+
+def test_a_background_compile_answers_eagerly_until_its_calls_are_in_and_a_failed_one_stays_eager(
+        tiny_dir, compiled_and_eager, monkeypatch):
+    """TANDEM_COMPILE=background: the engine is built at once and proposes eagerly while a thread compiles its
+    calls (here the compiled engine's own, handed over when the test says); then the compiled calls run, with
+    the same drafts. A compile that fails leaves the engine eager and says it is done."""
+    compiled = compiled_and_eager[0]
+    eager = DraftEngine(tiny_dir / "draft", tiny_dir / "target")  # its own: the module's counts its outcomes
+    release = threading.Event()
+    calls = CompiledCalls(compiled.greedy_step, compiled.greedy_propose, compiled.greedy_ahead,
+                          compiled.sampled_propose)
+
+    def build(unpacked, draft_id, q_top_n):
+        assert release.wait(30)
+        return calls
+
+    monkeypatch.setattr(CompiledCalls, "build", build)
+    monkeypatch.setenv("TANDEM_COMPILE", "background")
+    engine = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
+    assert not engine.compiled.is_set() and engine.greedy_propose is None
+    for e in (engine, eager):
+        _open(e, "bg", None)
+    proposes = []
+    propose = compiled.greedy_propose._propose
+    monkeypatch.setattr(compiled.greedy_propose, "_propose", lambda *args: proposes.append(1) or propose(*args))
+    for i in range(2):
+        features, tokens = _inputs(engine, 2, 50 + i)
+        assert list(engine.propose("bg", features, tokens, K)) == list(eager.propose("bg", features, tokens, K))
+        assert proposes == [1] * i  # eager before the calls are in, compiled after
+        release.set()
+        assert engine.compiled.wait(30) and engine.greedy_propose is compiled.greedy_propose
+
+    def fail(unpacked, draft_id, q_top_n):
+        raise RuntimeError("inductor is out of sorts")
+
+    monkeypatch.setattr(CompiledCalls, "build", fail)
+    broken = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
+    assert broken.compiled.wait(30) and broken.greedy_propose is broken.greedy_step is None
+    features, tokens = _inputs(broken, 3, 60)
+    assert len(broken.propose("x", features, tokens, K, create=True)) == K
 
 
 def test_a_compiled_greedy_ahead_prepares_what_the_eager_one_does(compiled_and_eager):

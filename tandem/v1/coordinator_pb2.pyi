@@ -89,7 +89,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("target_model", "draft_model", "vocab_size", "max_context", "has_tokenizer", "draft_attached", "target_buckets_compiling")
+    __slots__ = ("target_model", "draft_model", "vocab_size", "max_context", "has_tokenizer", "draft_attached", "target_buckets_compiling", "draft_compiling")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class ServerInfoResponse(_message.Message):
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     TARGET_BUCKETS_COMPILING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COMPILING_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     vocab_size: int
@@ -104,4 +105,5 @@ class ServerInfoResponse(_message.Message):
     has_tokenizer: bool
     draft_attached: bool
     target_buckets_compiling: int
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., draft_attached: _Optional[bool] = ..., target_buckets_compiling: _Optional[int] = ...) -> None: ...
+    draft_compiling: bool
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., draft_attached: _Optional[bool] = ..., target_buckets_compiling: _Optional[int] = ..., draft_compiling: _Optional[bool] = ...) -> None: ...

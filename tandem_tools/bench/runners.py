@@ -61,12 +61,13 @@ class ServicesRunner:
         return _outcome(result.token_ids, result.stats)
 
     def settle(self, echo: Callable[[str], None]) -> bool:
-        """Wait while the target compiles the buckets it has met (they run eagerly meanwhile: not what is
-        measured); whether there were any."""
+        """Wait while the target compiles the buckets it has met and the draft its calls (they run eagerly
+        meanwhile: not what is measured); whether there were any."""
         waited = False
-        while n := self.client.server_info().target_buckets_compiling:
+        while (info := self.client.server_info()).target_buckets_compiling or info.draft_compiling:
             if not waited:
-                echo(f"bench: the target is compiling {n} token bucket(s) of its forward; waiting ...")
+                echo(f"bench: the target is compiling {info.target_buckets_compiling} token bucket(s) of its "
+                     f"forward{', the draft its calls' if info.draft_compiling else ''}; waiting ...")
             waited = True
             time.sleep(1.0)
         return waited
