@@ -40,7 +40,7 @@ class CompiledCalls:
 
     @classmethod
     def build(cls, unpacked: Eagle3Draft, draft_id: torch.Tensor, q_top_n: int) -> CompiledCalls:
-        step = GreedyStep(unpacked, copied=True)
+        step = GreedyStep(unpacked)
         return cls(step, GreedyPropose(step.model), GreedyAhead(step.model, draft_id),
                    SampledPropose(step.model, q_top_n))
 

@@ -111,11 +111,11 @@ class DraftEngine(SessionOwner):
         self.greedy_propose: GreedyPropose | None = None
         self.greedy_ahead: GreedyAhead | None = None
         self.sampled_propose: SampledPropose | None = None
-        self.compiled = threading.Event()  # set once there is nothing (more) to compile
-        if compile_mode:
+        if compile_mode:  # set once there is nothing (more) to compile
             self.compiled = compile_calls(unpacked, self._draft_id, q_top_n, self._install,
                                           background=compile_mode == "background")
         else:
+            self.compiled = threading.Event()
             self.compiled.set()
 
     def _install(self, calls: CompiledCalls) -> None:

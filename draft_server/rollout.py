@@ -16,7 +16,6 @@ host learns them has changed.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -41,10 +40,10 @@ class GreedyStep:
     (inductor cannot lower PackedLinear), compiled at start-up, two graphs (~7 s here the first time). With
     TANDEM_COMPILE set to 1 or background; untested on a GPU, so not by default there."""
 
-    def __init__(self, model: Eagle3Draft, copied: bool = False):
-        """`copied`: `model` is already the engine's unpacked copy, this step's own."""
+    def __init__(self, model: Eagle3Draft):
+        """`model`: an unpacked copy of the head, this step's own (the engine's, draft_server/compiled.py)."""
         started = time.monotonic()
-        self.model = model if copied else copy.deepcopy(model)
+        self.model = model
         self._step = torch.compile(self.model.greedy_step, dynamic=True)
         attention = model.midlayer.self_attn
         device, dtype = model.d2t.device, model.fc.weight.dtype
