@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tandem.params import GenerationRequest, SamplingParams, TreeParams
 from tandem.stats import mean_acceptance_length
 from tandem_tools.inprocess import InProcessGenerator
+from tandem_tools.profile import load_prompts
 
 
 def measure(generator: InProcessGenerator, prompts: list[list[int]], tree: TreeParams | None, depth: int,
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--demo", action="store_true", help="the demo pair (default without --target)")
     p.add_argument("--target")
     p.add_argument("--draft")
-    p.add_argument("--prompts", help=".jsonl with prompt_ids (default: the demo's held-out prompts)")
+    p.add_argument("--prompts", help="one prompt per line, or .jsonl with prompt / prompt_ids (default: the demo's held-out prompts)")
     p.add_argument("--num-prompts", "-n", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", default="0,0.7,1")
@@ -58,8 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         args.prompts = args.prompts or str(demo / "prompts.jsonl")
     if args.draft is None or args.prompts is None:
         p.error("--target needs --draft and --prompts")
-    prompts = [json.loads(line)["prompt_ids"] for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    prompts = prompts[: args.num_prompts]
+    items = load_prompts(Path(args.prompts))[: args.num_prompts]  # as `tandem bench --prompts` reads them
+    if any(isinstance(item, str) for item in items):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+        items = [item if isinstance(item, list) else tokenizer(item)["input_ids"] for item in items]
+    prompts = items
     generator = InProcessGenerator(args.target, args.draft, draft_cost=0, tree_policy=False)
     shapes = [(f"chain K={args.depth}", None)] + [
         (f"tree N={args.nodes} top-k {k}", TreeParams(nodes=args.nodes, depth=args.depth, top_k=int(k)))

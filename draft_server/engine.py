@@ -41,8 +41,7 @@ import torch
 
 from draft_server.ahead import GreedyAhead, branches
 from draft_server.checkpoint import load_draft, read_config
-from draft_server.compiled import CompiledCalls, compile_calls
-from draft_server.compiled import compile_mode as compiled_mode
+from draft_server.compiled import CompiledCalls, compile_calls, compile_mode
 from draft_server.model import DraftKV, Eagle3Draft
 from draft_server.rollout import GreedyPropose, GreedyStep, SampledPropose, draws_for, read_rollout, rollout
 from draft_server.sampling import DraftSampler
@@ -87,8 +86,8 @@ class DraftEngine(SessionOwner):
                                              aux_layer_convention=aux_layer_convention)
         if target_dir is not None:
             check_pair(read_target_shape(target_dir), self.shape())
-        compile_mode = compiled_mode()
-        unpacked = copy.deepcopy(self.model) if compile_mode else None  # the compiled calls' copy: before packing
+        mode = compile_mode()
+        unpacked = copy.deepcopy(self.model) if mode else None  # the compiled calls' copy: before packing
         if can_pack(self.device, self.dtype):  # a CPU in float32: big projections over prepacked weights
             pack_linears(self.model)
         self.feature_size = 3 * self.config.target_hidden_size
@@ -111,9 +110,9 @@ class DraftEngine(SessionOwner):
         self.greedy_propose: GreedyPropose | None = None
         self.greedy_ahead: GreedyAhead | None = None
         self.sampled_propose: SampledPropose | None = None
-        if compile_mode:  # set once there is nothing (more) to compile
+        if mode:  # set once there is nothing (more) to compile
             self.compiled = compile_calls(unpacked, self._draft_id, q_top_n, self._install,
-                                          background=compile_mode == "background")
+                                          background=mode == "background")
         else:
             self.compiled = threading.Event()
             self.compiled.set()
