@@ -140,9 +140,13 @@ def test_serve_sampling_with_a_seed_matches_in_process(client, reference):
 
 
 def test_target_only_mode_matches_in_process(client, reference):
+    """The same tokens, text and counts. Not always the same number of rounds: a target-only decode answers
+    after 16 tokens or once its window is up (target_server/decode.py: 50 ms in-process, 250 ms for a unary
+    call through the services), and 15 tokens of the tiny target took longer than 50 ms on a busy CI once."""
     params = {"max_new_tokens": 16, "speculate": False}
-    got = remote(client, "def main(", **params)
-    assert got == expected(reference, "def main(", **params)
+    got, want = remote(client, "def main(", **params), expected(reference, "def main(", **params)
+    assert 1 <= got["stats"].pop("num_rounds") <= 15 and 1 <= want["stats"].pop("num_rounds") <= 15
+    assert got == want
     assert got["stats"]["num_draft_tokens"] == 0
 
 
