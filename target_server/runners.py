@@ -101,7 +101,13 @@ class NativeRunner:
             pack_linears(self._eager.model)
         if compile:
             options = None
-            if device.type == "cpu":  # inductor packs the graph's weights for oneDNN itself (frozen: inference)
+            if device.type == "cpu":
+                # Not what it reads as: given as a compile option (torch 2.13), freezing leaves the weights the
+                # graph's inputs, and every projection runs as an extern aten::mm (TORCH_LOGS=output_code). Only
+                # the global torch._inductor.config.freezing makes them constants, packed for mkl._mkl_linear;
+                # on the demo target that was no faster (one thread: 68 us a projection against 43 for mm at
+                # one decode; 16 decodes 14.4 ms against 9-13), so it stays as it is. Untried on SmolLM2's
+                # sizes, where the eager PackedLinear (oneDNN) ran a 576x1536 projection in half mm's time.
                 options = {"freezing": True}
                 if packs and model.lm_head.weight.numel() >= PACK_MIN_WEIGHTS:  # outside the graph
                     model.lm_head = PackedLinear(model.lm_head)
