@@ -106,8 +106,9 @@ class NativeRunner:
                 # graph's inputs, and every projection runs as an extern aten::mm (TORCH_LOGS=output_code). Only
                 # the global torch._inductor.config.freezing makes them constants, packed for mkl._mkl_linear;
                 # on the demo target that was no faster (one thread: 68 us a projection against 43 for mm at
-                # one decode; 16 decodes 14.4 ms against 9-13), so it stays as it is. Untried on SmolLM2's
-                # sizes, where the eager PackedLinear (oneDNN) ran a 576x1536 projection in half mm's time.
+                # one decode; 16 decodes 14.4 ms against 9-13), nor on SmolLM2-135M (441 us against 386-407, a
+                # decode 115.6 ms against 111.9, CI running beside), so it stays as it is. The eager PackedLinear
+                # (oneDNN) ran a lone 576x1536 projection in about half mm's time: not tried inside the graph.
                 options = {"freezing": True}
                 if packs and model.lm_head.weight.numel() >= PACK_MIN_WEIGHTS:  # outside the graph
                     model.lm_head = PackedLinear(model.lm_head)
