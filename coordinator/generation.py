@@ -117,6 +117,7 @@ class Generations:
             k_for=adaptive_k(budget, lambda: running.active) if budget else None,
             gate=AcceptanceGate(cost) if cost else None,  # one for the server: it learns from every request
             overlap=settings.overlap,
+            overlap_sampled=settings.overlap_sampled,
             branches=settings.overlap_branches,
             overlap_while=lambda: running.active <= settings.overlap_max_running,
             trees=TreeGate() if settings.tree_policy else None,

@@ -162,7 +162,16 @@ SPEC_DRAFT_COST = 0.3
 # 6.7-7.9 with 16, where the verify it hides behind takes ~4.5 ms; through the services (one request) 8 hit
 # 59% of verifies and 4 45%: 8, the branches the draft compiles for.
 OVERLAP_BRANCHES = 8
-OVERLAP_HELP = "on: the draft prepares the next round while the target verifies (default off)"
+# On by default since stop 43: greedy, one request, K=5, the demo pair through the services beside vLLM's CPU
+# backend in one run (`tandem bench --demo --stack services -k 5 --concurrency 1 --temperature 0 --overlap on
+# --peer vllm`): Tandem EAGLE-3 200.0 tokens/s (69% of verifies hit, 3.97 tokens a round) against vLLM's 173.1,
+# target-only 118.2 against 116.8; overlap off ran 0.89x vLLM's EAGLE-3 in the last stop's run (212.8 against
+# 239.6). Sampled generations stay off (OVERLAP_SAMPLED_HELP), and above one running generation the coordinator
+# overlaps none (overlap_max_running).
+OVERLAP_HELP = "on: the draft prepares a lone greedy generation's next round while the target verifies"
+# Sampled: at temperature 0.7 / 1, K=3, through the services, overlap on ran 0.91x / 0.93x target-only against
+# 1.05x / 1.01x off (47% / 27% of the aheads hit: a sampled outcome is harder to guess).
+OVERLAP_SAMPLED_HELP = "on: sampled generations overlap too (default off: greedy ones only)"
 # Speculative sampling: a sampled request's drafts are drawn from the draft's q cut to its N likeliest
 # tokens (renormalised), and q's support crosses to the target with each draft. Measured on the demo pair
 # (bench/q_truncation.py, K=3, 32 prompts; a draft's chance of acceptance at temperature 0.7 / 1, and q's
@@ -302,7 +311,8 @@ class CoordinatorSettings(ServiceSettings):
     # token relative to a verify round (SPEC_DRAFT_COST); 0 turns it off.
     spec_draft_cost: float = Field(SPEC_DRAFT_COST, ge=0)
     # Overlapped drafting (on/off): see OVERLAP_BRANCHES.
-    overlap: bool = Field(False, description=OVERLAP_HELP)
+    overlap: bool = Field(True, description=OVERLAP_HELP)
+    overlap_sampled: bool = Field(False, description=OVERLAP_SAMPLED_HELP)
     overlap_branches: int = Field(OVERLAP_BRANCHES, ge=1, le=64)
     # Overlap only while at most this many generations run: the ahead steps are not batched across
     # sessions, and under load the draft has no spare time to give (demo pair, K=3, 2 cores, tokens/s
@@ -359,7 +369,7 @@ class ServeSettings(BaseSettings):
     session_ttl: float | None = Field(None, gt=0, description=SESSION_TTL_HELP)
     spec_token_budget: int | None = Field(None, ge=0)  # none: the coordinator's default
     spec_draft_cost: float | None = Field(None, ge=0)  # none: the coordinator's default
-    overlap: bool = Field(False, description=OVERLAP_HELP)
+    overlap: bool = Field(True, description=OVERLAP_HELP)
     overlap_branches: int | None = Field(None, ge=1, le=64)  # none: the coordinator's default
     tree: TreeSpec | None = Field(None, description=TREE_HELP)
     tree_policy: bool = Field(True, description=TREE_POLICY_HELP)

@@ -50,6 +50,9 @@ class Speculation:
     k_for: Callable[[int], int] | None = None
     gate: AcceptanceGate | None = None
     overlap: bool = False
+    # sampled generations overlap too (else greedy ones only): a sampled verify's outcome is harder to guess
+    # (OVERLAP_HELP's measurements), so the servers leave it off
+    overlap_sampled: bool = False
     branches: int = OVERLAP_BRANCHES
     overlap_while: Callable[[], bool] | None = None
     trees: TreeGate | None = None  # tree or chain each round (None: a request's tree, every drafting round)

@@ -13,6 +13,7 @@ from tandem.config import (
     DECODE_STEPS_HELP,
     OVERLAP_BRANCHES,
     OVERLAP_HELP,
+    OVERLAP_SAMPLED_HELP,
     TREE_HELP,
     TREE_POLICY_HELP,
 )
@@ -131,7 +132,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-draft-cost", type=float,
                    help="acceptance gate: a draft token's cost as a share of a verify round; K only as far as "
                         "accepted drafts pay for it (default 0.3; 0 = off)")
-    p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP)
+    p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP + " (default on)")
     p.add_argument("--overlap-branches", type=int,
                    help=f"overlap: verify outcomes the draft prepares for (default {OVERLAP_BRANCHES})")
     p.add_argument("--tree", metavar="NODES[,DEPTH[,TOP_K]]", help=TREE_HELP)
@@ -172,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     p.add_argument("--overlap", choices=["on", "off"], default="off",
-                   help="--in-process: " + OVERLAP_HELP + " (--server: the coordinator's setting)")
+                   help="--in-process: " + OVERLAP_HELP + " (default off; --server: the coordinator's setting)")
     add_generation_args(p)
     p.set_defaults(func=_later("tandem_tools.generate", "cmd_generate"))
 
@@ -239,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculation_args(p)
     p.add_argument("--overlap-max-running", type=int,
                    help="overlap only while at most this many generations run (default 1)")
+    p.add_argument("--overlap-sampled", choices=["on", "off"], help=OVERLAP_SAMPLED_HELP)
     add_http_args(p)
     add_service_args(p, "port (default 50050; 0 = any free port)")
     p.set_defaults(func=_service("CoordinatorSettings", "coordinator.server"))
@@ -257,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-device", default="cpu", help="with --target: the target's device")
     p.add_argument("--draft-device", default="cpu", help="with --target: the draft's device")
     p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
-    p.add_argument("--overlap", choices=["on", "off"], default="off", help="with --target: " + OVERLAP_HELP)
+    p.add_argument("--overlap", choices=["on", "off"], default="on",
+                   help="with --target: " + OVERLAP_HELP + " (default on)")
     p.add_argument("--transport", default="auto", help="with --target: " + TRANSPORT_HELP)
     p.add_argument("--prompts", metavar="FILE", help="one prompt per line, or .jsonl with prompt / prompt_ids")
     p.add_argument("--num-requests", "-n", type=int, default=16)

@@ -65,7 +65,7 @@ class ProfileConfig:
     target_device: str = "cpu"
     draft_device: str = "cpu"
     dtype: str = "float32"
-    overlap: bool = False  # a launched stack: the coordinator's --overlap
+    overlap: bool = True  # a launched stack: the coordinator's --overlap
     transport: str = "auto"  # a launched stack: the feature path target -> draft
     tree: object = None  # TreeParams: every request drafts this tree (a launched stack: the tree gate off)
 

@@ -41,7 +41,7 @@ def check_runs(runs: list[dict], stacks: set[str], ks: list[int], temperatures: 
         assert RUN_KEYS <= set(run), run
         assert run["stack"] in ("services", "in-process")
         assert run["mode"] in ("target-only", "eagle3", "assisted-peer")
-        assert run["overlap"] is False and run["concurrency"] == 1
+        assert run["overlap"] is (run["mode"] == "eagle3") and run["concurrency"] == 1
         assert run["tokens_per_s"] > 0
         if run["mode"] == "target-only":
             assert run["K"] == 0 and run["mean_acceptance_length"] == 1.0 and run["accepted_per_position"] == []

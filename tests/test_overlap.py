@@ -110,6 +110,17 @@ def test_overlap_off_or_a_draft_without_ahead_runs_sequentially(generator, hf_ta
     assert_same_or_tie(hf_target, prompt, tokens, hf_greedy(hf_target, prompt, 16))
 
 
+def test_overlap_leaves_sampled_generations_alone_unless_asked(generator):
+    """The servers' default (overlap on, overlap_sampled off): a greedy generation overlaps, a sampled one
+    drafts round by round; with overlap_sampled both overlap."""
+    prompt = make_prompts(1, generator.target.vocab_size, seed=5)[0]
+    greedy = GenerationRequest(prompt_ids=prompt, max_new_tokens=16, num_draft_tokens=3, ignore_eos=True)
+    sampled = greedy.model_copy(update={"sampling": SamplingParams(temperature=1.0, seed=2)})
+    assert generate(generator, generator.draft, greedy, overlap=True)[1].num_overlap_rounds > 0
+    assert generate(generator, generator.draft, sampled, overlap=True)[1].num_overlap_rounds == 0
+    assert generate(generator, generator.draft, sampled, overlap=True, overlap_sampled=True)[1].num_overlap_rounds > 0
+
+
 def exact_first_three(model, prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:
     """The target's own joint law of its first three sampled tokens."""
     law = {(): 1.0}
@@ -138,7 +149,7 @@ def test_sampling_with_overlap_is_lossless(generator, hf_target):
             prompt_ids=prompt, max_new_tokens=5, num_draft_tokens=1, ignore_eos=True,
             sampling=params.model_copy(update={"seed": seed}),
         )
-        tokens, stats = generate(generator, oracle, request, overlap=True)
+        tokens, stats = generate(generator, oracle, request, overlap=True, overlap_sampled=True)
         hits += stats.num_overlap_hits
         observed[tuple(tokens[:3])] = observed.get(tuple(tokens[:3]), 0) + 1
     assert hits > runs // 8  # about one run in five
@@ -221,7 +232,7 @@ def test_services_with_overlap_match_in_process_and_survive_a_killed_draft(tiny_
     from coordinator.client import TandemClient, build_request
     from tandem.v1 import coordinator_pb2_grpc
 
-    procs = start_stack(tiny_dir, tmp_path, coordinator_args=["--overlap", "on", "--draft-timeout", "2"])
+    procs = start_stack(tiny_dir, tmp_path, coordinator_args=["--overlap", "on", "--overlap-sampled", "on", "--draft-timeout", "2"])
     address = procs["coordinator"].address
     try:
         with TandemClient(address, timeout=120) as client:

@@ -48,7 +48,7 @@ def sample_runs(target, draft, params: SamplingParams, runs: int, mode: str) -> 
     """`runs` seeded generations of NEW_TOKENS tokens, and the overlap hits among their rounds. batched: 8
     at a time, so that the target verifies them in shared forwards; overlap: the draft prepares each next
     round during the verify (a hit verifies the drafts it prepared, with their q)."""
-    speculation = Speculation(overlap=mode == "overlap")
+    speculation = Speculation(overlap=mode == "overlap", overlap_sampled=True)
 
     def one(seed: int) -> tuple[int, ...]:
         # an ahead runs only while a next round can follow: overlap needs a few more tokens

@@ -45,7 +45,7 @@ class BenchConfig:
     num_draft_tokens: Sequence[int] = (1, 3, 5)
     temperatures: Sequence[float] = (0.0, 1.0)
     concurrency: Sequence[int] = (1,)
-    overlap: Sequence[bool] = (False,)
+    overlap: Sequence[bool] = (True,)
     split_cpus: bool = True  # services: tandem serve --split-cpus
     max_new_tokens: int = 64
     seed: int = 0
