@@ -51,7 +51,7 @@ class Speculation:
     gate: AcceptanceGate | None = None
     overlap: bool = False
     # sampled generations overlap too (else greedy ones only): a sampled verify's outcome is harder to guess
-    # (OVERLAP_HELP's measurements), so the servers leave it off
+    # (the measurements above OVERLAP_SAMPLED_HELP), so the servers leave it off
     overlap_sampled: bool = False
     branches: int = OVERLAP_BRANCHES
     overlap_while: Callable[[], bool] | None = None
@@ -60,6 +60,13 @@ class Speculation:
     fits: Callable[[int], bool] | None = None
     default_tree: TreeParams | None = None  # the tree of a request that names none (None: chains)
     decode_steps: int = 1  # tokens a target-only round asks the target for (Verify.decode)
+
+    def overlaps(self, request: GenerationRequest) -> bool:
+        """Whether this generation drafts with overlap (round by round still under `overlap_while`): a greedy
+        one, a sampled one with `overlap_sampled`, and never one of draft trees (the ahead step drafts chains: a
+        tree asked for, by the request or the server, is kept)."""
+        tree = request.tree or self.default_tree
+        return self.overlap and (request.sampling.greedy or self.overlap_sampled) and tree is None
 
 
 class KPolicy:
@@ -74,8 +81,7 @@ class KPolicy:
         self.limit = limit
         self.k_for, self.gate, self.trees = speculation.k_for, speculation.gate, speculation.trees
         self.fits = speculation.fits
-        # overlap's ahead step drafts chains: a generation that overlaps runs chains
-        self.tree = None if speculation.overlap else (request.tree or speculation.default_tree)
+        self.tree = request.tree or speculation.default_tree  # a tree asked for turns overlap off (overlaps)
         self.asked = request.speculate and request.num_draft_tokens > 0
         self.probing = 0  # rounds it drafts before the gate decides: a probe of a gate that its counts shut
         self.shed = self.exploring = False

@@ -182,9 +182,7 @@ def run_rounds(
         limit = min(limit, max_context - len(request.prompt_ids))
     stopper = Stopper(limit, stop_ids)
     policy = KPolicy(request, speculation, limit, has_draft=draft is not None)
-    greedy = request.sampling is None or request.sampling.greedy
-    overlap = speculation.overlap and (greedy or speculation.overlap_sampled)
-    drafter = (DraftSession(draft, session, overlap, request.sampling)
+    drafter = (DraftSession(draft, session, speculation.overlaps(request), request.sampling)
                if draft is not None and policy.drafting else None)
     stats = GenerationStats(accepted_per_position=[0] * (request.num_draft_tokens if drafter else 0))
 

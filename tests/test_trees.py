@@ -131,15 +131,15 @@ def test_the_tree_gate_runs_the_faster_shape():
     assert gate.rate(True, False) == before
 
 
-def test_overlap_runs_chains(generator, hf_target, greedy_reference):
-    """Overlap's ahead step drafts chains: a tree request with overlap runs chains, and its tokens are
-    still the target's."""
+def test_a_tree_request_keeps_its_tree_with_overlap_on(generator, hf_target, greedy_reference):
+    """Overlap's ahead step drafts chains, and overlap is the servers' default: a tree request keeps its tree
+    and drafts without overlap, and its tokens are the target's."""
     draft = OracleDraft(hf_target, corrupt=0.2)
     prompt = PROMPTS[1]
     draft.expect(prompt[0])
     tokens, stats = generate(generator.target, draft, prompt, TREE, Speculation(overlap=True))
     assert tokens == greedy_reference[tuple(prompt)]
-    assert stats.num_tree_rounds == 0 and stats.num_overlap_rounds > 0
+    assert stats.num_tree_rounds > 0 and stats.num_overlap_rounds == 0
 
 
 def test_tree_settings_name_what_is_wrong():
