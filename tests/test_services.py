@@ -87,9 +87,9 @@ def reference(tiny_dir):
 def expected(reference: InProcessGenerator, prompt, **params) -> dict:
     ids = reference.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
     sampling = {k: params.pop(k) for k in ("temperature", "top_p", "top_k", "seed") if k in params}
-    overlap = params.pop("overlap", True)  # the servers' default, while one generation runs
     request = GenerationRequest(prompt_ids=ids, sampling=SamplingParams(**sampling), **params)
-    return reference.generate(request, detokenize=True, overlap=overlap).model_dump()
+    # overlap: the servers' default while one generation runs
+    return reference.generate(request, detokenize=True, overlap=True).model_dump()
 
 
 def without_stats(result: dict) -> dict:
