@@ -42,6 +42,10 @@ THREADS_HELP = "torch CPU threads (default: torch's choice, one per core)"
 SPLIT_CPUS_HELP = ("on: with the models on the CPU, the target runs on half the CPUs and the draft and the "
                    "coordinator on the rest (default on)")
 CPUS_HELP = "run on these CPUs only, every thread (Linux): e.g. 0 or 2-3,6 (default: all)"
+BURST_CPUS_HELP = ("a CPU target: these CPUs too (a list as --cpus) for the forwards that measure faster on them, "
+                   "a thread each (target_server/threads.py; default: none)")
+TARGET_BURST_HELP = ("on: with the CPUs split, the target's forwards borrow the draft's CPUs where that measures "
+                     "faster (default on)")
 
 # A session lives as long as its stream; this evicts the ones whose client hangs with the stream open.
 # Long enough for any step of a slow model under full load, short enough not to hold KV for hours.
@@ -104,9 +108,9 @@ def _check_tree(v: str) -> str:
 TreeSpec = Annotated[str, AfterValidator(_check_tree)]  # NODES[,DEPTH[,TOP_K]]
 
 
-def parse_cpus(text: str) -> frozenset[int]:
-    """A CPU list as taskset and cpuset write it ("0", "2-3,6") -> the CPU numbers; each must be one
-    this process may run on."""
+def parse_cpus(text: str, available: bool = True) -> frozenset[int]:
+    """A CPU list as taskset and cpuset write it ("0", "2-3,6") -> the CPU numbers; with `available`, each
+    must be one this process may run on now."""
     cpus: set[int] = set()
     for part in text.split(","):
         match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
@@ -115,7 +119,7 @@ def parse_cpus(text: str) -> frozenset[int]:
         cpus.update(range(int(match[1]), int(match[2] or match[1]) + 1))
     if not hasattr(os, "sched_getaffinity"):
         raise ValueError("a CPU list needs Linux (sched_setaffinity)")
-    missing = cpus - os.sched_getaffinity(0)
+    missing = cpus - os.sched_getaffinity(0) if available else set()
     if missing:
         raise ValueError(f"CPUs {sorted(missing)} are not available here (this process may use "
                          f"{format_cpus(os.sched_getaffinity(0))})")
@@ -258,6 +262,12 @@ class TargetSettings(EngineSettings):
     # The model code: native (target_server/native.py, the Llama family over the paged pool in place),
     # hf (transformers'), auto (native where the architecture is supported).
     engine: Literal["auto", "native", "hf"] = "auto"
+    burst_cpus: str | None = Field(None, description=BURST_CPUS_HELP)
+
+    @field_validator("burst_cpus")
+    @classmethod
+    def _burst_cpus(cls, v: str | None) -> str | None:  # checked where they are used (the process is pinned by then)
+        return format_cpus(parse_cpus(v, available=False)) if v is not None else None
 
     @model_validator(mode="after")
     def _chunk_fits(self) -> TargetSettings:
@@ -386,6 +396,7 @@ class ServeSettings(BaseSettings):
     # as they would be on two devices: sharing every core, the services' threads took turns on them
     # and a round at 16 requests took 1.3x longer (SPLIT_CPUS_HELP).
     split_cpus: bool = Field(True, description=SPLIT_CPUS_HELP)
+    target_burst: bool = Field(True, description=TARGET_BURST_HELP)  # with split_cpus: --burst-cpus, all of them
 
 
 def load_settings(cls: type[BaseSettings], **flags) -> BaseSettings:

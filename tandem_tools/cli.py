@@ -9,11 +9,13 @@ from collections.abc import Callable
 
 from tandem.aux_layers import CONVENTION_HELP, CONVENTIONS
 from tandem.config import (
+    BURST_CPUS_HELP,
     COHORT_RELAY_HELP,
     DECODE_STEPS_HELP,
     OVERLAP_BRANCHES,
     OVERLAP_HELP,
     OVERLAP_SAMPLED_HELP,
+    TARGET_BURST_HELP,
     TREE_HELP,
     TREE_POLICY_HELP,
 )
@@ -196,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-cpus", choices=["on", "off"],
                    help="on: with the models on the CPU, the target runs on half the CPUs and the draft and the "
                         "coordinator on the rest, as on two devices (default on)")
+    p.add_argument("--target-burst", choices=["on", "off"], help=TARGET_BURST_HELP)
     for name in ("coordinator", "target", "draft"):
         p.add_argument(f"--{name}-metrics-port", type=int, help=f"the {name}'s Prometheus /metrics port (default: off)")
     p.set_defaults(func=_later("tandem_tools.serve", "cmd_serve"))
@@ -217,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target's model code: native (ours, the Llama family, over the paged KV pool in place; "
                         "compiled once per token bucket on a GPU, on a CPU with TANDEM_COMPILE=1), hf (transformers'), auto (native "
                         "where the architecture is supported; the default)")
+    p.add_argument("--burst-cpus", help=BURST_CPUS_HELP)
     add_service_args(p, "port (default 50051; 0 = any free port)")
     p.set_defaults(func=_service("TargetSettings", "target_server.service"))
 

@@ -112,6 +112,8 @@ def serve(settings: ServeSettings) -> int:
         try:
             target_args = ["--model", str(target), "--device", settings.target_device, "--dtype", settings.dtype,
                            "--transport", settings.transport, *threads["target"], *pinned["target"]]
+            if cpus and settings.target_burst:
+                target_args += ["--burst-cpus", format_cpus(cpus["target"] + cpus["draft"])]
             convention = []  # the target and the draft must read the head's layer ids alike
             if settings.aux_layer_convention:
                 convention = ["--aux-layer-convention", settings.aux_layer_convention]

@@ -8,12 +8,12 @@ The protocol per session (docs/architecture.md, 0-indexed positions):
   verify(t, tree d_1..d_N)     -> one forward, each node at n + its depth seeing its own path only; accept
                                   a path of a nodes, bonus b, KV of t and the path at n..n+a, their features
 
-Concurrent sessions are batched (tandem/batching.py): the prefill steps queued while a forward runs
-share the next one, and so do the verify steps (a prefill padded among verifies is wasted work).
-Every session's KV lives in one paged pool. A Llama-family target runs our own model
-(target_server/native.py): one forward over the batch's new tokens flattened, reading and writing the
-pool in place, compiled once per token bucket. Any other runs transformers' model over a padded batch,
-the pasts gathered out of the pool and the committed rows scattered back (target_server/runners.py).
+Concurrent sessions are batched (tandem/batching.py): the steps queued while a forward runs share the
+next one. Every session's KV lives in one paged pool. A Llama-family target runs our own model
+(target_server/native.py): one forward over the batch's new tokens flattened, reading and writing the pool
+in place, compiled once per token bucket. Any other runs transformers' model over a padded batch, the pasts
+gathered out of the pool and the committed rows scattered back (target_server/runners.py). On a CPU a
+forward may borrow the draft's CPUs where that measures faster (target_server/threads.py).
 The acceptance rule reads the batch's argmax in one host sync (greedy); KV memory is bounded: a prefill
 reserves its whole generation's KV (prompt + max_new_tokens) and waits, then fails with
 ResourceExhausted, while the budget is taken.
@@ -55,13 +55,13 @@ from target_server.loading import eos_token_ids, load_target
 from target_server.native import load_native, unsupported
 from target_server.runners import HFRunner, NativeRunner, compile_default
 from target_server.steps import Session, Step
+from target_server.threads import ThreadBurst
 
 log = logging.getLogger("tandem.target")
 
 
-def aux_layer_ids_from_draft(
-    draft_dir: str | Path, target_dir: str | Path | None = None, convention: str | None = None
-) -> list[int] | None:
+def aux_layer_ids_from_draft(draft_dir: str | Path, target_dir: str | Path | None = None,
+                             convention: str | None = None) -> list[int] | None:
     """The hidden states a draft asks for (its `eagle_aux_hidden_state_layer_ids`, converted from its
     convention: tandem/aux_layers.py), if it names any."""
     ids = capture_ids(draft_dir, target_dir, convention)
@@ -91,8 +91,7 @@ class TargetEngine(SessionOwner):
         self.model_dir = Path(model_dir)
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype!r}")
-        self.device = torch.device(device)
-        self.dtype = TORCH_DTYPES[dtype]
+        self.device, self.dtype = torch.device(device), TORCH_DTYPES[dtype]
         native = None
         if engine not in ("auto", "native", "hf"):
             raise ValueError(f"engine must be auto, native or hf, got {engine!r}")
@@ -114,6 +113,7 @@ class TargetEngine(SessionOwner):
             self.vocab_size = loaded.vocab_size
             self.runner = HFRunner(loaded, self.device)
         self.engine = "native" if native is not None else "hf"
+        self.burst = ThreadBurst()  # a CPU target's forwards on more CPUs where faster (the service sets them)
         config = self.config
         self.hidden_size = int(config.hidden_size)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
@@ -327,7 +327,7 @@ class TargetEngine(SessionOwner):
         past = [step.session.length for step in steps]
         for step in steps:
             self._grow(step.session, step.session.length + len(step.ids))
-        logits, features = self.runner.forward(steps, self.kv_pool)  # [N, V]: a prefill's last row, a verify's all
+        logits, features = self.burst.run(steps, self.runner.forward, self.kv_pool)  # [N, V]: prefills' last rows, verifies' all
         rows = [1 if step.kind == "prefill" else len(step.ids) for step in steps]
         best = None
         if any(step.session.params.greedy for step in steps):

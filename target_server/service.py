@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import grpc
 import torch
 
-from tandem.config import TargetSettings
+from tandem.config import TargetSettings, parse_cpus
 from tandem.convert import draft_probs_from_pb, logprobs_to_pb, parents_from_pb, sampling_from_pb
 from tandem.dtypes import name_of
 from tandem.errors import Abort
@@ -26,6 +26,7 @@ from tandem.transports.endpoints import TargetTransport
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire import encode_features
 from target_server.engine import KVPool, TargetEngine, aux_layer_ids_from_draft, kv_budget_tokens
+from target_server.threads import ThreadBurst, thread_invariant
 
 log = logging.getLogger("tandem.target")
 
@@ -266,6 +267,12 @@ def load(settings: TargetSettings, service: Service, servicer: TargetServicer):
         max_batch_size=settings.max_batch_size, max_batch_tokens=settings.max_batch_tokens,
         queue_timeout=settings.queue_timeout, engine=settings.engine,
     )
+    if settings.burst_cpus and engine.device.type == "cpu":
+        if (varies := thread_invariant(engine.model)) is None:
+            engine.burst = ThreadBurst(parse_cpus(settings.burst_cpus, available=False))
+        else:
+            log.info("the target's forwards keep to their own CPUs: %s (its output would depend on the threads)",
+                     varies)
     try:
         engine.set_kv_budget(kv_tokens(settings, engine))  # a GPU's pool is allocated here, before the ring
     except torch.OutOfMemoryError as exc:

@@ -1,0 +1,132 @@
+"""A CPU target's forwards borrowing the draft's CPUs where that measures faster.
+
+`tandem serve` on a CPU splits the cores: the target on half, the draft and the coordinator on the rest,
+as two devices would hold them (tandem_tools/serve.py:split_cpus). The target's model then runs on one
+thread per CPU of its own. A forward heavy enough to be bound by its matmuls (SmolLM2-135M: 16 decodes
+250 -> 157 ms in-process with 2 threads on this 2-core machine, one decode 97 -> 73 ms, memory-bound: two
+cores draw more bandwidth) runs faster over every CPU, while the demo target's small ones do not (16
+decodes 17 -> 14 ms, one decode the same) and a thread woken for each of its ~60 matmuls costs a
+drafting round more than it gives (stop 41: two threads for every forward took target-only at one request
+from 267 to 113-137 tokens/s). So each width class of forward (its tokens to a power of two) is timed both
+ways, alternately, and borrows the CPUs only where that was faster by GAIN; the choice is measured again
+every REVISIT forwards of the class, since what the draft's CPU is doing meanwhile changes with the load.
+
+The calling thread's affinity is widened for the forward and restored after: OpenMP's workers are
+started by the thread that runs the forward (a batch runs on whichever handler thread leads it,
+tandem/batching.py) and inherit its affinity, so each runs where the borrowed CPUs are.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+if TYPE_CHECKING:
+    from target_server.steps import Step
+
+log = logging.getLogger("tandem.target")
+
+T = TypeVar("T")
+
+EXPLORE = 6  # forwards timed each way before a class chooses
+GAIN = 0.95  # borrow only where the median forward is at least 5% faster
+REVISIT = 2000  # forwards of a class between measurements
+
+
+class _WidthClass:
+    """One width class's timings and choice."""
+
+    def __init__(self):
+        self.samples: dict[bool, list[float]] = {False: [], True: []}
+        self.wide: bool | None = None  # None: measuring
+        self.chosen: bool | None = None  # the last choice made
+        self.since = 0  # forwards since the choice
+
+    def next_wide(self) -> bool:
+        if self.wide is not None:
+            self.since += 1
+            if self.since < REVISIT:
+                return self.wide
+            self.samples = {False: [], True: []}
+            self.wide, self.since = None, 0
+        return len(self.samples[True]) < len(self.samples[False])  # alternate, own CPUs first
+
+    def record(self, wide: bool, seconds: float) -> tuple[float, float] | None:
+        """Count a timed forward; the two medians once both ways have EXPLORE and the choice changed."""
+        if self.wide is not None:
+            return None
+        self.samples[wide].append(seconds)
+        if min(len(s) for s in self.samples.values()) < EXPLORE:
+            return None
+        own, wide_s = (statistics.median(self.samples[w]) for w in (False, True))
+        self.wide = wide_s < GAIN * own
+        changed, self.chosen = self.wide != self.chosen, self.wide
+        return (own, wide_s) if changed else None
+
+
+def thread_invariant(model: torch.nn.Module) -> str | None:
+    """Why `model`'s forward could change with its thread count, or None: every product of its runs over
+    oneDNN's packed weights (tandem/packed.py), whose results were the same bit for bit at 1 and 2 threads
+    (110 shapes of 1-200 rows), as were SmolLM2-135M's logits through prefills and verifies; aten's GEMM
+    over 6 rows (a K=5 verify) differs in the last bit with 2 threads, enough to turn a near tie."""
+    plain = sum(type(module) is torch.nn.Linear for module in model.modules())
+    return f"{plain} of its linear layers are not packed" if plain else None
+
+
+class ThreadBurst:
+    """Runs a forward on `cpus` with a thread each where that measures faster than on the caller's own CPUs;
+    with no `cpus`, on the caller's own as it is."""
+
+    def __init__(self, cpus: frozenset[int] | None = None):
+        self.cpus = frozenset(cpus) | frozenset(os.sched_getaffinity(0)) if cpus else None
+        if self.cpus is not None:
+            own = os.sched_getaffinity(0)
+            try:  # the CPUs this process was pinned away from (tandem serve --split-cpus) it may still widen to
+                os.sched_setaffinity(0, self.cpus)
+            except OSError as exc:
+                log.warning("the target's forwards keep to CPUs %s: it may not run on %s (%s)", sorted(own),
+                            sorted(self.cpus), exc)
+                self.cpus = None
+            finally:
+                os.sched_setaffinity(0, own)
+        self.threads = len(self.cpus) if self.cpus else 0
+        self._classes: dict[int, _WidthClass] = {}
+        self._lock = threading.Lock()
+
+    def wide_classes(self) -> list[int]:
+        """The width classes (tokens up to 2^k) now borrowing the CPUs."""
+        return sorted(1 << (k - 1) for k, c in self._classes.items() if c.wide)
+
+    def run(self, steps: Sequence[Step], forward: Callable[..., T], *args) -> T:
+        """`forward(steps, *args)`, timed by the steps' new tokens' width class."""
+        if self.cpus is None or self.threads <= torch.get_num_threads():
+            return forward(steps, *args)
+        key = max(1, sum(len(step.ids) for step in steps)).bit_length()
+        with self._lock:
+            width = self._classes.setdefault(key, _WidthClass())
+            wide = width.next_wide()
+        if wide:
+            own, threads = os.sched_getaffinity(0), torch.get_num_threads()
+            os.sched_setaffinity(0, self.cpus)
+            torch.set_num_threads(self.threads)
+        start = time.perf_counter()
+        try:
+            return forward(steps, *args)
+        finally:
+            seconds = time.perf_counter() - start
+            if wide:
+                torch.set_num_threads(threads)
+                os.sched_setaffinity(0, own)
+            with self._lock:
+                medians = width.record(wide, seconds)
+            if medians is not None:
+                log.info("forwards of up to %d tokens: %.2f ms on the target's CPUs, %.2f ms on %d CPUs: %s",
+                         1 << (key - 1), medians[0] * 1e3, medians[1] * 1e3, self.threads,
+                         "borrowing the draft's" if width.wide else "keeping to its own")

@@ -1,0 +1,108 @@
+"""A CPU target's forwards borrowing the draft's CPUs (target_server/threads.py): timed both ways, chosen by
+the measurement, the caller's affinity and threads restored, and only for models whose output cannot depend
+on the thread count."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from tandem.config import TargetSettings, parse_cpus
+from tandem.packed import pack_linears
+from target_server import threads
+from target_server.threads import ThreadBurst, thread_invariant
+
+CPUS = sorted(os.sched_getaffinity(0))
+
+
+def _steps(tokens: int) -> list:
+    return [SimpleNamespace(ids=[0] * tokens)]
+
+
+def test_a_width_class_measures_both_ways_then_keeps_the_faster_until_revisited(monkeypatch):
+    monkeypatch.setattr(threads, "REVISIT", 10)
+    width = threads._WidthClass()
+    seen = []
+    for _ in range(2 * threads.EXPLORE):
+        wide = width.next_wide()
+        seen.append(wide)
+        width.record(wide, 1.0 if wide else 2.0)  # the CPUs borrowed twice as fast
+    assert seen == [False, True] * threads.EXPLORE
+    assert width.wide is True
+    assert all(width.next_wide() for _ in range(9))
+    assert width.next_wide() is False  # the tenth since the choice: measured again, own CPUs first
+    for _ in range(2 * threads.EXPLORE):
+        wide = width.next_wide()
+        width.record(wide, 2.0 if wide else 1.9)  # now slower borrowed (the draft busy): kept to its own
+    assert width.wide is False
+
+
+def test_borrowing_must_gain_more_than_noise():
+    width = threads._WidthClass()
+    for _ in range(2 * threads.EXPLORE):
+        wide = width.next_wide()
+        width.record(wide, 0.98 if wide else 1.0)  # 2% faster: not worth a second thread
+    assert width.wide is False
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs")
+def test_a_forward_runs_on_the_borrowed_cpus_and_the_thread_gets_its_own_back():
+    seen: list[tuple[frozenset[int], int]] = []
+    errors: list[BaseException] = []
+
+    def forward(steps, scale):
+        cpus, count = frozenset(os.sched_getaffinity(0)), torch.get_num_threads()
+        seen.append((cpus, count))
+        time.sleep(scale * (0.002 if count == 1 else 0.001))
+        return len(steps)
+
+    def pinned():  # as a handler thread of a target that `tandem serve` pinned to its first CPU
+        try:
+            os.sched_setaffinity(0, {CPUS[0]})
+            torch.set_num_threads(1)
+            burst = ThreadBurst(frozenset(CPUS))
+            for _ in range(2 * threads.EXPLORE + 3):
+                assert burst.run(_steps(16), forward, 1.0) == 1
+                assert os.sched_getaffinity(0) == {CPUS[0]} and torch.get_num_threads() == 1
+            assert burst.wide_classes() == [16]
+            burst.run(_steps(1), forward, 1.0)  # another width class measures afresh
+            assert seen[-1] == (frozenset({CPUS[0]}), 1)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=pinned)
+    worker.start()
+    worker.join()
+    if errors:
+        raise errors[0]
+    wide = (frozenset(CPUS), len(CPUS))
+    assert seen[: 2 * threads.EXPLORE] == [(frozenset({CPUS[0]}), 1), wide] * threads.EXPLORE
+    assert seen[2 * threads.EXPLORE : -1] == [wide] * 3
+
+
+def test_without_cpus_to_borrow_a_forward_runs_as_it_is():
+    burst = ThreadBurst()
+    assert burst.run(_steps(64), lambda steps: torch.get_num_threads()) == torch.get_num_threads()
+    assert burst.wide_classes() == []
+
+
+def test_only_a_model_whose_products_are_all_packed_may_change_its_threads():
+    model = nn.Sequential(nn.Linear(1024, 512), nn.Linear(512, 512))  # 2^19 and 2^18 weights
+    assert thread_invariant(model) == "2 of its linear layers are not packed"
+    pack_linears(model)
+    assert thread_invariant(model) is None
+    assert thread_invariant(nn.Sequential(nn.Linear(192, 512))) == "1 of its linear layers are not packed"
+
+
+def test_the_target_takes_cpus_to_borrow_that_it_is_pinned_away_from(tiny_dir):
+    settings = TargetSettings(model=tiny_dir / "target", burst_cpus="0-1")
+    assert settings.burst_cpus == "0-1"
+    assert parse_cpus("0-1", available=False) == {0, 1}
+    with pytest.raises(ValueError, match="looks like"):
+        TargetSettings(model=tiny_dir / "target", burst_cpus="1-0")
