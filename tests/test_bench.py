@@ -138,3 +138,27 @@ def test_train_draft_is_a_tandem_subcommand(tiny_dir, tmp_path):
     assert main(["train-draft", "--target", str(tiny_dir / "target"), "--data", str(data), "--out",
                  str(tmp_path / "head"), "--steps", "2", "--ttt-steps", "2", "--seq-len", "32", "--quiet"]) == 0
     assert DraftEngine(tmp_path / "head", tiny_dir / "target").layout == "reference"
+
+
+def test_a_first_call_waits_out_a_service_marked_down_and_no_other_error(monkeypatch):
+    import grpc
+
+    from coordinator.client import TandemError
+    from tandem_tools.bench import schedule
+
+    monkeypatch.setattr(schedule, "PATIENCE_POLL_S", 0.0)
+    answers = [TandemError(grpc.StatusCode.UNAVAILABLE, "the target service is down"), None]
+    lines: list[str] = []
+
+    def call():
+        if (answer := answers.pop(0)) is not None:
+            raise answer
+
+    schedule._patiently(call, lines.append)
+    assert answers == [] and lines == ["bench: the server is not ready (the target service is down); trying again ..."]
+    with pytest.raises(TandemError, match="INVALID_ARGUMENT"):
+        schedule._patiently(lambda: (_ for _ in ()).throw(TandemError(grpc.StatusCode.INVALID_ARGUMENT, "bad")),
+                            lines.append)
+    with pytest.raises(TandemError, match="UNAVAILABLE"):  # not for ever
+        schedule._patiently(lambda: (_ for _ in ()).throw(TandemError(grpc.StatusCode.UNAVAILABLE, "down")),
+                            lines.append, patience=0.0)
