@@ -162,3 +162,13 @@ def test_a_first_call_waits_out_a_service_marked_down_and_no_other_error(monkeyp
     with pytest.raises(TandemError, match="UNAVAILABLE"):  # not for ever
         schedule._patiently(lambda: (_ for _ in ()).throw(TandemError(grpc.StatusCode.UNAVAILABLE, "down")),
                             lines.append, patience=0.0)
+
+
+def test_the_table_says_when_overlap_was_on_but_overlapped_nothing():
+    from tandem_tools.bench.table import _overlap_cell
+
+    assert _overlap_cell({"overlap": False, "temperature": 0.0}) == "off"
+    assert _overlap_cell({"overlap": True, "temperature": 0.0, "overlap_hit_rate": 0.69}) == "on (69%)"
+    assert _overlap_cell({"overlap": True, "temperature": 1.0, "overlap_hit_rate": None}) == \
+        "on (greedy only: none overlapped)"
+    assert _overlap_cell({"overlap": True, "temperature": 0.0, "overlap_hit_rate": None}) == "on (none overlapped)"

@@ -47,7 +47,11 @@ def _rate(value: float | None) -> str:
 
 
 def _overlap_cell(r: dict) -> str:
+    """A services case's --overlap, and what it did: the servers overlap greedy generations only (unless
+    --overlap-sampled), and only while one runs, so a case run with it on may have had no round overlapped."""
     if not r.get("overlap"):
         return "off"
     rate = r.get("overlap_hit_rate")
-    return "on" if rate is None else f"on ({rate:.0%})"
+    if rate is not None:
+        return f"on ({rate:.0%})"
+    return "on (greedy only: none overlapped)" if r["temperature"] > 0 else "on (none overlapped)"
