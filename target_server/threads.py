@@ -11,9 +11,10 @@ from 267 to 113-137 tokens/s). So each width class of forward (its tokens to a p
 ways, alternately, and borrows the CPUs only where that was faster by GAIN; the choice is measured again
 every REVISIT forwards of the class, since what the draft's CPU is doing meanwhile changes with the load.
 
-The calling thread's affinity is widened for the forward and restored after: OpenMP's workers are
-started by the thread that runs the forward (a batch runs on whichever handler thread leads it,
-tandem/batching.py) and inherit its affinity, so each runs where the borrowed CPUs are.
+OpenMP's workers are started by the thread that runs the forward (a batch runs on whichever handler thread
+leads it, tandem/batching.py) and inherit its affinity: that thread's first borrowing forward runs on every
+CPU, so that its workers may run on the borrowed ones; then it is back on its own, and its workers, on every
+CPU, at the lowest priority (WORKER_NICE), so that they take only the time the draft and the coordinator leave.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ T = TypeVar("T")
 EXPLORE = 6  # forwards timed each way before a class chooses
 GAIN = 0.95  # borrow only where the median forward is at least 5% faster
 REVISIT = 2000  # forwards of a class between measurements
+WORKER_NICE = 19  # a borrowing worker runs where the CPU's owners leave it time
 
 
 class _WidthClass:
@@ -80,6 +82,10 @@ def thread_invariant(model: torch.nn.Module) -> str | None:
     return f"{plain} of its linear layers are not packed" if plain else None
 
 
+def _tasks() -> set[int]:
+    return {int(task) for task in os.listdir("/proc/self/task")}
+
+
 class ThreadBurst:
     """Runs a forward on `cpus` with a thread each where that measures faster than on the caller's own CPUs;
     with no `cpus`, on the caller's own as it is."""
@@ -99,6 +105,21 @@ class ThreadBurst:
         self.threads = len(self.cpus) if self.cpus else 0
         self._classes: dict[int, _WidthClass] = {}
         self._lock = threading.Lock()
+        self._masters: set[int] = set()  # threads whose OpenMP workers were started on every CPU
+        self._workers: set[int] = set()  # those workers, yielding to the CPUs' owners
+
+    def _yield_workers(self, started: set[int]) -> None:
+        """The threads `started` on every CPU, OpenMP's workers, get the lowest priority: the draft and the
+        coordinator own the CPUs they borrow and come first there (a worker at full priority beside them, the
+        coordinator's health checks of a SmolLM2 target at 16 requests went unanswered for 3 s and it took the
+        target down)."""
+        for tid in started:
+            try:
+                if os.sched_getaffinity(tid) == self.cpus:
+                    os.setpriority(os.PRIO_PROCESS, tid, WORKER_NICE)
+                    self._workers.add(tid)
+            except OSError:  # a thread that ended meanwhile
+                pass
 
     def wide_classes(self) -> list[int]:
         """The width classes (tokens up to 2^k) now borrowing the CPUs."""
@@ -112,9 +133,13 @@ class ThreadBurst:
         with self._lock:
             width = self._classes.setdefault(key, _WidthClass())
             wide = width.next_wide()
+        master = threading.get_native_id()
+        first = wide and master not in self._masters
         if wide:
-            own, threads = os.sched_getaffinity(0), torch.get_num_threads()
-            os.sched_setaffinity(0, self.cpus)
+            threads = torch.get_num_threads()
+            if first:  # the workers OpenMP starts for this thread now inherit the wider affinity
+                own, before = os.sched_getaffinity(0), _tasks()
+                os.sched_setaffinity(0, self.cpus)
             torch.set_num_threads(self.threads)
         start = time.perf_counter()
         try:
@@ -123,7 +148,10 @@ class ThreadBurst:
             seconds = time.perf_counter() - start
             if wide:
                 torch.set_num_threads(threads)
+            if first:
                 os.sched_setaffinity(0, own)
+                self._masters.add(master)
+                self._yield_workers(_tasks() - before)
             with self._lock:
                 medians = width.record(wide, seconds)
             if medians is not None:

@@ -52,13 +52,15 @@ def test_borrowing_must_gain_more_than_noise():
 
 
 @pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs")
-def test_a_forward_runs_on_the_borrowed_cpus_and_the_thread_gets_its_own_back():
+def test_a_forward_borrows_the_cpus_with_workers_that_yield_and_the_thread_gets_its_own_back():
     seen: list[tuple[frozenset[int], int]] = []
     errors: list[BaseException] = []
+    a = torch.randn(256, 256)
 
     def forward(steps, scale):
         cpus, count = frozenset(os.sched_getaffinity(0)), torch.get_num_threads()
         seen.append((cpus, count))
+        (a @ a).sum()  # a parallel region: OpenMP starts this thread's workers on the first wide call
         time.sleep(scale * (0.002 if count == 1 else 0.001))
         return len(steps)
 
@@ -73,6 +75,9 @@ def test_a_forward_runs_on_the_borrowed_cpus_and_the_thread_gets_its_own_back():
             assert burst.wide_classes() == [16]
             burst.run(_steps(1), forward, 1.0)  # another width class measures afresh
             assert seen[-1] == (frozenset({CPUS[0]}), 1)
+            assert burst._workers and all(os.getpriority(os.PRIO_PROCESS, tid) == threads.WORKER_NICE
+                                          and os.sched_getaffinity(tid) == set(CPUS) for tid in burst._workers)
+            assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0
         except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
             errors.append(exc)
 
@@ -81,8 +86,8 @@ def test_a_forward_runs_on_the_borrowed_cpus_and_the_thread_gets_its_own_back():
     worker.join()
     if errors:
         raise errors[0]
-    wide = (frozenset(CPUS), len(CPUS))
-    assert seen[: 2 * threads.EXPLORE] == [(frozenset({CPUS[0]}), 1), wide] * threads.EXPLORE
+    own, first_wide, wide = (frozenset({CPUS[0]}), 1), (frozenset(CPUS), len(CPUS)), (frozenset({CPUS[0]}), len(CPUS))
+    assert seen[: 2 * threads.EXPLORE] == [own, first_wide] + [own, wide] * (threads.EXPLORE - 1)
     assert seen[2 * threads.EXPLORE : -1] == [wide] * 3
 
 
