@@ -8,7 +8,8 @@ cores draw more bandwidth) runs faster over every CPU, while the demo target's s
 decodes 17 -> 14 ms, one decode the same) and a thread woken for each of its ~60 matmuls costs a
 drafting round more than it gives (stop 41: two threads for every forward took target-only at one request
 from 267 to 113-137 tokens/s). So each width class of forward (its tokens to a power of two) is timed both
-ways, alternately, and borrows the CPUs only where that was faster by GAIN; the choice is measured again
+ways, alternately, and borrows the CPUs only where that was faster by GAIN (deciding after EARLY forwards
+each way where the two ways did not overlap); the choice is measured again
 every REVISIT forwards of the class, since what the draft's CPU is doing meanwhile changes with the load.
 
 OpenMP's workers are started by the thread that runs the forward (a batch runs on whichever handler thread
@@ -36,7 +37,9 @@ log = logging.getLogger("tandem.target")
 
 T = TypeVar("T")
 
-EXPLORE = 6  # forwards timed each way before a class chooses
+EXPLORE = 6  # forwards timed each way before a class chooses...
+EARLY = 3  # ...or this many, where every one of either way was faster than all of the other (5% by chance):
+# a class of big prefills meets a forward in each wave of requests, and explores for 12 waves otherwise
 GAIN = 0.95  # borrow only where the median forward is at least 5% faster
 REVISIT = 2000  # forwards of a class between measurements
 WORKER_NICE = 19  # a borrowing worker runs where the CPU's owners leave it time
@@ -61,13 +64,17 @@ class _WidthClass:
         return len(self.samples[True]) < len(self.samples[False])  # alternate, own CPUs first
 
     def record(self, wide: bool, seconds: float) -> tuple[float, float] | None:
-        """Count a timed forward; the two medians once both ways have EXPLORE and the choice changed."""
+        """Count a timed forward; the two medians once the class chose (EXPLORE each way, or EARLY) and the
+        choice changed."""
         if self.wide is not None:
             return None
         self.samples[wide].append(seconds)
-        if min(len(s) for s in self.samples.values()) < EXPLORE:
+        counted = min(len(s) for s in self.samples.values())
+        own, wide_s = (self.samples[w] for w in (False, True))
+        apart = counted >= EARLY and (max(wide_s) < GAIN * min(own) or min(wide_s) > max(own))
+        if counted < EXPLORE and not apart:
             return None
-        own, wide_s = (statistics.median(self.samples[w]) for w in (False, True))
+        own, wide_s = statistics.median(own), statistics.median(wide_s)
         self.wide = wide_s < GAIN * own
         changed, self.chosen = self.wide != self.chosen, self.wide
         return (own, wide_s) if changed else None
