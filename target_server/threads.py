@@ -69,15 +69,15 @@ class _WidthClass:
         if self.wide is not None:
             return None
         self.samples[wide].append(seconds)
-        counted = min(len(s) for s in self.samples.values())
-        own, wide_s = (self.samples[w] for w in (False, True))
-        apart = counted >= EARLY and (max(wide_s) < GAIN * min(own) or min(wide_s) > max(own))
+        own, borrowed = self.samples[False], self.samples[True]
+        counted = min(len(own), len(borrowed))
+        apart = counted >= EARLY and (max(borrowed) < GAIN * min(own) or min(borrowed) > max(own))
         if counted < EXPLORE and not apart:
             return None
-        own, wide_s = statistics.median(own), statistics.median(wide_s)
-        self.wide = wide_s < GAIN * own
+        medians = statistics.median(own), statistics.median(borrowed)
+        self.wide = medians[1] < GAIN * medians[0]
         changed, self.chosen = self.wide != self.chosen, self.wide
-        return (own, wide_s) if changed else None
+        return medians if changed else None
 
 
 def thread_invariant(model: torch.nn.Module) -> str | None:
