@@ -26,6 +26,14 @@ def _list(cast):
     return parse
 
 
+def _peers(text: str) -> list[str]:
+    peers = _list(str)(text)
+    bad = [p for p in peers if p not in ("vllm", "vllm-server")]
+    if bad or not peers:
+        raise argparse.ArgumentTypeError(f"--peer takes vllm, vllm-server or both; got {text!r}")
+    return peers
+
+
 def _on_off(text: str) -> bool:
     if text.strip() not in ("on", "off"):
         raise ValueError(text)
@@ -59,8 +67,8 @@ def _prompts(args: argparse.Namespace, target: Path, demo: Path | None) -> list[
 
 
 def _vllm_python(args: argparse.Namespace) -> Path | None:
-    """--peer vllm: the vLLM venv's python (--vllm-python, else $TANDEM_VLLM_PYTHON, else the default venv)."""
-    if args.peer != "vllm":
+    """--peer vllm or vllm-server: the vLLM venv's python (--vllm-python, else $TANDEM_VLLM_PYTHON, else the default venv)."""
+    if not args.peer:
         return None
     from tandem_tools.bench.vllm_peer import default_vllm_python
 
@@ -93,8 +101,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         target=target, draft=draft, assistant=assistant, prompts=_prompts(args, target, demo), stacks=args.stack,
         num_draft_tokens=args.num_draft_tokens, temperatures=args.temperature, concurrency=args.concurrency,
         max_new_tokens=args.max_new_tokens, seed=args.seed, threads=args.threads, overlap=args.overlap,
-        split_cpus=args.split_cpus, vllm_python=_vllm_python(args), trees=args.tree, tree_depth=args.tree_depth,
-        tree_top_k=args.tree_top_k, tree_policy=args.tree_policy,
+        split_cpus=args.split_cpus, vllm_python=_vllm_python(args), vllm_peers=args.peer, trees=args.tree,
+        tree_depth=args.tree_depth, tree_top_k=args.tree_top_k, tree_policy=args.tree_policy,
     )
     out = Path(args.out)
     runs = run_bench(config, out, echo=lambda m: print(m, file=sys.stderr, flush=True))
@@ -168,9 +176,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--draft", help="with --target: the EAGLE-3 head")
     p.add_argument("--assistant", help="with --target: a small LM for the assisted-generation peer")
     p.add_argument("--no-peer", action="store_true", help="leave out the assisted-generation peer")
-    p.add_argument("--peer", choices=["vllm"], help="vllm: vLLM's CPU backend, target-only and EAGLE-3 at each K "
-                   "on the same target, head, prompts and concurrency, in the same run (skipped, with a line "
-                   "saying why, where vLLM is not installed; tandem_tools/bench/vllm_peer.py)")
+    p.add_argument("--peer", type=_peers, default=[], metavar="vllm,vllm-server",
+                   help="vLLM's CPU backend, target-only and EAGLE-3 at each K on the same target, head, prompts and "
+                   "concurrency, in the same run (skipped, with a line saying why, where vLLM is not installed): "
+                   "vllm, its offline engine timed in its process (tandem_tools/bench/vllm_peer.py); vllm-server, "
+                   "`vllm serve` driven over its OpenAI API as Tandem's services are over gRPC (vllm_server.py)")
     p.add_argument("--vllm-python", metavar="PATH", help="with --peer vllm: the python of vLLM's venv (default "
                    "$TANDEM_VLLM_PYTHON, else ~/.cache/tandem/vllm-venv/bin/python)")
     p.add_argument("--stack", type=_list(str), default=list(STACKS), help="services,in-process (default both)")

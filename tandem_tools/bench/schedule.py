@@ -27,6 +27,7 @@ from tandem_tools.bench.runners import (
     ServicesRunner,
 )
 from tandem_tools.bench.vllm_peer import VLLM, start_vllm_peer
+from tandem_tools.bench.vllm_server import VLLM_SERVER, start_vllm_server_peer
 
 # a case runs its requests in blocks of this many per client: the last requests of a block run with
 # fewer than `concurrency` in flight, so blocks are long enough for that tail to be small; and at
@@ -53,7 +54,8 @@ class BenchConfig:
     seed: int = 0
     threads: int = 1
     startup_timeout: float = 600.0
-    vllm_python: Path | None = None  # --peer vllm: the vLLM venv's python (tandem_tools/bench/vllm_peer.py)
+    vllm_python: Path | None = None  # --peer vllm or vllm-server: the vLLM venv's python
+    vllm_peers: Sequence[str] = (VLLM,)  # with vllm_python: its offline engine (vllm_peer.py), its server (vllm_server.py)
     vllm_eager: bool = False  # vLLM without torch.compile: a quick start for tests, not for measuring
     trees: Sequence[int] = ()  # EAGLE-2 draft trees of these many nodes (cases "eagle3-tree"), beside the chains
     tree_depth: int | None = None  # none: the largest K, the chain's depth
@@ -115,8 +117,10 @@ class Case:
         }
 
 
-def make_cases(config: BenchConfig, peer: bool, vllm: bool | Sequence[int] = False) -> list[Case]:
-    """`vllm`: vLLM's cases too, EAGLE-3 at every K (True) or at these Ks (its engines that started)."""
+def make_cases(config: BenchConfig, peer: bool, vllm: bool | Sequence[int] = False,
+               vllm_server: Sequence[int] | None = None) -> list[Case]:
+    """`vllm`: vLLM's cases too, EAGLE-3 at every K (True) or at these Ks (its engines that started);
+    `vllm_server`: the Ks of vLLM's EAGLE-3 servers that started (None: no vLLM server)."""
     vllm_ks = config.num_draft_tokens if vllm is True else [] if vllm is False else list(vllm)
     cases = []
     for temperature in config.temperatures:
@@ -130,6 +134,10 @@ def make_cases(config: BenchConfig, peer: bool, vllm: bool | Sequence[int] = Fal
             if vllm is not False:  # vLLM's engines draft without overlap
                 cases.append(Case(VLLM, TARGET_ONLY, 0, temperature, concurrency))
                 cases += [Case(VLLM, EAGLE3, k, temperature, concurrency) for k in config.num_draft_tokens if k in vllm_ks]
+            if vllm_server is not None:
+                cases.append(Case(VLLM_SERVER, TARGET_ONLY, 0, temperature, concurrency))
+                cases += [Case(VLLM_SERVER, EAGLE3, k, temperature, concurrency) for k in config.num_draft_tokens
+                          if k in vllm_server]
             if peer and concurrency == 1:  # generate() with an assistant takes one sequence at a time
                 cases += [Case("in-process", PEER, k, temperature, 1) for k in config.num_draft_tokens]
     return cases
@@ -156,8 +164,9 @@ def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = 
     runners: dict[tuple[str, str, bool], object] = {}  # (stack, mode, overlap)
     try:
         _start_runners(config, out_dir, runners, echo)
-        vllm = runners.get((VLLM, TARGET_ONLY, False))
-        cases = make_cases(config, peer=config.assistant is not None, vllm=False if vllm is None else vllm.ks)
+        vllm, server = runners.get((VLLM, TARGET_ONLY, False)), runners.get((VLLM_SERVER, TARGET_ONLY, False))
+        cases = make_cases(config, peer=config.assistant is not None, vllm=False if vllm is None else vllm.ks,
+                           vllm_server=None if server is None else server.ks)
         echo(f"bench: {len(cases)} cases x {len(config.prompts)} prompts x {config.max_new_tokens} tokens")
         warm = config.prompts[0]
         for case in cases:  # one short generation each: first-call allocations are not measured
@@ -238,7 +247,12 @@ def _start_runners(config: BenchConfig, out_dir: Path, runners: dict, echo: Call
         runners["in-process", EAGLE3, True] = InProcessRunner(config.target, config.draft, True, inprocess.generator)
     if config.assistant is not None:
         runners["in-process", PEER, False] = AssistedRunner(config.target, config.assistant)
-    if config.vllm_python is not None:  # None back when vLLM cannot run here: it is skipped, with a line
+    if config.vllm_python is not None and VLLM_SERVER in config.vllm_peers:  # None back: skipped, with a line
+        server = start_vllm_server_peer(config.vllm_python, config.target, config.draft, config.num_draft_tokens,
+                                        config.prompts, config.max_new_tokens, out_dir, echo, config.vllm_eager)
+        if server is not None:
+            runners[VLLM_SERVER, TARGET_ONLY, False] = runners[VLLM_SERVER, EAGLE3, False] = server
+    if config.vllm_python is not None and VLLM in config.vllm_peers:  # None back when vLLM cannot run here
         vllm = start_vllm_peer(config.vllm_python, config.target, config.draft, config.num_draft_tokens,
                                config.prompts, config.max_new_tokens, config.concurrency, out_dir, echo,
                                config.vllm_eager)
@@ -274,6 +288,7 @@ def _run_block(case: Case, runner, batch: list[list[int]], first: int, concurren
             with ThreadPoolExecutor(concurrency) as pool:
                 outcomes = list(pool.map(one, range(len(batch))))
         seconds = time.perf_counter() - started
+        time.sleep(getattr(runner, "spin_s", 0.0))  # untimed: vLLM's server spins a while after its last request
     if not timed:
         return
     case.seconds += seconds
