@@ -93,11 +93,12 @@ def test_peer_takes_vllm_its_server_or_both():
 
 def test_serve_command_starts_vllm_on_tandems_checkpoints_with_per_request_acceptance(tmp_path):
     plain = serve_command(tmp_path / "py", tmp_path / "target", None, 0, 8123, 100)
-    assert plain[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", str(tmp_path / "target")]
+    assert plain[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path / "target")]
     assert "--speculative-config" not in plain and "--no-enable-prefix-caching" in plain
     assert plain[plain.index("--dtype") + 1] == "float32" and plain[plain.index("--max-model-len") + 1] == "100"
-    assert plain[plain.index("--per-request-spec-decode-metrics") + 1] == "summary"
+    assert "--per-request-spec-decode-metrics" not in plain  # vLLM refuses it without speculative decoding
     eagle = serve_command(tmp_path / "py", tmp_path / "target", tmp_path / "head", 5, 8123, 100)
+    assert eagle[eagle.index("--per-request-spec-decode-metrics") + 1] == "summary"
     assert json.loads(eagle[eagle.index("--speculative-config") + 1]) == {
         "method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 5}
 

