@@ -15,6 +15,8 @@ from tandem.config import (
     OVERLAP_BRANCHES,
     OVERLAP_HELP,
     OVERLAP_SAMPLED_HELP,
+    SPEC_DRAFT_COST,
+    SPEC_TOKEN_BUDGET,
     TARGET_BURST_HELP,
     TREE_HELP,
     TREE_POLICY_HELP,
@@ -130,10 +132,11 @@ def _later(module: str, name: str) -> Callable[[argparse.Namespace], int]:
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     """The K policy's flags (tandem/policy.py), the same on `serve` and `coordinator`."""
     p.add_argument("--spec-token-budget", type=int,
-                   help="adaptive K: draft tokens per round over all running generations (default 256; 0 = off)")
+                   help=f"adaptive K: draft tokens per round over all running generations (default "
+                        f"{SPEC_TOKEN_BUDGET}; 0 = off)")
     p.add_argument("--spec-draft-cost", type=float,
                    help="acceptance gate: a draft token's cost as a share of a verify round; K only as far as "
-                        "accepted drafts pay for it (default 0.3; 0 = off)")
+                        f"accepted drafts pay for it (default {SPEC_DRAFT_COST}; 0 = off)")
     p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP + " (default on)")
     p.add_argument("--overlap-branches", type=int,
                    help=f"overlap: verify outcomes the draft prepares for (default {OVERLAP_BRANCHES})")
