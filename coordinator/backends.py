@@ -42,6 +42,9 @@ if TYPE_CHECKING:
     from coordinator.relay import CohortRelay
 
 _CLOSE = object()
+# when each service last answered a step (time.monotonic(), by service name): the health monitor keeps a
+# service whose checks come back late while its steps still do (a busy host) up (coordinator/monitor.py)
+last_answer: dict[str, float] = {}
 
 
 class BackendError(Exception):
@@ -144,6 +147,7 @@ class _Stream:
         finally:
             if step_timeout is not None:
                 _watchdog.disarm(self)
+        last_answer[self.service] = time.monotonic()
         if self.probe is not None:
             self.probe.received(f"{self.service}->coordinator", message)
         return message

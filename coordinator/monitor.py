@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenizers import Tokenizer
 
-from coordinator.backends import BackendError
+from coordinator.backends import BackendError, last_answer
 from coordinator.handshake import connect_transport
 from tandem.config import CoordinatorSettings
 from tandem.convert import draft_shape_from_pb, target_shape_from_pb
@@ -45,7 +45,10 @@ RECONNECT_OPTIONS = [
 ]
 CHECK_TIMEOUT = 1.0  # a health check that takes longer is a slow answer...
 SLOW_CHECKS = 3  # ...and this many in a row (each re-checked at once) a hung service: one busy second of a
-# loaded host (a big batch, another engine spinning on the same cores) must not take a serving service down
+# loaded host (a big batch, another engine spinning on the same cores) must not take a serving service down;
+# nor must more, while it answers steps: a service that answered one within the slow checks' span is busy, not
+# hung (beside vLLM's four engines, with a bucket compiling, the target missed three checks at 16 requests and
+# every request in flight failed)
 RETRY_MIN, RETRY_MAX = 0.1, 2.0
 # Statuses of a failed step that mean the service itself is gone (or, for the draft, stuck past its
 # step deadline, or without the feature channel the target sends on), not that this request went
@@ -88,6 +91,7 @@ class Link:
         self.info = None
         self.up = False
         self.slow = 0  # health checks in a row that timed out while up
+        self.busy = False  # its checks time out while its steps come back
         self.reason = "not connected yet"
         self.retry_in = RETRY_MIN
         self.next_check = 0.0
@@ -204,6 +208,13 @@ class Monitor:
         if link.up:
             slow = problem is not None and problem.startswith(grpc.StatusCode.DEADLINE_EXCEEDED.name)
             link.slow = link.slow + 1 if slow else 0
+            if link.slow >= SLOW_CHECKS and self._answering(link):  # busy: each next late check asks again
+                if not link.busy:
+                    log.info("the %s service answers its steps but not its health checks (a busy host): up",
+                             link.name)
+                link.slow, link.busy = SLOW_CHECKS - 1, True
+            elif not slow:
+                link.busy = False
             if problem is not None and not 0 < link.slow < SLOW_CHECKS:
                 link.slow = 0
                 self._down(link, problem)
@@ -225,6 +236,11 @@ class Monitor:
             link.reason = problem
             link.next_check = time.monotonic() + link.retry_in
             link.retry_in = min(link.retry_in * 2, RETRY_MAX)
+
+    @staticmethod
+    def _answering(link: Link) -> bool:
+        """Whether the service answered a generation's step within the span of its slow checks."""
+        return time.monotonic() - last_answer.get(link.name, -float("inf")) < SLOW_CHECKS * CHECK_TIMEOUT
 
     def _read_target(self) -> None:
         """What the target is, and its tokenizer; a draft that no longer fits it is detached."""

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from coordinator.monitor import SLOW_CHECKS, Monitor
+from coordinator import backends
+from coordinator.monitor import CHECK_TIMEOUT, SLOW_CHECKS, Monitor
 from tandem.config import CoordinatorSettings
 
 LATE = "DEADLINE_EXCEEDED: Deadline Exceeded"
@@ -18,6 +19,8 @@ GONE = "UNAVAILABLE: failed to connect to all addresses"
 def monitor(monkeypatch):
     monitor = Monitor(CoordinatorSettings(target_addr="127.0.0.1:9"))
     monkeypatch.setattr(monitor, "_publish", lambda: None)
+    monkeypatch.setattr(backends, "last_answer", {})  # no step answered yet
+    monkeypatch.setattr("coordinator.monitor.last_answer", backends.last_answer)
     monitor.target.up = True
     yield monitor
     monitor.target.channel.close()
@@ -39,6 +42,21 @@ def test_a_late_answer_now_and_then_keeps_the_service_up(monitor, monkeypatch):
     assert all(check(monitor, monkeypatch, LATE) for _ in range(SLOW_CHECKS - 1))
     assert not check(monitor, monkeypatch, LATE)
     assert monitor.target.reason == LATE
+
+
+def test_a_service_whose_steps_come_back_stays_up_however_late_its_checks(monitor, monkeypatch):
+    """Late checks while the service answers generations' steps: busy, not hung (beside vLLM's engines and a
+    compile the target missed three checks and every request in flight failed). Once its steps stop coming
+    back too, the next late check takes it down."""
+    for _ in range(3 * SLOW_CHECKS):
+        backends.last_answer["target"] = time.monotonic()  # a step came back
+        assert check(monitor, monkeypatch, LATE)
+    assert monitor.target.busy
+    backends.last_answer["target"] = time.monotonic() - SLOW_CHECKS * CHECK_TIMEOUT - 0.1  # none since
+    assert not check(monitor, monkeypatch, LATE) and monitor.target.reason == LATE
+    monitor.target.up = True
+    backends.last_answer["target"] = time.monotonic()
+    assert not check(monitor, monkeypatch, GONE)  # a refusal is not lateness: down at once, steps or not
 
 
 def test_a_service_that_refuses_goes_down_at_once(monitor, monkeypatch):
