@@ -12,7 +12,8 @@ runs both engines in this process (tandem_tools.inprocess). The peer (mode `assi
 transformers' default confidence threshold), in this process. With `--peer vllm`, vLLM's CPU backend (its
 own venv; tandem_tools/bench/vllm_peer.py) adds stack `vllm`: target-only and EAGLE-3 at each K on the same
 target, head, prompts and concurrency, its blocks taking turns with Tandem's; skipped with one line where
-vLLM is not installed.
+vLLM is not installed. `--peer vllm-server` adds stack `vllm-server`: vLLM's OpenAI server (`vllm serve`),
+driven by the bench's clients with streamed completions as Tandem's services are over gRPC.
 
 Every case decodes every prompt to exactly --max-new-tokens tokens (EOS does not stop it), after one
 short warm-up generation, and at each concurrency after one untimed block of c requests (a compiled
@@ -31,6 +32,7 @@ verify round (1 for target-only); latencies are percentiles of tandem.stats.perc
     table.py      the markdown table and the speedups over target-only
     plot.py       the PNG
     vllm_peer.py  --peer vllm: vLLM engines in subprocesses of vLLM's venv (vllm_worker.py), one per mode and K
+    vllm_server.py --peer vllm-server: vLLM's OpenAI servers from that venv, one per mode and K
     command.py    the `tandem bench` flags and command
 """
 

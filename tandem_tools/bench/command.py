@@ -181,7 +181,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    "concurrency, in the same run (skipped, with a line saying why, where vLLM is not installed): "
                    "vllm, its offline engine timed in its process (tandem_tools/bench/vllm_peer.py); vllm-server, "
                    "`vllm serve` driven over its OpenAI API as Tandem's services are over gRPC (vllm_server.py)")
-    p.add_argument("--vllm-python", metavar="PATH", help="with --peer vllm: the python of vLLM's venv (default "
+    p.add_argument("--vllm-python", metavar="PATH", help="with --peer: the python of vLLM's venv (default "
                    "$TANDEM_VLLM_PYTHON, else ~/.cache/tandem/vllm-venv/bin/python)")
     p.add_argument("--stack", type=_list(str), default=list(STACKS), help="services,in-process (default both)")
     p.add_argument("--num-draft-tokens", "-k", type=_list(int), default=[1, 3, 5], help="K values (default 1,3,5)")
