@@ -179,7 +179,7 @@ def test_an_eagle3_engine_that_fails_to_start_leaves_vllms_plain_decoding_in_the
     lines = []
     runs = run_bench(config, tmp_path / "out", echo=lines.append)
     assert [(r["stack"], r["mode"]) for r in runs] == [("vllm", "target-only")]
-    assert any(line.startswith("bench: vLLM eagle3-k2 skipped (its other engines run)") for line in lines), lines
+    assert any(line.startswith("bench: vLLM eagle3-k2 skipped (its others run)") for line in lines), lines
 
 
 @pytest.fixture(scope="module")

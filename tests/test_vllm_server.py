@@ -5,13 +5,9 @@ bench's outcomes. A stand-in server speaks the protocol here (the real one compi
 from __future__ import annotations
 
 import json
-import stat
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
-from test_vllm_peer import bench_args
+from test_vllm_peer import bench_args, fake_python
 
 from tandem_tools.bench.runners import EAGLE3
 from tandem_tools.bench.schedule import BenchConfig, Case, run_bench
@@ -72,17 +68,6 @@ ThreadingHTTPServer(("127.0.0.1", int(argv[argv.index("--port") + 1])), Handler)
 """
 
 
-def fake_python(tmp_path: Path) -> Path:
-    """A `python` that passes the import check and runs the stand-in server for `-m vllm... serve ...`."""
-    (tmp_path / "fake_server.py").write_text(textwrap.dedent(FAKE_SERVER))
-    python = tmp_path / "bin" / "python"
-    python.parent.mkdir(exist_ok=True)
-    python.write_text(f'#!/bin/sh\nif [ "$1" = "-c" ]; then exec {sys.executable} {tmp_path}/fake_server.py; fi\n'
-                      f'shift\nexec {sys.executable} {tmp_path}/fake_server.py "$@"\n')
-    python.chmod(python.stat().st_mode | stat.S_IXUSR)
-    return python
-
-
 def test_peer_takes_vllm_its_server_or_both():
     assert bench_args("--peer", "vllm-server").peer == ["vllm-server"]
     assert bench_args("--peer", "vllm,vllm-server").peer == ["vllm", "vllm-server"]
@@ -126,7 +111,7 @@ def test_vllm_server_cases_run_through_the_bench_clients_block_by_block(tmp_path
     monkeypatch.setattr("tandem_tools.bench.vllm_server.VllmServerPeer.spin_s", 0.0)
     config = BenchConfig(target=tmp_path / "target", draft=tmp_path / "head", prompts=[[1, 2, 3], [4, 5]], stacks=[],
                          num_draft_tokens=[2], temperatures=[0.0], concurrency=[1, 2], max_new_tokens=4,
-                         vllm_python=fake_python(tmp_path), vllm_peers=[VLLM_SERVER])
+                         vllm_python=fake_python(tmp_path, FAKE_SERVER), vllm_peers=[VLLM_SERVER])
     lines = []
     runs = run_bench(config, tmp_path / "out", echo=lines.append)
     assert [(r["stack"], r["mode"], r["K"], r["concurrency"]) for r in runs] == [
@@ -152,7 +137,7 @@ def test_an_eagle3_server_that_fails_to_start_leaves_vllms_plain_decoding_in_the
     monkeypatch.setattr("tandem_tools.bench.vllm_server.VllmServerPeer.spin_s", 0.0)
     config = BenchConfig(target=tmp_path / "target", draft=tmp_path / "head", prompts=[[1, 2, 3]], stacks=[],
                          num_draft_tokens=[2], temperatures=[0.0], concurrency=[1], max_new_tokens=4,
-                         vllm_python=fake_python(tmp_path), vllm_peers=[VLLM_SERVER])
+                         vllm_python=fake_python(tmp_path, FAKE_SERVER), vllm_peers=[VLLM_SERVER])
     lines = []
     runs = run_bench(config, tmp_path / "out", echo=lines.append)
     assert [(r["stack"], r["mode"]) for r in runs] == [(VLLM_SERVER, "target-only")]

@@ -190,6 +190,21 @@ class VllmEngine:
                 self.proc.wait()
 
 
+def start_each_mode(ks: Sequence[int], start: Callable[[str, int, str], object], into: dict, what: str,
+                    echo: Callable[[str], None]) -> None:
+    """`start(mode, k, name)` for target-only, then EAGLE-3 at each K, into `into[mode, k]` as each starts (so
+    that a failure can stop those already started). An EAGLE-3 one that fails to start is skipped with a line
+    (one head or K failed, not vLLM: the others run); a target-only one that fails raises."""
+    for mode, k in [(TARGET_ONLY, 0)] + [(EAGLE3, k) for k in ks]:
+        name = "target-only" if mode == TARGET_ONLY else f"eagle3-k{k}"
+        try:
+            into[mode, k] = start(mode, k, name)
+        except VllmError as e:
+            if mode != EAGLE3:
+                raise
+            echo(f"bench: {what} {name} skipped (its others run): {e}")
+
+
 class VllmPeer:
     """The bench's runner for the vllm stack: a target-only engine and one EAGLE-3 engine per K."""
 
@@ -200,24 +215,24 @@ class VllmPeer:
                  eager: bool = False):
         self.engines: dict[tuple[str, int], VllmEngine] = {}
         self.spin_s = SPIN_S
-        try:
-            for mode, k in [(TARGET_ONLY, 0)] + [(EAGLE3, k) for k in ks]:
-                name = "target-only" if mode == TARGET_ONLY else f"eagle3-k{k}"
-                echo(f"bench: starting vLLM {name} ({'eager' if eager else 'builds and compiles its engine: ~100 s'}) ...")
-                started = time.perf_counter()
-                try:
-                    engine = VllmEngine(python, target, head if mode == EAGLE3 else None, k, max_model_len,
-                                        out_dir / f"vllm-{name}.log", eager=eager)
-                except VllmError as e:
-                    if mode != EAGLE3:
-                        raise
-                    echo(f"bench: vLLM {name} skipped (its other engines run): {e}")  # one engine failed, not vLLM
-                    continue
-                self.engines[mode, k] = engine
+
+        def start(mode: str, k: int, name: str) -> VllmEngine:
+            echo(f"bench: starting vLLM {name} ({'eager' if eager else 'builds and compiles its engine: ~100 s'}) ...")
+            started = time.perf_counter()
+            engine = VllmEngine(python, target, head if mode == EAGLE3 else None, k, max_model_len,
+                                out_dir / f"vllm-{name}.log", eager=eager)
+            try:
                 for c in sorted(set(concurrency)):  # first batches of each size: not timed
                     engine.request(self._payload([warm] * c, c, 0.0, [0] * c, 8))
-                echo(f"bench: vLLM {engine.info.get('vllm')} {name} ready in {time.perf_counter() - started:.0f} s "
-                     f"(LD_PRELOAD={engine.info.get('ld_preload') or '-'})")
+            except BaseException:
+                engine.close()
+                raise
+            echo(f"bench: vLLM {engine.info.get('vllm')} {name} ready in {time.perf_counter() - started:.0f} s "
+                 f"(LD_PRELOAD={engine.info.get('ld_preload') or '-'})")
+            return engine
+
+        try:
+            start_each_mode(ks, start, self.engines, "vLLM", echo)
         except BaseException:
             self.close()
             raise

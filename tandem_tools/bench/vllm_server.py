@@ -22,12 +22,13 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tandem_tools.bench.runners import EAGLE3, TARGET_ONLY, Outcome
+from tandem_tools.bench.runners import EAGLE3, Outcome
 from tandem_tools.bench.vllm_peer import (
     SPIN_S,
     VllmError,
     preload_libs,
     skip_message,
+    start_each_mode,
     vllm_unavailable,
     worker_env,
 )
@@ -154,21 +155,17 @@ class VllmServerPeer:
                  out_dir: Path, echo: Callable[[str], None] = print, eager: bool = False,
                  startup_timeout: float = 900.0):
         self.servers: dict[tuple[str, int], VllmServer] = {}
+
+        def start(mode: str, k: int, name: str) -> VllmServer:
+            echo(f"bench: starting vLLM's server, {name} (vllm serve: builds and compiles its engine, ~100 s) ...")
+            started = time.perf_counter()
+            server = VllmServer(python, target, head if mode == EAGLE3 else None, k, max_model_len,
+                                out_dir / f"vllm-server-{name}.log", startup_timeout, eager)
+            echo(f"bench: vLLM's server {name} ready on {server.url} in {time.perf_counter() - started:.0f} s")
+            return server
+
         try:
-            for mode, k in [(TARGET_ONLY, 0)] + [(EAGLE3, k) for k in ks]:
-                name = "target-only" if mode == TARGET_ONLY else f"eagle3-k{k}"
-                echo(f"bench: starting vLLM's server, {name} (vllm serve: builds and compiles its engine, ~100 s) ...")
-                started = time.perf_counter()
-                try:
-                    server = VllmServer(python, target, head if mode == EAGLE3 else None, k, max_model_len,
-                                        out_dir / f"vllm-server-{name}.log", startup_timeout, eager)
-                except VllmError as e:
-                    if mode != EAGLE3:
-                        raise
-                    echo(f"bench: vLLM's server {name} skipped (its other servers run): {e}")
-                    continue
-                self.servers[mode, k] = server
-                echo(f"bench: vLLM's server {name} ready on {server.url} in {time.perf_counter() - started:.0f} s")
+            start_each_mode(ks, start, self.servers, "vLLM's server", echo)
         except BaseException:
             self.close()
             raise
