@@ -17,7 +17,7 @@ import grpc
 
 from coordinator.backends import CLOSE_GRACE_S, BackendError, GrpcDraft, GrpcTarget
 from coordinator.cohorts import CohortLink, Cohorts
-from coordinator.monitor import Monitor, Pair
+from coordinator.monitor import LATE_PATIENCE_S, Monitor, Pair
 from coordinator.probe import RequestObserver, RequestProbe
 from coordinator.relay import CohortRelay, draft_relay, target_relay
 from tandem.config import CoordinatorSettings
@@ -146,17 +146,18 @@ class Generations:
                 current = self._relays[service] = (made_for, relay)
             return current[1]
 
-    def pair(self) -> Pair:
+    def pair(self, patience: float = 0.0) -> Pair:
+        """The services for a new generation (Monitor.pair: `patience` for a target down for late checks)."""
         if self.monitor is None:
             raise Abort(grpc.StatusCode.UNAVAILABLE, "the coordinator is still connecting to its services")
-        return self.monitor.pair()
+        return self.monitor.pair(patience)
 
     def stream(
         self, build: Callable[[Pair], ClientRequest], call: Call, probe: RequestProbe | None = None
     ) -> Iterator[TextDelta]:
         """Admit the request, build it against the services (tokenizer, context), and stream its deltas."""
         with self.service.admission.admit():
-            pair = self.pair()
+            pair = self.pair(LATE_PATIENCE_S)
             client = build(pair)
             request = fit_to_pair(client, pair)
             link = CohortLink(self.cohorts)  # the batch of each step goes along to the next service

@@ -50,6 +50,10 @@ SLOW_CHECKS = 3  # ...and this many in a row (each re-checked at once) a hung se
 # hung (beside vLLM's four engines, with a bucket compiling, the target missed three checks at 16 requests and
 # every request in flight failed)
 RETRY_MIN, RETRY_MAX = 0.1, 2.0
+# A new generation waits this long for a target that is down for late checks (not for a refusal) before it is
+# refused: on a loaded host (beside vLLM's engines, a compile) an idle target missed its checks for ~10 s, and
+# every request that came meanwhile failed UNAVAILABLE where it would have run seconds later
+LATE_PATIENCE_S = 5.0
 # Statuses of a failed step that mean the service itself is gone (or, for the draft, stuck past its
 # step deadline, or without the feature channel the target sends on), not that this request went
 # wrong. Others only trigger a health check. A draft that comes back runs the handshake again.
@@ -77,6 +81,11 @@ class Pair:
 def check_services_pair(target: target_pb2.TargetInfo, draft: draft_pb2.DraftInfo) -> None:
     """PairMismatch, naming every problem in one message, unless the draft fits the target."""
     check_pair(target_shape_from_pb(target), draft_shape_from_pb(draft))
+
+
+def _late(reason: str) -> bool:
+    """Whether a service went down for health checks that took too long (not for a refusal)."""
+    return reason.startswith(grpc.StatusCode.DEADLINE_EXCEEDED.name)
 
 
 class Link:
@@ -130,6 +139,7 @@ class Monitor:
         self.transport = "grpc"  # the feature path target -> draft the last handshake set up
         self._current: Pair | None = None
         self._lock = threading.Lock()  # link state and the published Pair
+        self._changed = threading.Condition(self._lock)  # a link went up or down
         self._wake = threading.Event()
         self._stop = threading.Event()
 
@@ -165,8 +175,12 @@ class Monitor:
         """The services as last seen (None before connect), whether or not the target is up."""
         return self._current
 
-    def pair(self) -> Pair:
-        """The services for a new generation; UNAVAILABLE while the target is down."""
+    def pair(self, patience: float = 0.0) -> Pair:
+        """The services for a new generation; UNAVAILABLE while the target is down. With `patience`, a target
+        down for late health checks (a loaded host, not a refusal) is waited for that many seconds first."""
+        if patience > 0 and not self.target.up and _late(self.target.reason):
+            with self._changed:
+                self._changed.wait_for(lambda: self.target.up or not _late(self.target.reason), timeout=patience)
         current = self._current
         if current is None or not self.target.up:
             raise Abort(
@@ -206,7 +220,7 @@ class Monitor:
     def _check(self, link: Link) -> None:
         problem = link.problem()
         if link.up:
-            slow = problem is not None and problem.startswith(grpc.StatusCode.DEADLINE_EXCEEDED.name)
+            slow = problem is not None and _late(problem)
             link.slow = link.slow + 1 if slow else 0
             if link.slow >= SLOW_CHECKS and self._answering(link):  # busy: each next late check asks again
                 if not link.busy:
@@ -278,6 +292,7 @@ class Monitor:
             link.retry_in = RETRY_MIN
             link.next_check = time.monotonic() + self.interval
             self._publish()
+            self._changed.notify_all()
         log.warning("the %s service at %s is back%s", link.name, link.address,
                     "; speculation resumes" if link is self.draft else "; serving again")
         if link is self.target:
@@ -290,6 +305,7 @@ class Monitor:
             link.retry_in = RETRY_MIN
             link.next_check = time.monotonic() + RETRY_MIN
             self._publish()
+            self._changed.notify_all()
         if was_up:
             what = "generations run target-only until it is back" if link is self.draft else "NOT_SERVING"
             log.warning("the %s service at %s is down (%s): %s", link.name, link.address, reason, what)

@@ -64,3 +64,31 @@ def test_a_service_that_refuses_goes_down_at_once(monitor, monkeypatch):
     assert not check(monitor, monkeypatch, GONE) and monitor.target.reason == GONE
     monitor.target.up = True
     assert not check(monitor, monkeypatch, "health NOT_SERVING")  # draining
+
+
+def test_a_new_generation_waits_a_little_for_a_target_down_for_late_checks(monitor, monkeypatch):
+    """Down for late checks (a loaded host), the target is waited for up to the patience; down for a refusal,
+    or not back in time, UNAVAILABLE at once or at the patience's end."""
+    import threading
+
+    from tandem.errors import Abort
+
+    monitor._current = "the pair"
+    monkeypatch.setattr(monitor, "_on_target", lambda up: None)
+    for _ in range(SLOW_CHECKS):
+        check(monitor, monkeypatch, LATE)
+    assert not monitor.target.up
+    threading.Timer(0.2, monitor._up, [monitor.target]).start()
+    started = time.monotonic()
+    assert monitor.pair(patience=5.0) == "the pair" and 0.15 < time.monotonic() - started < 2.0
+    monitor._down(monitor.target, LATE)
+    started = time.monotonic()
+    with pytest.raises(Abort, match="unavailable"):
+        monitor.pair(patience=0.3)
+    assert 0.25 < time.monotonic() - started < 2.0
+    monitor._down(monitor.target, GONE)
+    started = time.monotonic()
+    with pytest.raises(Abort, match="unavailable"):
+        monitor.pair(patience=5.0)  # a refusal: no wait
+    assert time.monotonic() - started < 0.2
+
