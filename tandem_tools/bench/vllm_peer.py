@@ -101,8 +101,10 @@ def vllm_unavailable(python: Path, timeout: float = 180.0) -> str | None:
     return None
 
 
-def skip_message(reason: str) -> str:
-    return f"bench: vLLM skipped: {reason}"
+def log_tail(log: Path) -> str:
+    """The last line of a vLLM process's log, for an error that names why it failed."""
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    return lines[-1][-300:] if lines else "(empty)"
 
 
 def parse_reply(line: str) -> dict:
@@ -171,8 +173,7 @@ class VllmEngine:
         raise VllmError(f"the vLLM worker did not answer in {timeout:.0f} s; its log: {self.log}")
 
     def _log_tail(self) -> str:
-        lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
-        return lines[-1][-300:] if lines else "(empty)"
+        return log_tail(self.log)
 
     def request(self, payload: dict, timeout: float = 3600.0) -> dict:
         self.proc.stdin.write(json.dumps(payload) + "\n")
@@ -264,22 +265,31 @@ class VllmPeer:
             engine.close()
 
 
-def start_vllm_peer(python: Path, target: Path, head: Path, ks: Sequence[int], prompts: list[list[int]],
-                    max_new: int, concurrency: Sequence[int], out_dir: Path, echo: Callable[[str], None],
-                    eager: bool = False) -> VllmPeer | None:
-    """The peer, or None after one line saying why vLLM is skipped (the bench goes on without it)."""
+def start_if_installed(python: Path, ks: Sequence[int], prompts: list[list[int]], max_new: int,
+                       make: Callable[[int], object], what: str, echo: Callable[[str], None]):
+    """`make(max_model_len)` where vLLM runs from `python`, else None after one line saying why `what` is
+    skipped (the bench goes on without it); a start that fails (VllmError) is skipped alike."""
     reason = vllm_unavailable(python)
     if reason is None:
         _, missing = preload_libs(python)
         if missing:
-            echo(f"bench: vLLM runs without {' and '.join(missing)} in LD_PRELOAD (slower; tcmalloc: apt-get "
+            echo(f"bench: {what} runs without {' and '.join(missing)} in LD_PRELOAD (slower; tcmalloc: apt-get "
                  f"install libtcmalloc-minimal4)")
         # room for the longest prompt, its tokens and a verify's K drafts past the end
         max_model_len = max(len(p) for p in prompts) + max_new + max(ks, default=0) + 16
         try:
-            return VllmPeer(python, target, head, ks, max_model_len, out_dir, prompts[0], concurrency, echo, eager)
+            return make(max_model_len)
         except VllmError as e:
             reason = str(e)
-    echo(skip_message(reason))
+    echo(f"bench: {what} skipped: {reason}")
     return None
+
+
+def start_vllm_peer(python: Path, target: Path, head: Path, ks: Sequence[int], prompts: list[list[int]],
+                    max_new: int, concurrency: Sequence[int], out_dir: Path, echo: Callable[[str], None],
+                    eager: bool = False) -> VllmPeer | None:
+    """The peer, or None after one line saying why vLLM is skipped (the bench goes on without it)."""
+    return start_if_installed(
+        python, ks, prompts, max_new, lambda max_model_len: VllmPeer(
+            python, target, head, ks, max_model_len, out_dir, prompts[0], concurrency, echo, eager), "vLLM", echo)
 

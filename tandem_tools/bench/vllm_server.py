@@ -26,10 +26,9 @@ from tandem_tools.bench.runners import EAGLE3, Outcome
 from tandem_tools.bench.vllm_peer import (
     SPIN_S,
     VllmError,
-    preload_libs,
-    skip_message,
+    log_tail,
     start_each_mode,
-    vllm_unavailable,
+    start_if_installed,
     worker_env,
 )
 
@@ -107,7 +106,7 @@ class VllmServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise VllmError(f"vLLM's server exited ({self.proc.returncode}); {self.log}: {self._log_tail()}")
+                raise VllmError(f"vLLM's server exited ({self.proc.returncode}); {self.log}: {log_tail(self.log)}")
             try:
                 if self.http.get(f"{self.url}/health", timeout=5.0).status_code == 200:
                     return
@@ -115,10 +114,6 @@ class VllmServer:
                 pass
             time.sleep(HEALTH_POLL_S)
         raise VllmError(f"vLLM's server did not answer /health in {timeout:.0f} s; its log: {self.log}")
-
-    def _log_tail(self) -> str:
-        lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
-        return lines[-1][-300:] if lines else "(empty)"
 
     def complete(self, prompt_ids: list[int], temperature: float, seed: int, max_new: int) -> Outcome:
         body = {"model": "model", "prompt": prompt_ids, "max_tokens": max_new, "temperature": temperature,
@@ -134,14 +129,10 @@ class VllmServer:
         return outcome_of(chunks, max_new)
 
     def close(self) -> None:
+        from tandem_tools.serve import stop
+
         self.http.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)  # SIGTERM, then SIGKILL after a grace period
 
 
 class VllmServerPeer:
@@ -187,15 +178,6 @@ def start_vllm_server_peer(python: Path, target: Path, head: Path, ks: Sequence[
                            max_new: int, out_dir: Path, echo: Callable[[str], None],
                            eager: bool = False) -> VllmServerPeer | None:
     """The peer, or None after one line saying why vLLM's server is skipped (the bench goes on without it)."""
-    reason = vllm_unavailable(python)
-    if reason is None:
-        _, missing = preload_libs(python)
-        if missing:
-            echo(f"bench: vLLM's server runs without {' and '.join(missing)} in LD_PRELOAD (slower)")
-        max_model_len = max(len(p) for p in prompts) + max_new + max(ks, default=0) + 16
-        try:
-            return VllmServerPeer(python, target, head, ks, max_model_len, out_dir, echo, eager)
-        except VllmError as e:
-            reason = str(e)
-    echo(skip_message(reason).replace("vLLM skipped", "vLLM's server skipped"))
-    return None
+    return start_if_installed(
+        python, ks, prompts, max_new, lambda max_model_len: VllmServerPeer(
+            python, target, head, ks, max_model_len, out_dir, echo, eager), "vLLM's server", echo)
