@@ -56,7 +56,11 @@ class Decoding:
 
     @property
     def more(self) -> bool:
-        return self.error is None and self.left > 0 and (not self.tokens or time.monotonic() < self.until)
+        """Whether the decode takes another step. It changes only where a step's result is added (`add`, `answer`):
+        a waiting caller that read the clock itself answered while the loop's next step, which its decode had
+        joined, still ran, and that step moved the session on by a token the caller never saw (concurrent
+        target-only generations diverged under load, CI of stop 45)."""
+        return self.error is None and self.left > 0
 
     def add(self, result: VerifyResult | BaseException) -> None:
         if isinstance(result, BaseException):
@@ -68,6 +72,14 @@ class Decoding:
             self.logprobs = (self.logprobs or []) + list(result.logprobs)
         self.warming = self.warming or result.warming
         self.left = 0 if result.bonus in self.stop_ids else self.left - 1
+
+    def late(self, now: float) -> bool:
+        return bool(self.tokens) and now >= self.until
+
+    def answer(self) -> None:
+        """Ends the decode with the tokens it has, if any."""
+        if self.tokens:
+            self.left = 0
 
     def result(self) -> VerifyResult | BaseException:
         if self.error is not None:
@@ -100,6 +112,8 @@ class DecodeLoop:
         for decoding, result in zip(decodings, first, strict=True):
             if decoding is not None:
                 decoding.add(result)
+                if decoding.late(time.monotonic()):
+                    decoding.answer()
         self.run([(call[0], d) for d, call in zip(decodings, decodes, strict=True) if d is not None])
         return [result if d is None else d.result() for d, result in zip(decodings, first, strict=True)]
 
@@ -160,9 +174,9 @@ class DecodeLoop:
                     for (_, decoding), result in zip(going, results, strict=True):
                         decoding.add(result)
                     now = time.monotonic()
-                    if any(d.tokens and now >= d.until for _, d in going):  # all answer: back as one message
+                    if any(d.late(now) for _, d in going):  # all answer: back as one message
                         for _, decoding in going:
-                            decoding.until = min(decoding.until, now)
+                            decoding.answer()
                     self._changed.notify_all()
         except BaseException as exc:
             with self._changed:

@@ -144,3 +144,37 @@ def test_a_decode_asked_to_answer_later_runs_that_long():
 
     (long,) = DecodeLoop(steps).join([("u", 0, 30, [], 2000)])
     assert (long.accepted, long.bonus) == (list(range(1, 30)), 30)  # all 30, though they took ~300 ms
+
+
+def test_a_caller_woken_while_a_step_runs_gets_every_token_that_step_made_for_it():
+    """A decode ends only where a step's result is added: a caller woken mid-step after its time is up (here by
+    notifies from the step, as another caller's return would) waits for the step it is in. Reading the clock
+    itself, it answered without that step's token, which had moved the session on (CI of stop 45)."""
+    loop: DecodeLoop
+    stepped: dict[str, int] = {"a": 0, "b": 0}
+    ending = threading.Event()
+
+    def steps(going):
+        for _ in range(10):  # a 20 ms step that wakes the waiting callers every 2 ms
+            time.sleep(0.002)
+            with loop._changed:
+                loop._changed.notify_all()
+        if stepped["a"] == 1:  # b joins as a's second step ends: its time is up in the middle of its own second
+            ending.set()
+            while not any(session == "b" for session, _ in loop._active):
+                time.sleep(0.0005)
+        for session, _ in going:
+            stepped[session] += 1
+        return [VerifyResult(accepted=[], bonus=token + 1, features=None) for _, token in going]
+
+    loop = DecodeLoop(steps)
+    out: dict[str, list] = {}
+    runner = threading.Thread(target=lambda: out.setdefault("a", loop.join([("a", 0, 12, [], 10_000)])))
+    runner.start()
+    assert ending.wait(5)
+    (b,) = loop.join([("b", 100, 64, [], 30)])
+    runner.join(5)
+    (a,) = out["a"]
+    assert len(a.accepted) + 1 == stepped["a"]  # (it answers with b: one message back)
+    assert len(b.accepted) + 1 == stepped["b"] >= 2  # every step that moved b's session is in its answer
+    assert b.accepted + [b.bonus] == list(range(101, 101 + stepped["b"]))
