@@ -140,27 +140,28 @@ def test_train_draft_is_a_tandem_subcommand(tiny_dir, tmp_path):
     assert DraftEngine(tmp_path / "head", tiny_dir / "target").layout == "reference"
 
 
-def test_a_first_call_waits_out_a_service_marked_down_and_no_other_error(monkeypatch):
+def test_a_call_waits_out_a_service_marked_down_and_no_other_error(monkeypatch):
     import grpc
 
     from coordinator.client import TandemError
-    from tandem_tools.bench import schedule
+    from tandem_tools.bench import runners
 
-    monkeypatch.setattr(schedule, "PATIENCE_POLL_S", 0.0)
-    answers = [TandemError(grpc.StatusCode.UNAVAILABLE, "the target service is down"), None]
+    monkeypatch.setattr(runners, "PATIENCE_POLL_S", 0.0)
+    answers = [TandemError(grpc.StatusCode.UNAVAILABLE, "the target service is down"), "info"]
     lines: list[str] = []
 
     def call():
-        if (answer := answers.pop(0)) is not None:
+        if isinstance(answer := answers.pop(0), Exception):
             raise answer
+        return answer
 
-    schedule._patiently(call, lines.append)
+    assert runners.patiently(call, lines.append) == "info"  # (ServicesRunner.settle's server_info, too)
     assert answers == [] and lines == ["bench: the server is not ready (the target service is down); trying again ..."]
     with pytest.raises(TandemError, match="INVALID_ARGUMENT"):
-        schedule._patiently(lambda: (_ for _ in ()).throw(TandemError(grpc.StatusCode.INVALID_ARGUMENT, "bad")),
+        runners.patiently(lambda: (_ for _ in ()).throw(TandemError(grpc.StatusCode.INVALID_ARGUMENT, "bad")),
                             lines.append)
     with pytest.raises(TandemError, match="UNAVAILABLE"):  # not for ever
-        schedule._patiently(lambda: (_ for _ in ()).throw(TandemError(grpc.StatusCode.UNAVAILABLE, "down")),
+        runners.patiently(lambda: (_ for _ in ()).throw(TandemError(grpc.StatusCode.UNAVAILABLE, "down")),
                             lines.append, patience=0.0)
 
 

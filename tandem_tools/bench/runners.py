@@ -13,8 +13,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 STACKS = ("services", "in-process")
+PATIENCE_S, PATIENCE_POLL_S = 300.0, 2.0  # how long a call waits out a service marked down, and how often
+T = TypeVar("T")
 TARGET_ONLY, EAGLE3, EAGLE3_TREE, PEER = "target-only", "eagle3", "eagle3-tree", "assisted-peer"
 
 
@@ -32,6 +35,24 @@ class Outcome:
     overlap_hits: int = 0
     tree_rounds: int = 0  # verify rounds of a draft tree
     shed_rounds: int = 0  # rounds run target-only because adaptive K or the acceptance gate shed the drafts
+
+
+def patiently(call: Callable[[], T], echo: Callable[[str], None], patience: float = PATIENCE_S) -> T:
+    """`call()`, again while the server answers UNAVAILABLE: on a busy machine (a compile, vLLM's start) the
+    coordinator may have marked a service down that missed three health checks, and takes it back when it
+    answers (a bench beside vLLM's compile lost its warm-up to that, and one beside two vLLM servers just
+    started its wait for the target's compiles)."""
+    from coordinator.client import TandemError
+
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return call()
+        except TandemError as exc:
+            if exc.code.name != "UNAVAILABLE" or time.monotonic() >= deadline:
+                raise
+            echo(f"bench: the server is not ready ({exc.details}); trying again ...")
+            time.sleep(PATIENCE_POLL_S)
 
 
 class ServicesRunner:
@@ -64,7 +85,7 @@ class ServicesRunner:
         """Wait while the target compiles the buckets it has met and the draft its calls (they run eagerly
         meanwhile: not what is measured); whether there were any."""
         waited = False
-        while (info := self.client.server_info()).target_buckets_compiling or info.draft_compiling:
+        while (info := patiently(self.client.server_info, echo)).target_buckets_compiling or info.draft_compiling:
             if not waited:
                 echo(f"bench: the target is compiling {info.target_buckets_compiling} token bucket(s) of its "
                      f"forward{', the draft its calls' if info.draft_compiling else ''}; waiting ...")

@@ -25,6 +25,7 @@ from tandem_tools.bench.runners import (
     InProcessRunner,
     Outcome,
     ServicesRunner,
+    patiently,
 )
 from tandem_tools.bench.vllm_peer import VLLM, start_vllm_peer
 from tandem_tools.bench.vllm_server import VLLM_SERVER, start_vllm_server_peer
@@ -35,7 +36,6 @@ from tandem_tools.bench.vllm_server import VLLM_SERVER, start_vllm_server_peer
 BLOCK_PER_CLIENT = 4
 MIN_BLOCKS = 2
 WARM_REQUESTS = 4  # the untimed block of each case at each concurrency has at least this many requests (_warm_up)
-PATIENCE_S, PATIENCE_POLL_S = 300.0, 2.0  # how long a first call waits out a service marked down, and how often
 
 
 @dataclass
@@ -171,7 +171,7 @@ def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = 
         warm = config.prompts[0]
         for case in cases:  # one short generation each: first-call allocations are not measured
             runner = runners[case.stack, case.mode, case.overlap]
-            _patiently(partial(runner.run, warm, case.mode, case.K, case.temperature, config.seed, 8, **_tree(case)),
+            patiently(partial(runner.run, warm, case.mode, case.K, case.temperature, config.seed, 8, **_tree(case)),
                        echo)
         for c in sorted(set(config.concurrency)):
             group = [case for case in cases if case.concurrency == c]
@@ -188,24 +188,6 @@ def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = 
         for runner in {id(r): r for r in runners.values()}.values():
             runner.close()
     return [case.result() for case in cases]
-
-
-def _patiently(call: Callable[[], object], echo: Callable[[str], None], patience: float = PATIENCE_S) -> None:
-    """A first call, again while the server answers UNAVAILABLE: on a busy machine (a compile, vLLM's start)
-    the coordinator may have marked a service down that missed three health checks, and takes it back when
-    it answers (a bench beside vLLM's compile lost its warm-up to that)."""
-    from coordinator.client import TandemError
-
-    deadline = time.monotonic() + patience
-    while True:
-        try:
-            call()
-            return
-        except TandemError as exc:
-            if exc.code.name != "UNAVAILABLE" or time.monotonic() >= deadline:
-                raise
-            echo(f"bench: the server is not ready ({exc.details}); trying again ...")
-            time.sleep(PATIENCE_POLL_S)
 
 
 def _warm_up(group: list, runners: dict, requests: list, c: int, config: BenchConfig,
