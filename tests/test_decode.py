@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 from tandem.protocol import VerifyResult
 from tandem.sessions import InvalidRequest
@@ -146,19 +147,24 @@ def test_a_decode_asked_to_answer_later_runs_that_long():
     assert (long.accepted, long.bonus) == (list(range(1, 30)), 30)  # all 30, though they took ~300 ms
 
 
-def test_a_caller_woken_while_a_step_runs_gets_every_token_that_step_made_for_it():
+def test_a_caller_woken_while_a_step_runs_gets_every_token_that_step_made_for_it(monkeypatch):
     """A decode ends only where a step's result is added: a caller woken mid-step after its time is up (here by
     notifies from the step, as another caller's return would) waits for the step it is in. Reading the clock
-    itself, it answered without that step's token, which had moved the session on (CI of stop 45)."""
+    itself, it answered without that step's token, which had moved the session on (CI of stop 45). The decodes'
+    clock is the test's (a 20 ms step in 2 ms ticks), so that b's time is up in the middle of its second step
+    however busy the machine; each tick gives the woken caller a real moment to look."""
     loop: DecodeLoop
     stepped: dict[str, int] = {"a": 0, "b": 0}
     ending = threading.Event()
+    clock = [0.0]
+    monkeypatch.setattr(decode, "time", SimpleNamespace(monotonic=lambda: clock[0]))
 
     def steps(going):
-        for _ in range(10):  # a 20 ms step that wakes the waiting callers every 2 ms
-            time.sleep(0.002)
+        for _ in range(10):
+            clock[0] += 0.002
             with loop._changed:
                 loop._changed.notify_all()
+            time.sleep(0.001)
         if stepped["a"] == 1:  # b joins as a's second step ends: its time is up in the middle of its own second
             ending.set()
             while not any(session == "b" for session, _ in loop._active):
