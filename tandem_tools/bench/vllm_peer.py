@@ -167,13 +167,10 @@ class VllmEngine:
                 try:
                     return parse_reply(self.proc.stdout.readline())
                 except VllmError as e:
-                    raise VllmError(f"{e}; its log: {self.log}: {self._log_tail()}") from None
+                    raise VllmError(f"{e}; its log: {self.log}: {log_tail(self.log)}") from None
             if self.proc.poll() is not None:
-                raise VllmError(f"the vLLM worker exited ({self.proc.returncode}); {self.log}: {self._log_tail()}")
+                raise VllmError(f"the vLLM worker exited ({self.proc.returncode}); {self.log}: {log_tail(self.log)}")
         raise VllmError(f"the vLLM worker did not answer in {timeout:.0f} s; its log: {self.log}")
-
-    def _log_tail(self) -> str:
-        return log_tail(self.log)
 
     def request(self, payload: dict, timeout: float = 3600.0) -> dict:
         self.proc.stdin.write(json.dumps(payload) + "\n")
