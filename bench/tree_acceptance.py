@@ -8,17 +8,28 @@ acceptance gate, no tree policy): one seeded generation per held-out prompt for 
 and for a tree of N nodes at each top-k. Mean acceptance length is tokens committed per verify round,
 bonus included (tandem.stats), over all the prompts' rounds; the ratio is the tree's over the chain's
 (issue 22 asks for 1.25x at N=16 where the chain is not near its ceiling).
+
+At a temperature above 0 it also prints what the trees' draws were worth: a_{d,j}, how often the j-th child
+drawn at depth d was accepted once tried (its parent reached, children 0..j-1 rejected; the draft's
+SiblingRates, counted over that temperature's trees), and the ceiling they put on any tree: with those rates
+a node is reached with probability P(parent) (1 - a_{d,0}) ... (1 - a_{d,j-1}) a_{d,j}, a round commits
+1 + the sum of its nodes' probabilities, and the best tree of N nodes keeps the N likeliest (`ceiling`; the
+chain is the first children alone). The draft grows its sampled trees by the same worths, so the measured
+tree sits near that ceiling, and the ceiling over the chain is what any shape can win with these draws.
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
+import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from draft_server.tree import SiblingRates
 from tandem.params import GenerationRequest, SamplingParams, TreeParams
 from tandem.stats import mean_acceptance_length
 from tandem_tools.inprocess import InProcessGenerator
@@ -35,6 +46,34 @@ def measure(generator: InProcessGenerator, prompts: list[list[int]], tree: TreeP
         accepted += result.stats["num_accepted_tokens"]
         rounds += result.stats["num_rounds"]
     return mean_acceptance_length(accepted, rounds)
+
+
+def ceiling(rates: dict[tuple[int, int], float], nodes: int, depth: int) -> float:
+    """Tokens a round commits with the best tree of `nodes` nodes, at most `depth` deep, where the j-th child
+    drawn at depth d is accepted with probability rates[d, j] once tried (0 where not measured)."""
+    def worth(reach: float, d: int, j: int) -> float:  # a node's probability, its parent reached with `reach`
+        rejected = 1.0
+        for i in range(j):
+            rejected *= 1 - rates.get((d, i), 0.0)
+        return reach * rejected * rates.get((d, j), 0.0)
+
+    frontier = [(-worth(1.0, 1, 0), 1, 0, 1.0)]  # (-probability, depth, j, the parent's probability)
+    total = 0.0
+    for _ in range(nodes):
+        if not frontier:
+            break
+        value, d, j, reach = heapq.heappop(frontier)
+        total -= value
+        if d < depth:  # its first child
+            heapq.heappush(frontier, (-worth(-value, d + 1, 0), d + 1, 0, -value))
+        heapq.heappush(frontier, (-worth(reach, d, j + 1), d, j + 1, reach))  # its next sibling
+    return 1.0 + total
+
+
+def draw_rates(generator: InProcessGenerator) -> dict[tuple[int, int], float]:
+    """The draft's measured a_{d,j} (SiblingRates' counts, without its prior)."""
+    counts = generator.draft.sibling_rates
+    return {key: counts.accepted.get(key, 0.0) / tried for key, tried in counts.tried.items() if tried}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,16 +111,31 @@ def main(argv: list[str] | None = None) -> int:
         for k in args.top_k.split(",")]
     rows = []
     print("| temperature | shape | mean acceptance length | over the chain |\n|---:|---|---:|---:|")
+    ceilings = []
     for temperature in (float(t) for t in args.temperature.split(",")):
         chain = None
+        generator.draft.sibling_rates = SiblingRates()  # this temperature's draws only
         for name, tree in shapes:
             tau = measure(generator, prompts, tree, args.depth, temperature, args.max_new_tokens)
             chain = chain or tau
             rows.append({"temperature": temperature, "shape": name, "mean_acceptance_length": round(tau, 3),
                          "over_chain": round(tau / chain, 3)})
             print(f"| {temperature:g} | {name} | {tau:.2f} | {tau / chain:.2f}x |", flush=True)
+        if temperature > 0:
+            rates = draw_rates(generator)
+            best = ceiling(rates, args.nodes, args.depth)
+            first = [rates.get((d, 0), 0.0) for d in range(1, args.depth + 1)]
+            alone = 1.0 + sum(math.prod(first[:d]) for d in range(1, args.depth + 1))  # the first children alone
+            ceilings.append({"temperature": temperature, "rates": {f"{d},{j}": round(r, 3) for (d, j), r in sorted(rates.items())},
+                             "chain": round(alone, 3), "best_tree": round(best, 3), "over_chain": round(best / alone, 3)})
+    for row in ceilings:
+        by_draw = ", ".join(f"draw {j}: " + " ".join(f"{row['rates'].get(f'{d},{j}', 0):.2f}" for d in range(1, args.depth + 1))
+                            for j in range(3))
+        print(f"temperature {row['temperature']:g}: a_(depth 1..{args.depth}, draw j) {by_draw}; with these draws a "
+              f"chain commits {row['chain']:.2f} a round and the best tree of {args.nodes} nodes {row['best_tree']:.2f} "
+              f"({row['over_chain']:.2f}x)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": rows, "ceilings": ceilings}, indent=2))
     return 0
 
 

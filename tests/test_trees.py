@@ -220,3 +220,10 @@ def test_the_tree_acceptance_bench_measures_the_chain_and_each_tree(tiny_dir, tm
         (0.0, "chain K=3"), (0.0, "tree N=6 top-k 2"), (1.0, "chain K=3"), (1.0, "tree N=6 top-k 2")]
     assert all(r["mean_acceptance_length"] >= 1.0 for r in rows)
     assert rows[0]["over_chain"] == rows[2]["over_chain"] == 1.0
+    # the sampled trees' draws, measured, and the most any tree of 6 nodes could commit with them
+    [ceiling] = json.loads(out.read_text())["ceilings"]
+    assert ceiling["temperature"] == 1.0 and ceiling["rates"] and ceiling["best_tree"] >= ceiling["chain"] >= 1.0
+    # the ceiling itself: first draws alone make the chain; a second draw taken 0.3 of the time, one more node
+    first = {(d, 0): 0.5 for d in (1, 2, 3)}
+    assert bench.ceiling(first, 6, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert bench.ceiling({**first, (1, 1): 0.3}, 4, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.5 * 0.3)
