@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -51,13 +50,14 @@ def measure(generator: InProcessGenerator, prompts: list[list[int]], tree: TreeP
 def ceiling(rates: dict[tuple[int, int], float], nodes: int, depth: int) -> float:
     """Tokens a round commits with the best tree of `nodes` nodes, at most `depth` deep, where the j-th child
     drawn at depth d is accepted with probability rates[d, j] once tried (0 where not measured)."""
-    def worth(reach: float, d: int, j: int) -> float:  # a node's probability, its parent reached with `reach`
+    draws = 1 + max((j for _, j in rates), default=0)
+    share: dict[tuple[int, int], float] = {}  # P(children 0..j-1 rejected) P(j accepted), once per (d, j)
+    for d in range(1, depth + 1):
         rejected = 1.0
-        for i in range(j):
-            rejected *= 1 - rates.get((d, i), 0.0)
-        return reach * rejected * rates.get((d, j), 0.0)
-
-    frontier = [(-worth(1.0, 1, 0), 1, 0, 1.0)]  # (-probability, depth, j, the parent's probability)
+        for j in range(draws):
+            share[d, j] = rejected * rates.get((d, j), 0.0)
+            rejected *= 1 - rates.get((d, j), 0.0)
+    frontier = [(-share[1, 0], 1, 0, 1.0)]  # (-probability, depth, j, the parent's probability)
     total = 0.0
     for _ in range(nodes):
         if not frontier:
@@ -65,8 +65,9 @@ def ceiling(rates: dict[tuple[int, int], float], nodes: int, depth: int) -> floa
         value, d, j, reach = heapq.heappop(frontier)
         total -= value
         if d < depth:  # its first child
-            heapq.heappush(frontier, (-worth(-value, d + 1, 0), d + 1, 0, -value))
-        heapq.heappush(frontier, (-worth(reach, d, j + 1), d, j + 1, reach))  # its next sibling
+            heapq.heappush(frontier, (value * share[d + 1, 0], d + 1, 0, -value))
+        if j + 1 < draws:  # its next sibling
+            heapq.heappush(frontier, (-reach * share[d, j + 1], d, j + 1, reach))
     return 1.0 + total
 
 
@@ -124,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         if temperature > 0:
             rates = draw_rates(generator)
             best = ceiling(rates, args.nodes, args.depth)
-            first = [rates.get((d, 0), 0.0) for d in range(1, args.depth + 1)]
-            alone = 1.0 + sum(math.prod(first[:d]) for d in range(1, args.depth + 1))  # the first children alone
+            alone = ceiling({key: rate for key, rate in rates.items() if key[1] == 0}, args.depth, args.depth)  # first draws
             ceilings.append({"temperature": temperature, "rates": {f"{d},{j}": round(r, 3) for (d, j), r in sorted(rates.items())},
                              "chain": round(alone, 3), "best_tree": round(best, 3), "over_chain": round(best / alone, 3)})
     for row in ceilings:
