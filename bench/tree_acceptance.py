@@ -77,6 +77,26 @@ def draw_rates(generator: InProcessGenerator) -> dict[tuple[int, int], float]:
     return {key: counts.accepted.get(key, 0.0) / tried for key, tried in counts.tried.items() if tried}
 
 
+def pair_and_prompts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, str, list[list[int]]]:
+    """--target/--draft/--prompts/--num-prompts (the demo pair and its held-out prompts without --target) ->
+    the pair's directories and the prompts' token ids, read as `tandem bench --prompts` reads them."""
+    if args.target is None:
+        from tandem_tools.demo import ensure_demo
+
+        demo = ensure_demo()
+        args.target, args.draft = str(demo / "target"), str(demo / "draft")
+        args.prompts = args.prompts or str(demo / "prompts.jsonl")
+    if args.draft is None or args.prompts is None:
+        parser.error("--target needs --draft and --prompts")
+    items = load_prompts(Path(args.prompts))[: args.num_prompts]
+    if any(isinstance(item, str) for item in items):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+        items = [item if isinstance(item, list) else tokenizer(item)["input_ids"] for item in items]
+    return args.target, args.draft, items
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--demo", action="store_true", help="the demo pair (default without --target)")
@@ -91,22 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", default="2,4,8")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
-    if args.target is None:
-        from tandem_tools.demo import ensure_demo
-
-        demo = ensure_demo()
-        args.target, args.draft = str(demo / "target"), str(demo / "draft")
-        args.prompts = args.prompts or str(demo / "prompts.jsonl")
-    if args.draft is None or args.prompts is None:
-        p.error("--target needs --draft and --prompts")
-    items = load_prompts(Path(args.prompts))[: args.num_prompts]  # as `tandem bench --prompts` reads them
-    if any(isinstance(item, str) for item in items):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.target)
-        items = [item if isinstance(item, list) else tokenizer(item)["input_ids"] for item in items]
-    prompts = items
-    generator = InProcessGenerator(args.target, args.draft, draft_cost=0, tree_policy=False)
+    target, draft, prompts = pair_and_prompts(p, args)
+    generator = InProcessGenerator(target, draft, draft_cost=0, tree_policy=False)
     shapes = [(f"chain K={args.depth}", None)] + [
         (f"tree N={args.nodes} top-k {k}", TreeParams(nodes=args.nodes, depth=args.depth, top_k=int(k)))
         for k in args.top_k.split(",")]

@@ -227,3 +227,47 @@ def test_the_tree_acceptance_bench_measures_the_chain_and_each_tree(tiny_dir, tm
     first = {(d, 0): 0.5 for d in (1, 2, 3)}
     assert bench.ceiling(first, 6, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert bench.ceiling({**first, (1, 1): 0.3}, 4, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.5 * 0.3)
+
+
+def test_the_multidraft_bound_bench_bounds_every_rule_by_the_draws(tiny_dir, tmp_path):
+    """bench/multidraft_bound.py (the README's bound on a sampled tree at temperature 1), small, on the tiny
+    pair; and its parts on hand-made distributions."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    bench_dir = Path(__file__).resolve().parent.parent / "bench"
+    sys.path.insert(0, str(bench_dir))
+    spec = importlib.util.spec_from_file_location("multidraft_bound", bench_dir / "multidraft_bound.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # p = (0.5, 0.3, 0.2), q = (0.7, 0.2, 0.1): a first draw 0.8; rejected, it was token 0, and the second,
+    # from (0, 2/3, 1/3) against the residual (0, 1/2, 1/2), is taken 1/2 + 1/3
+    p, q = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64)
+    assert bench.sequential(p, q) == pytest.approx((0.8, 5 / 6))
+    # without replacement, two draws of three tokens: P(x among them) = 1 - P(x is the one left)
+    included = bench.inclusion(q, 3, 4000, torch.Generator().manual_seed(0))
+    left = torch.tensor([0.2 * 0.1 / 0.9 + 0.1 * 0.2 / 0.8, 0.7 * 0.1 / 0.3 + 0.1 * 0.7 / 0.9,
+                         0.7 * 0.2 / 0.3 + 0.2 * 0.7 / 0.8], dtype=torch.float64)
+    assert included[0].tolist() == pytest.approx(q.tolist())
+    assert included[1].tolist() == pytest.approx((1 - left).tolist(), abs=0.02)
+    assert included[2].tolist() == pytest.approx([1.0, 1.0, 1.0], abs=0.02)
+    assert bench.as_rates([0.5, 0.75], 2) == {(1, 0): 0.5, (2, 0): 0.5, (1, 1): 0.5, (2, 1): 0.5}
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS[:2]))
+    out = tmp_path / "bound.json"
+    assert bench.main(["--target", str(tiny_dir / "target"), "--draft", str(tiny_dir / "draft"), "--prompts",
+                       str(prompts), "--max-new-tokens", "6", "--temperature", "1", "--draws", "3", "--nodes", "6",
+                       "--depth", "3", "--samples", "16", "--json", str(out)]) == 0
+    [row] = json.loads(out.read_text())
+    assert row["verified_drafts"] > 0
+    for bound in (row["bound_with_replacement"], row["bound_without_replacement"]):
+        assert bound[0] == pytest.approx(row["first_draw"], abs=1e-3)  # one draw: the target's rule is optimal
+        assert bound == sorted(bound) and bound[-1] <= 1.0
+    # the rule never beats the bound for two draws
+    assert row["first_draw"] + (1 - row["first_draw"]) * row["second_draw"] <= row["bound_without_replacement"][1] + 0.02
+    assert row["best_tree"] >= row["chain"] >= 1.0
