@@ -109,10 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=16)
     p.add_argument("--depth", type=int, default=5)
     p.add_argument("--top-k", default="2,4,8")
+    p.add_argument("--q-top-n", type=int, help="sampled drafts: cut q to this many tokens (0: the whole q; default: "
+                                               "the draft's, as the servers run it)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     target, draft, prompts = pair_and_prompts(p, args)
     generator = InProcessGenerator(target, draft, draft_cost=0, tree_policy=False)
+    if args.q_top_n is not None:
+        generator.draft.q_top_n = args.q_top_n
     shapes = [(f"chain K={args.depth}", None)] + [
         (f"tree N={args.nodes} top-k {k}", TreeParams(nodes=args.nodes, depth=args.depth, top_k=int(k)))
         for k in args.top_k.split(",")]

@@ -214,7 +214,7 @@ def test_the_tree_acceptance_bench_measures_the_chain_and_each_tree(tiny_dir, tm
     out = tmp_path / "rows.json"
     assert bench.main(["--target", str(tiny_dir / "target"), "--draft", str(tiny_dir / "draft"), "--prompts",
                        str(prompts), "--max-new-tokens", "6", "--temperature", "0,1", "--nodes", "6", "--depth",
-                       "3", "--top-k", "2", "--json", str(out)]) == 0
+                       "3", "--top-k", "2", "--q-top-n", "0", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["temperature"], r["shape"]) for r in rows] == [
         (0.0, "chain K=3"), (0.0, "tree N=6 top-k 2"), (1.0, "chain K=3"), (1.0, "tree N=6 top-k 2")]
