@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from tree_acceptance import ceiling, pair_and_prompts
+from tree_acceptance import add_pair_arguments, ceiling, pair_and_prompts
 
 from tandem.params import GenerationRequest, SamplingParams
 from tandem_tools.inprocess import InProcessGenerator
@@ -131,11 +131,7 @@ def as_rates(cumulative: list[float], depth: int) -> dict[tuple[int, int], float
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--demo", action="store_true", help="the demo pair (default without --target)")
-    p.add_argument("--target")
-    p.add_argument("--draft")
-    p.add_argument("--prompts", help="one prompt per line, or .jsonl with prompt / prompt_ids (default: the demo's held-out prompts)")
-    p.add_argument("--num-prompts", "-n", type=int, default=32)
+    add_pair_arguments(p, 32)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("-k", type=int, default=3, help="the chain that visits the positions")
     p.add_argument("--temperature", default="1,0.7")

@@ -77,6 +77,15 @@ def draw_rates(generator: InProcessGenerator) -> dict[tuple[int, int], float]:
     return {key: counts.accepted.get(key, 0.0) / tried for key, tried in counts.tried.items() if tried}
 
 
+def add_pair_arguments(parser: argparse.ArgumentParser, num_prompts: int) -> None:
+    """The pair and its prompts, as pair_and_prompts reads them."""
+    parser.add_argument("--demo", action="store_true", help="the demo pair (default without --target)")
+    parser.add_argument("--target")
+    parser.add_argument("--draft")
+    parser.add_argument("--prompts", help="one prompt per line, or .jsonl with prompt / prompt_ids (default: the demo's held-out prompts)")
+    parser.add_argument("--num-prompts", "-n", type=int, default=num_prompts)
+
+
 def pair_and_prompts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, str, list[list[int]]]:
     """--target/--draft/--prompts/--num-prompts (the demo pair and its held-out prompts without --target) ->
     the pair's directories and the prompts' token ids, read as `tandem bench --prompts` reads them."""
@@ -99,11 +108,7 @@ def pair_and_prompts(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--demo", action="store_true", help="the demo pair (default without --target)")
-    p.add_argument("--target")
-    p.add_argument("--draft")
-    p.add_argument("--prompts", help="one prompt per line, or .jsonl with prompt / prompt_ids (default: the demo's held-out prompts)")
-    p.add_argument("--num-prompts", "-n", type=int, default=16)
+    add_pair_arguments(p, 16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", default="0,0.7,1")
     p.add_argument("--nodes", type=int, default=16)
