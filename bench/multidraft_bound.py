@@ -36,34 +36,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
+from q_truncation import Recorder
 from tree_acceptance import add_pair_arguments, ceiling, pair_and_prompts
 
 from tandem.params import GenerationRequest, SamplingParams
 from tandem_tools.inprocess import InProcessGenerator
-from target_server import acceptance
+
+
+class RowRecorder(Recorder):
+    """(p, q) over their joint support at every draft the target's rule verified."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def reached(self, probs: torch.Tensor, q: torch.Tensor) -> None:
+        for p_i, q_i in zip(probs, q, strict=True):
+            support = ((p_i > 1e-7) | (q_i > 0)).nonzero()[:, 0]
+            self.rows.append((p_i[support].double(), q_i[support].double()))
 
 
 def record(generator: InProcessGenerator, prompts: list[list[int]], temperature: float, k: int, max_new: int
            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(p, q) over their joint support at every verified draft of seeded K-chains, q not cut."""
-    rule, rows = acceptance.accept_sampled, []
-
-    def recording(probs, drafts, generator, q=None):
-        accepted, token = rule(probs, drafts, generator, q)
-        if q is not None:
-            for i in range(min(drafts.numel(), accepted + 1)):  # the drafts the rule reached
-                support = ((probs[i] > 1e-7) | (q[i] > 0)).nonzero()[:, 0]
-                rows.append((probs[i, support].double(), q[i, support].double()))
-        return accepted, token
-
-    generator.draft.q_top_n, acceptance.accept_sampled = 0, recording
-    try:
+    """(p, q) at every verified draft of seeded K-chains, q not cut."""
+    generator.draft.q_top_n = 0
+    with RowRecorder() as recorder:
         for i, prompt in enumerate(prompts):
             generator.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new, num_draft_tokens=k,
                                                  ignore_eos=True, sampling=SamplingParams(temperature=temperature, seed=i)))
-    finally:
-        acceptance.accept_sampled = rule
-    return rows
+    return recorder.rows
 
 
 def sequential(p: torch.Tensor, q: torch.Tensor) -> tuple[float, float]:

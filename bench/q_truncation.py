@@ -35,11 +35,23 @@ from target_server import acceptance
 
 
 class Recorder:
-    """Wraps the acceptance rule: E[accept] of every verified draft that came with q."""
+    """Wraps the acceptance rule while installed (`with recorder:`): E[accept] of every verified draft that
+    came with q; a subclass keeps something else of those drafts by overriding `reached`."""
 
     def __init__(self):
         self.expected: list[float] = []
         self._rule = acceptance.accept_sampled
+
+    def __enter__(self) -> Recorder:  # noqa: PYI034 (typing.Self needs 3.11)
+        acceptance.accept_sampled = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        acceptance.accept_sampled = self._rule
+
+    def reached(self, probs: torch.Tensor, q: torch.Tensor) -> None:
+        """The target's p [n, V] and the draft's q [n, V] of the n drafts the rule verified."""
+        self.expected += torch.minimum(probs, q).sum(-1).tolist()
 
     def __call__(self, probs, drafts, generator, q=None):
         k = drafts.numel()
@@ -47,7 +59,7 @@ class Recorder:
             # a draft is verified only if the ones before it were accepted: count what the rule reaches
             accepted, bonus = self._rule(probs, drafts, generator, q)
             reached = min(k, accepted + 1)
-            self.expected += torch.minimum(probs[:reached], q[:reached]).sum(-1).tolist()
+            self.reached(probs[:reached], q[:reached])
             return accepted, bonus
         return self._rule(probs, drafts, generator, q)
 
@@ -56,7 +68,6 @@ def measure(generator: InProcessGenerator, prompts: list[list[int]], temperature
             max_new: int, seed: int) -> dict:
     generator.draft.q_top_n = top_n
     recorder = Recorder()
-    acceptance.accept_sampled = recorder
     q_bytes: list[int] = []
     propose = generator.draft.propose
 
@@ -69,15 +80,15 @@ def measure(generator: InProcessGenerator, prompts: list[list[int]], temperature
     rounds = drafted = accepted = 0
     started = time.perf_counter()
     try:
-        for i, prompt in enumerate(prompts):
-            request = GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new, num_draft_tokens=k, ignore_eos=True,
-                                        sampling=SamplingParams(temperature=temperature, seed=seed + i))
-            stats = generator.generate(request).stats
-            rounds += stats["num_rounds"]
-            drafted += stats["num_draft_tokens"]
-            accepted += stats["num_accepted_tokens"]
+        with recorder:
+            for i, prompt in enumerate(prompts):
+                request = GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new, num_draft_tokens=k,
+                                            ignore_eos=True, sampling=SamplingParams(temperature=temperature, seed=seed + i))
+                stats = generator.generate(request).stats
+                rounds += stats["num_rounds"]
+                drafted += stats["num_draft_tokens"]
+                accepted += stats["num_accepted_tokens"]
     finally:
-        acceptance.accept_sampled = recorder._rule
         generator.draft.propose = propose
     verified = len(recorder.expected)
     return {

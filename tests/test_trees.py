@@ -199,16 +199,22 @@ def test_a_wide_tree_is_verified_within_what_its_prefill_reserved(generator):
         target.release(session)
 
 
-def test_the_tree_acceptance_bench_measures_the_chain_and_each_tree(tiny_dir, tmp_path):
-    """bench/tree_acceptance.py (the README's tree-against-chain rows), small, on the tiny pair."""
+def _bench(name: str):
+    """bench/<name>.py as a module (the bench scripts are not a package)."""
     import importlib.util
-    import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "tree_acceptance.py"
-    spec = importlib.util.spec_from_file_location("tree_acceptance", path)
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "bench" / f"{name}.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_tree_acceptance_bench_measures_the_chain_and_each_tree(tiny_dir, tmp_path):
+    """bench/tree_acceptance.py (the README's tree-against-chain rows), small, on the tiny pair."""
+    import json
+
+    bench = _bench("tree_acceptance")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS[:2]))
     out = tmp_path / "rows.json"
@@ -232,18 +238,11 @@ def test_the_tree_acceptance_bench_measures_the_chain_and_each_tree(tiny_dir, tm
 def test_the_multidraft_bound_bench_bounds_every_rule_by_the_draws(tiny_dir, tmp_path):
     """bench/multidraft_bound.py (the README's bound on a sampled tree at temperature 1), small, on the tiny
     pair; and its parts on hand-made distributions."""
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
 
     import torch
 
-    bench_dir = Path(__file__).resolve().parent.parent / "bench"
-    sys.path.insert(0, str(bench_dir))
-    spec = importlib.util.spec_from_file_location("multidraft_bound", bench_dir / "multidraft_bound.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench("multidraft_bound")
     # p = (0.5, 0.3, 0.2), q = (0.7, 0.2, 0.1): a first draw 0.8; rejected, it was token 0, and the second,
     # from (0, 2/3, 1/3) against the residual (0, 1/2, 1/2), is taken 1/2 + 1/3
     p, q = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64)
