@@ -128,10 +128,6 @@ class TargetEngine(SessionOwner):
             [((session_id, token, [], False, None, None), None) for session_id, token in going], self._verify_step,
             "verify"))
 
-    def same_bits(self, steps: list[Step], borrowed: Callable) -> bool:
-        """Whether the forward of `steps` gives the same bits on the CPUs a ThreadBurst borrows (runners)."""
-        return self.runner.same_bits(steps, self.kv_pool, borrowed)
-
     @property
     def buckets_compiling(self) -> int:
         """Buckets of the compiled forward queued or compiling in the background (warmup.WarmUp)."""

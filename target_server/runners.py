@@ -3,8 +3,6 @@
   supports_trees              whether a verify's drafts may be a tree (Step.parents)
   forward(steps) -> logits [N, V] (a prefill's last row, every row of a verify, in step order) and
                     each step's features [n, 3H]; a tree's nodes each attend to the past and their own path
-  same_bits(steps, pool, borrowed) whether forward(steps)'s output is the same bits on more threads (borrowed(call)
-                    runs call() on them), so that it may borrow the draft's CPUs (target_server/threads.py)
   commit(steps, past, kept)   after acceptance: each step keeps the KV of the new tokens kept[i] (indices
                     into its new tokens, ascending: range(n) for a prefill, range(1 + a) for a chain, the
                     accepted path's nodes [0, i_1 + 1, ...] for a tree), at positions past[i] + 0, 1, ...
@@ -25,7 +23,7 @@ import copy
 import logging
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -38,15 +36,12 @@ from target_server.kv import VERIFY_TOKENS, KVLayer, KVPool
 from target_server.loading import LoadedTarget
 from target_server.native import NativeCausalLM, fuse_projections
 from target_server.paged import BLOCK, PAD, PagedKVPool, Span, ancestor_bits, bucket, keep_rows, plan
-from target_server.threads import thread_invariant
 from target_server.warmup import WarmUp
 
 if TYPE_CHECKING:
     from target_server.steps import Step
 
 log = logging.getLogger("tandem.target")
-
-T = TypeVar("T")
 
 
 def compile_default(device: torch.device) -> bool | str:
@@ -123,8 +118,6 @@ class NativeRunner:
             if packs:
                 pack_linears(model)
         self.warm_up = WarmUp(self) if compile == "background" else None
-        self.eager_varies = thread_invariant(self._eager)  # why an eager forward's bits could change, or None
-        self.same: dict[tuple[int, int], bool] = {}  # compiled buckets checked at two thread counts
 
     def make_pool(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, tokens: int | None) -> PagedKVPool:
         cap = None if tokens is None else max(tokens // KVPool.BLOCK, 1)
@@ -151,42 +144,6 @@ class NativeRunner:
         if self.compiled and key in ready and key not in self.failed:
             return [steps]
         return [[step for step in steps if step.kind != "prefill"], prefills]
-
-    def same_bits(self, steps: list[Step], pool: PagedKVPool, borrowed: Callable[[Callable[[], T]], T]) -> bool:
-        """Eager, where every linear layer is packed (threads.thread_invariant). Compiled, where the bucket's graph
-        and lm_head gave the same bits on one thread and on more, over a forward of random tokens, checked once
-        a bucket (its first forward compiled, here or by WarmUp, keeps to the caller's threads). The graph's
-        products are aten's GEMM (MKL), whose output changes with the threads at some widths and not others
-        (torch 2.13, this 2-core CPU, 1 against 2 threads: 5-7 and 9-11 rows differ in the last bit, 1-4, 8 and
-        12-1024 do not), and the buckets pad to their widths; the check asks of each what this machine does."""
-        key = (bucket(sum(len(step.ids) for step in steps), self.device.type), pool.owner.shape[0])
-        if not self.compiled or key in self.failed:
-            return self.eager_varies is None
-        if self.warm_up is not None and key not in self.warm_up.compiled:
-            return key not in self.buckets and self.eager_varies is None  # while it compiles, either way
-        if self.warm_up is None and key not in self.buckets:
-            return False  # this forward compiles it
-        if key not in self.same:
-            self.same[key] = self._same_bits(key[0], pool, borrowed)
-        return self.same[key]
-
-    def _same_bits(self, width: int, pool: PagedKVPool, borrowed: Callable) -> bool:
-        """A forward of `width` random tokens (the scratch block's: no session's KV) on the caller's threads and
-        on the borrowed ones, compared bit for bit: its hidden rows, features and logits."""
-        if (varies := thread_invariant(self.model.lm_head)) is not None:
-            log.info("the target's compiled forwards keep to their own CPUs: lm_head %s", varies)
-            return False
-        ids = torch.randint(self.model.model.embed_tokens.num_embeddings, (width,), device=self.device)
-        positions, batch = plan([], width, pool, dense=False)
-
-        def run() -> list[torch.Tensor]:
-            hidden, features = self._forward(ids, positions, batch)
-            return [hidden, features, self.model.lm_head(hidden)]
-
-        same = all(map(torch.equal, run(), borrowed(run)))
-        log.info("the compiled forward of %d tokens gives %s bits on the borrowed CPUs: %s", width,
-                 "the same" if same else "other", "it may borrow them" if same else "it keeps to its own")
-        return same
 
     def forward(self, steps: list[Step], pool: PagedKVPool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         sizes = [len(step.ids) for step in steps]
@@ -288,10 +245,6 @@ class HFRunner:
         windowed = window and window < getattr(config, "max_position_embeddings", 0)
         full = not windowed and types == {"full_attention"}
         self.supports_trees = full and self.model.config._attn_implementation in ("sdpa", "eager")
-        self.varies = thread_invariant(self.model)
-
-    def same_bits(self, steps: list[Step], pool: KVPool, borrowed: Callable) -> bool:
-        return self.varies is None
 
     def make_pool(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, tokens: int | None) -> KVPool:
         cap = None if tokens is None else max(tokens // KVPool.BLOCK, 1)

@@ -268,8 +268,9 @@ def load(settings: TargetSettings, service: Service, servicer: TargetServicer):
         queue_timeout=settings.queue_timeout, engine=settings.engine,
     )
     if settings.burst_cpus and engine.device.type == "cpu":
-        engine.burst = ThreadBurst(parse_cpus(settings.burst_cpus, available=False), engine.same_bits)
-        if not getattr(engine.runner, "compiled", False) and (varies := thread_invariant(engine.model)) is not None:
+        if (varies := thread_invariant(engine.model)) is None:
+            engine.burst = ThreadBurst(parse_cpus(settings.burst_cpus, available=False))
+        else:
             log.info("the target's forwards keep to their own CPUs: %s (its output would depend on the threads)",
                      varies)
     try:

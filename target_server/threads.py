@@ -11,9 +11,6 @@ from 267 to 113-137 tokens/s). So each width class of forward (its tokens to a p
 ways, alternately, and borrows the CPUs only where that was faster by GAIN (deciding after EARLY forwards
 each way where the two ways did not overlap); the choice is measured again
 every REVISIT forwards of the class, since what the draft's CPU is doing meanwhile changes with the load.
-A forward borrows only where the engine says its output is the same bits on the borrowed CPUs (`same_bits`,
-target_server/runners.py): an eager forward whose products are all packed (`thread_invariant`), or a compiled
-bucket checked once both ways; greedy output must not depend on how many threads a forward had.
 
 OpenMP's workers are started by the thread that runs the forward (a batch runs on whichever handler thread
 leads it, tandem/batching.py) and inherit its affinity: that thread's first borrowing forward runs on every
@@ -28,8 +25,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -85,9 +81,9 @@ class _WidthClass:
 
 
 def thread_invariant(model: torch.nn.Module) -> str | None:
-    """Why `model`'s forward, of any number of rows, could change with its thread count, or None: every product
-    of it runs over oneDNN's packed weights (tandem/packed.py), whose results were the same bit for bit at 1 and 2
-    threads (110 shapes of 1-200 rows), as were SmolLM2-135M's logits through prefills and verifies; aten's GEMM
+    """Why `model`'s forward could change with its thread count, or None: every product of its runs over
+    oneDNN's packed weights (tandem/packed.py), whose results were the same bit for bit at 1 and 2 threads
+    (110 shapes of 1-200 rows), as were SmolLM2-135M's logits through prefills and verifies; aten's GEMM
     over 6 rows (a K=5 verify) differs in the last bit with 2 threads, enough to turn a near tie."""
     plain = sum(type(module) is torch.nn.Linear for module in model.modules())
     return f"{plain} of its linear layers are not packed" if plain else None
@@ -98,13 +94,10 @@ def _tasks() -> set[int]:
 
 
 class ThreadBurst:
-    """Runs a forward on `cpus` with a thread each where that measures faster than on the caller's own CPUs and
-    `same_bits` (the engine's) says its output cannot change with the threads; with no `cpus`, on the caller's
-    own as it is."""
+    """Runs a forward on `cpus` with a thread each where that measures faster than on the caller's own CPUs;
+    with no `cpus`, on the caller's own as it is."""
 
-    def __init__(self, cpus: frozenset[int] | None = None,
-                 same_bits: Callable[[Sequence[Step], Callable], bool] = lambda steps, borrowed: True):
-        self.same_bits = same_bits
+    def __init__(self, cpus: frozenset[int] | None = None):
         self.cpus = frozenset(cpus) | frozenset(os.sched_getaffinity(0)) if cpus else None
         if self.cpus is not None:
             own = os.sched_getaffinity(0)
@@ -139,48 +132,36 @@ class ThreadBurst:
         """The width classes (tokens up to 2^k) now borrowing the CPUs."""
         return sorted(1 << (k - 1) for k, c in self._classes.items() if c.wide)
 
-    @contextmanager
-    def borrowing(self) -> Iterator[None]:
-        """The calling thread with a thread per CPU of `cpus`; its first time, its OpenMP workers start there."""
-        threads, master = torch.get_num_threads(), threading.get_native_id()
-        first = master not in self._masters
-        if first:  # the workers OpenMP starts for this thread now inherit the wider affinity
-            own, before = os.sched_getaffinity(0), _tasks()
-            os.sched_setaffinity(0, self.cpus)
-        torch.set_num_threads(self.threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(threads)
-            if first:
-                os.sched_setaffinity(0, own)
-                self._masters.add(master)
-                self._yield_workers(_tasks() - before)
-
     def run(self, steps: Sequence[Step], forward: Callable[..., T], *args) -> T:
-        """`forward(steps, *args)`, timed by the steps' new tokens' width class; on the caller's own CPUs where
-        `same_bits(steps, borrowed)` says this forward's output could change with the threads (`borrowed(call)`
-        runs `call()` on the borrowed CPUs, for a check of its own)."""
-        if (self.cpus is None or self.threads <= torch.get_num_threads()
-                or not self.same_bits(steps, self.call_borrowing)):
+        """`forward(steps, *args)`, timed by the steps' new tokens' width class."""
+        if self.cpus is None or self.threads <= torch.get_num_threads():
             return forward(steps, *args)
         key = max(1, sum(len(step.ids) for step in steps)).bit_length()
         with self._lock:
             width = self._classes.setdefault(key, _WidthClass())
             wide = width.next_wide()
+        master = threading.get_native_id()
+        first = wide and master not in self._masters
+        if wide:
+            threads = torch.get_num_threads()
+            if first:  # the workers OpenMP starts for this thread now inherit the wider affinity
+                own, before = os.sched_getaffinity(0), _tasks()
+                os.sched_setaffinity(0, self.cpus)
+            torch.set_num_threads(self.threads)
         start = time.perf_counter()
         try:
-            with self.borrowing() if wide else nullcontext():
-                return forward(steps, *args)
+            return forward(steps, *args)
         finally:
             seconds = time.perf_counter() - start
+            if wide:
+                torch.set_num_threads(threads)
+            if first:
+                os.sched_setaffinity(0, own)
+                self._masters.add(master)
+                self._yield_workers(_tasks() - before)
             with self._lock:
                 medians = width.record(wide, seconds)
             if medians is not None:
                 log.info("forwards of up to %d tokens: %.2f ms on the target's CPUs, %.2f ms on %d CPUs: %s",
                          1 << (key - 1), medians[0] * 1e3, medians[1] * 1e3, self.threads,
                          "borrowing the draft's" if width.wide else "keeping to its own")
-
-    def call_borrowing(self, call: Callable[[], T]) -> T:
-        with self.borrowing():
-            return call()

@@ -5,10 +5,8 @@ nor syncs the host more than once per verify."""
 
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,7 +33,6 @@ from target_server.capture import FeatureCapture
 from target_server.engine import TargetEngine
 from target_server.native import load_native
 from target_server.paged import PagedKVPool, Span, bucket, plan
-from target_server.threads import ThreadBurst
 from target_server.warmup import WarmUp
 
 SHAPE = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
@@ -49,7 +46,6 @@ FAMILIES = {
     "qwen2-bias": (Qwen2ForCausalLM, Qwen2Config(**SHAPE)),
     "qwen3-qk-norm": (Qwen3ForCausalLM, Qwen3Config(**SHAPE, head_dim=32)),  # head_dim apart from hidden / heads
 }
-CPUS = sorted(os.sched_getaffinity(0))
 AUX = [1, 2, 4]  # the embeddings' next layer, a middle one, the last layer's output
 
 
@@ -276,44 +272,6 @@ def test_a_background_compile_runs_a_bucket_eagerly_until_its_graph_is_ready(che
     target.release("p")
     assert greedy_rounds(target, oracle, second, 8, 3) == hf_generate(model, second, 8)
     assert threads and set(threads) == {threading.current_thread().name}  # the prefill (8: compiled), the verifies
-
-
-def test_a_compiled_bucket_borrows_cpus_only_where_its_output_was_the_same_bits_there(checkpoints, monkeypatch):
-    """A compiled forward may borrow the draft's CPUs (target_server/threads.py) only where its bucket's graph and
-    lm_head gave the same bits on the caller's threads and on the borrowed ones (NativeRunner.same_bits): never
-    in the forward that compiles the bucket, checked once a bucket, never with an lm_head that is not packed
-    (it runs unpadded, any number of rows); and borrowing for real (two CPUs), generate's tokens."""
-    compile_eagerly(monkeypatch)
-    path, model = checkpoints["llama-gqa-llama3"]
-    target = TargetEngine(path, engine="native", aux_layer_ids=AUX, compile=True)
-    runner, pool, head = target.runner, target.kv_pool, target.runner.model.lm_head
-    runner.model.lm_head = PackedLinear(head)  # as a bigger target's is (PACK_MIN_WEIGHTS)
-    calls = []
-
-    def borrowed(call):
-        calls.append(1)
-        return call()
-
-    verifies = [SimpleNamespace(ids=[0] * 4)]  # the bucket of 4 tokens
-    assert not runner.same_bits(verifies, pool, borrowed) and not calls  # not compiled yet: this forward would
-    oracle = OracleDraft(model, corrupt=0.3)
-    oracle.expect(7)
-    prompt = [7, 3, 9, 11]
-    assert greedy_rounds(target, oracle, prompt, 8, 3) == hf_generate(model, prompt, 8)  # compiles it
-    assert runner.same_bits(verifies, pool, borrowed) and runner.same_bits(verifies, pool, borrowed)
-    assert len(calls) == 1  # checked once
-    runner.same.clear()
-    assert not runner.same_bits(verifies, pool, lambda call: [t.nextafter(t + 1) for t in call()])  # the last bit
-    runner.same.clear()
-    runner.model.lm_head = head
-    assert not runner.same_bits(verifies, pool, borrowed) and len(calls) == 1
-    runner.model.lm_head = PackedLinear(head)
-    runner.same.clear()
-    if len(CPUS) > 1:
-        target.burst = ThreadBurst(frozenset(CPUS), target.same_bits)
-        other = [7, 20, 21, 22, 23, 24]
-        assert greedy_rounds(target, oracle, other, 12, 3) == hf_generate(model, other, 12)
-        assert (4, pool.owner.shape[0]) in runner.same
 
 
 def test_a_bucket_whose_compile_fails_runs_eagerly_and_the_engine_carries_on(checkpoints, monkeypatch):
