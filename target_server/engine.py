@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -122,6 +123,7 @@ class TargetEngine(SessionOwner):
         self.sessions: SessionTable[Session] = SessionTable("target")
         self.kv_budget = KVBudget(kv_cache_tokens, queue_timeout)
         self.kv_pool = self._pool(kv_cache_tokens)
+        self._forwarding = threading.RLock()  # a batch's forwards, or a session's release (_free)
         # One forward at a time (the model and the capture hooks are shared), batched across sessions.
         self.batcher: Batcher[Step] = Batcher(self._run_batch, max_batch_size, max_batch_tokens)
         self.decodes = DecodeLoop(lambda going: self.batcher.submit_many(
@@ -177,8 +179,13 @@ class TargetEngine(SessionOwner):
         return list(evicted)
 
     def _free(self, session: Session) -> None:
-        self.kv_pool.free(session.blocks)
-        session.blocks = []
+        """Not while a batch's forward runs: a step of the session may be in it, its blocks read and grown there
+        (a client's deadline released a session mid-batch, and the batch's plan, every other session's step with
+        it, failed on its emptied block table). Its next batch fails that step alone (`released`)."""
+        with self._forwarding:
+            self.kv_pool.free(session.blocks)
+            session.blocks = []
+            session.released = True
         self.kv_budget.free(session.reserved)
 
     def features_ready(self, session_id: str) -> torch.cuda.Event | None:
@@ -304,8 +311,15 @@ class TargetEngine(SessionOwner):
     def _run_batch(self, steps: list[Step]) -> list[PrefillResult | VerifyResult | Exception]:
         """The batch in as few forwards as keep each one's padded KV within the budget; a forward that
         runs out of memory fails its steps with ResourceExhausted (the server is full), not the process."""
-        results: dict[int, PrefillResult | VerifyResult | Exception] = {}
-        for part in self.runner.parts(steps, self.kv_budget.tokens, self.kv_pool):
+        with self._forwarding:
+            return self._run_batch_locked(steps)
+
+    def _run_batch_locked(self, steps: list[Step]) -> list[PrefillResult | VerifyResult | Exception]:
+        results: dict[int, PrefillResult | VerifyResult | Exception] = {
+            id(step): SessionNotFound(f"the target session ended before its {step.kind} ran")
+            for step in steps if step.session.released}
+        live = [step for step in steps if not step.session.released]
+        for part in self.runner.parts(live, self.kv_budget.tokens, self.kv_pool) if live else ():
             try:
                 results.update(zip(map(id, part), self._forward(part), strict=True))
             except torch.OutOfMemoryError as exc:

@@ -25,6 +25,7 @@ class Session:
     owner: int = field(default_factory=lambda: next(_owners))
     last_used: float = field(default_factory=time.monotonic)
     ready: torch.cuda.Event | None = None  # CUDA: recorded at the end of the batch that computed its last features
+    released: bool = False  # its blocks freed (ended, cancelled, evicted): a step of it still queued fails alone
 
 
 @dataclass

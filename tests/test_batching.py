@@ -17,7 +17,7 @@ from test_core import assert_same_or_tie, hf_greedy, make_prompts
 from coordinator.cohorts import CohortLink, Cohorts
 from tandem.batching import Batcher
 from tandem.params import GenerationRequest, SamplingParams
-from tandem.sessions import ResourceExhausted
+from tandem.sessions import ResourceExhausted, SessionNotFound
 from tandem.timing import StepClock
 from tandem_tools.inprocess import InProcessGenerator
 from target_server.engine import TargetEngine
@@ -216,6 +216,45 @@ def test_a_compiled_target_mixes_prefills_in_only_at_a_width_it_has_compiled(tin
     runner.buckets.clear()
     assert runner.parts(steps, None, pool) == apart
     assert runner.parts(steps[1:2], None, pool) == [steps[1:2]] and runner.parts(steps[::2], None, pool) == [steps[::2]]
+
+
+@pytest.mark.parametrize("engine", ["native", "hf"])
+def test_a_session_released_while_its_step_is_queued_or_running_fails_that_step_alone(tiny_dir, engine):
+    """A client's deadline ends its session whenever it falls: a step of it still queued fails alone (NOT_FOUND),
+    and a release that falls while the batch runs waits for it to end (a release mid-batch emptied the block
+    table the batch's plan then read, and every step in the batch failed with an IndexError); the other sessions'
+    steps give what they give without it, and no block is lost."""
+    target = TargetEngine(tiny_dir / "target", engine=engine)
+    greedy = SamplingParams(temperature=0.0)
+    free = len(target.kv_pool._free)
+    firsts = {s: target.prefill(s, [5, 6, 7], greedy, max_new_tokens=16).token for s in ("a", "b", "c")}
+    alone = target.verify("c", firsts["c"], [3, 4])  # b's step below, without a beside it
+    target.release("c")
+    steps = {s: target._verify_step(s, firsts[s], [3, 4], True, None, None)[0] for s in ("a", "b")}
+    target.release("a")  # queued, then released: its step fails alone
+    gone, kept = target._run_batch([steps["a"], steps["b"]])
+    assert isinstance(gone, SessionNotFound) and "ended before its verify ran" in str(gone)
+    assert kept.bonus == alone.bonus and kept.accepted == alone.accepted
+    assert torch.equal(kept.features, alone.features)
+    target.release("b")
+    late = {s: target.prefill(s, [5, 6, 7], greedy, max_new_tokens=16).token for s in ("d", "e")}
+    forward, releases = target.runner.forward, []
+
+    def releasing(*args):  # "d" released from another thread while the batch's forward runs
+        releases.append(threading.Thread(target=target.release, args=("d",)))
+        releases[-1].start()
+        releases[-1].join(0.2)
+        assert releases[-1].is_alive(), "a release ran in the middle of a batch"
+        return forward(*args)
+
+    target.runner.forward = releasing
+    results = target._run_batch([target._verify_step(s, late[s], [3, 4], True, None, None)[0] for s in ("d", "e")])
+    target.runner.forward = forward
+    releases[0].join(5)
+    assert not releases[0].is_alive() and "d" not in target.sessions
+    assert [r.bonus for r in results] == [alone.bonus] * 2
+    target.release("e")
+    assert len(target.kv_pool._free) == free
 
 
 def test_a_batch_does_not_wait_for_a_session_that_ended():

@@ -320,3 +320,41 @@ def test_a_short_load_run_has_no_errors_and_only_correct_outputs(stack):
     assert report["requests_ok"] > 0 and report["errors"] == {} and report["wrong_outputs"] == 0
     assert report["latency_p99_s"] >= report["latency_p50_s"] > 0
     wait_for_no_sessions(stack["target"].address, stack["draft"].address)
+
+
+class _LeftContext:
+    """A servicer context whose client has gone (a cancel, a deadline)."""
+
+    def __init__(self):
+        self.aborted: tuple | None = None
+
+    def is_active(self) -> bool:
+        return False
+
+    def abort(self, code, details):
+        self.aborted = code, details
+        raise Exception()  # noqa: TRY002 - as grpc's: a bare Exception unwinds the handler
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_handler_that_fails_after_its_client_left_ends_without_an_answer(streaming):
+    """A handler failing after its client left has nobody to tell: it ends the RPC (CANCELLED) rather than
+    answer. A unary one used to return None from the error mapping, and grpc logged "Exception serializing
+    message!" with a traceback for each (five at once when a 16-request bench hit its deadline)."""
+    from tandem.errors import ERRORS, _streaming, _unary
+    from tandem.sessions import SessionNotFound
+
+    def behavior(request, context):
+        raise SessionNotFound("unknown target session 'a'")
+
+    def streamed(request, context):
+        yield from ()
+        raise SessionNotFound("unknown target session 'a'")
+
+    context = _LeftContext()
+    with pytest.raises(Exception) as raised:
+        if streaming:
+            list(_streaming(streamed, ERRORS)(None, context))
+        else:
+            _unary(behavior, ERRORS)(None, context)
+    assert type(raised.value) is Exception and context.aborted == (grpc.StatusCode.CANCELLED, "the client left")
