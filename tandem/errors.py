@@ -87,8 +87,9 @@ def errors_to_status(context: grpc.ServicerContext, errors: ErrorMap = ERRORS) -
         if _is_grpc_abort(exc):
             raise
         if not context.is_active():  # the client went away (cancel, deadline): nobody to tell, nothing to answer
-            log.debug("request ended after the client left: %s", exc)  # (a unary handler returning None instead
-            context.abort(grpc.StatusCode.CANCELLED, "the client left")  # made grpc log a serializing error)
+            # (a unary handler that returned None here made grpc log "Exception serializing message!")
+            log.debug("request ended after the client left: %s", exc)
+            context.abort(grpc.StatusCode.CANCELLED, "the client left")
         status = status_of(exc, errors)
         if status is None:
             log.exception("internal error")

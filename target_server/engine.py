@@ -179,9 +179,8 @@ class TargetEngine(SessionOwner):
         return list(evicted)
 
     def _free(self, session: Session) -> None:
-        """Not while a batch's forward runs: a step of the session may be in it, its blocks read and grown there
-        (a client's deadline released a session mid-batch, and the batch's plan, every other session's step with
-        it, failed on its emptied block table). Its next batch fails that step alone (`released`)."""
+        """Not mid-batch (a deadline's release emptied a block table the batch's plan read, failing every step);
+        a step of it still queued fails alone (`released`)."""
         with self._forwarding:
             self.kv_pool.free(session.blocks)
             session.blocks = []
@@ -312,9 +311,9 @@ class TargetEngine(SessionOwner):
         """The batch in as few forwards as keep each one's padded KV within the budget; a forward that
         runs out of memory fails its steps with ResourceExhausted (the server is full), not the process."""
         with self._forwarding:
-            return self._run_batch_locked(steps)
+            return self._run_live(steps)
 
-    def _run_batch_locked(self, steps: list[Step]) -> list[PrefillResult | VerifyResult | Exception]:
+    def _run_live(self, steps: list[Step]) -> list[PrefillResult | VerifyResult | Exception]:
         results: dict[int, PrefillResult | VerifyResult | Exception] = {
             id(step): SessionNotFound(f"the target session ended before its {step.kind} ran")
             for step in steps if step.session.released}
