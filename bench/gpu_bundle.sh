@@ -7,7 +7,7 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 #   python3 bench/gpu_validate.py --pair .gpu/demo --work /tmp/gv --budget-min 8 --dtypes float32 --transports grpc,cuda-ipc
 #
-# Stop 32 ran it that way on one H100 in three calls of a 15-minute lease (README, "Validating the GPU paths").
+# Run that way on one H100 in three calls of a 15-minute lease, 2026-11-27 (docs/gpu-validation.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}

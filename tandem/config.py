@@ -166,10 +166,10 @@ SPEC_DRAFT_COST = 0.3
 # 6.7-7.9 with 16, where the verify it hides behind takes ~4.5 ms; through the services (one request) 8 hit
 # 59% of verifies and 4 45%: 8, the branches the draft compiles for.
 OVERLAP_BRANCHES = 8
-# On by default since stop 43: greedy, one request, K=5, the demo pair through the services beside vLLM's CPU
+# On by default, for this measurement: greedy, one request, K=5, the demo pair through the services beside vLLM's CPU
 # backend in one run (`tandem bench --demo --stack services -k 5 --concurrency 1 --temperature 0 --overlap on
 # --peer vllm`): Tandem EAGLE-3 200.0 tokens/s (69% of verifies hit, 3.97 tokens a round) against vLLM's 173.1,
-# target-only 118.2 against 116.8; overlap off ran 0.89x vLLM's EAGLE-3 in the last stop's run (212.8 against
+# target-only 118.2 against 116.8; overlap off ran 0.89x vLLM's EAGLE-3 in the run before (212.8 against
 # 239.6). Sampled generations stay off (OVERLAP_SAMPLED_HELP), and above one running generation the coordinator
 # overlaps none (overlap_max_running).
 OVERLAP_HELP = "on: the draft prepares a lone greedy generation's next round while the target verifies"

@@ -59,7 +59,7 @@ class Decoding:
         """Whether the decode takes another step. It changes only where a step's result is added (`add`, `answer`):
         a waiting caller that read the clock itself answered while the loop's next step, which its decode had
         joined, still ran, and that step moved the session on by a token the caller never saw (concurrent
-        target-only generations diverged under load, CI of stop 45)."""
+        target-only generations diverged under load in CI)."""
         return self.error is None and self.left > 0
 
     def add(self, result: VerifyResult | BaseException) -> None:

@@ -6,7 +6,7 @@ thread per CPU of its own. A forward heavy enough to be bound by its matmuls (Sm
 250 -> 157 ms in-process with 2 threads on this 2-core machine, one decode 97 -> 73 ms, memory-bound: two
 cores draw more bandwidth) runs faster over every CPU, while the demo target's small ones do not (16
 decodes 17 -> 14 ms, one decode the same) and a thread woken for each of its ~60 matmuls costs a
-drafting round more than it gives (stop 41: two threads for every forward took target-only at one request
+drafting round more than it gives (measured: two threads for every forward took target-only at one request
 from 267 to 113-137 tokens/s). So each width class of forward (its tokens to a power of two) is timed both
 ways, alternately, and borrows the CPUs only where that was faster by GAIN (deciding after EARLY forwards
 each way where the two ways did not overlap); the choice is measured again

@@ -150,7 +150,7 @@ def test_a_decode_asked_to_answer_later_runs_that_long():
 def test_a_caller_woken_while_a_step_runs_gets_every_token_that_step_made_for_it(monkeypatch):
     """A decode ends only where a step's result is added: a caller woken mid-step after its time is up (here by
     notifies from the step, as another caller's return would) waits for the step it is in. Reading the clock
-    itself, it answered without that step's token, which had moved the session on (CI of stop 45). The decodes'
+    itself, it answered without that step's token, which had moved the session on (seen in CI). The decodes'
     clock is the test's (a 20 ms step in 2 ms ticks), so that b's time is up in the middle of its second step
     however busy the machine; each tick gives the woken caller a real moment to look."""
     loop: DecodeLoop

@@ -56,7 +56,7 @@ def test_a_forward_borrows_the_cpus_with_workers_that_yield_and_the_thread_gets_
     errors: list[BaseException] = []
     a = torch.randn(256, 256)
     # the forwards' time on a clock of the test's: slept for, a busy CI machine made a borrowed forward no
-    # faster than its own CPU's, and the class chose to keep to it (CI of stop 46)
+    # faster than its own CPU's, and the class chose to keep to it (seen in CI)
     clock = [0.0]
     monkeypatch.setattr(threads, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
 
