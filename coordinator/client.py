@@ -13,15 +13,25 @@ TandemError with the gRPC status code (INVALID_ARGUMENT for bad parameters, UNAV
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import grpc
 from pydantic import BaseModel
 
+from tandem import security
 from tandem.convert import stats_from_pb
 from tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 DEFAULT_MAX_MESSAGE_MIB = 16
+API_KEY_ENV = "TANDEM_API_KEY"  # the key the client sends when none is given
+
+
+def key_metadata(api_key: str | None = None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata that carries `api_key` (default $TANDEM_API_KEY); None without a key."""
+    api_key = api_key or os.environ.get(API_KEY_ENV)
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
 
 
 class TandemError(RuntimeError):
@@ -99,12 +109,14 @@ def build_request(
 
 class TandemClient:
     def __init__(self, address: str, timeout: float | None = None, max_message_mib: int = DEFAULT_MAX_MESSAGE_MIB,
-                 lb_policy: str | None = None):
+                 lb_policy: str | None = None, api_key: str | None = None, tls_ca: str | Path | None = None):
         """`address`: HOST:PORT, or any gRPC target such as dns:///tandem-headless.tandem.svc.cluster.local:50050
         (every pair behind a Kubernetes headless Service). `lb_policy`: how calls spread over the addresses
         the name resolves to; default round_robin for a dns: target (one call to each pair in turn), gRPC's
         pick_first (one address) otherwise. `timeout`: the default deadline of each call in seconds (None:
-        none); the server then cancels the generation and frees its sessions when the deadline passes."""
+        none); the server then cancels the generation and frees its sessions when the deadline passes.
+        `api_key`: sent as `authorization: Bearer` (default $TANDEM_API_KEY). `tls_ca`: the CA of the
+        coordinator's certificate, for TLS (default $TANDEM_TLS_CA; none: plain)."""
         self.address = address
         self.timeout = timeout
         self.lb_policy = lb_policy or ("round_robin" if address.startswith("dns:") else None)
@@ -112,8 +124,9 @@ class TandemClient:
         options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
         if self.lb_policy is not None:
             options.append(("grpc.lb_policy_name", self.lb_policy))
-        self._channel = grpc.insecure_channel(address, options=options)
+        self._channel = security.channel(address, options, security.client_tls(tls_ca))
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._metadata = key_metadata(api_key)
 
     def close(self) -> None:
         self._channel.close()
@@ -130,7 +143,8 @@ class TandemClient:
     ) -> GenerateResult:
         request = build_request(prompt, prompt_ids, **params)
         try:
-            response = self._stub.Generate(request, timeout=timeout if timeout is not None else self.timeout)
+            response = self._stub.Generate(request, timeout=timeout if timeout is not None else self.timeout,
+                                           metadata=self._metadata)
         except grpc.RpcError as exc:
             raise TandemError(exc.code(), exc.details() or "") from None
         return GenerateResult(
@@ -146,7 +160,8 @@ class TandemClient:
     ) -> Iterator[GenerateDelta]:
         """Deltas as tokens commit; closing the iterator early cancels the generation on the server."""
         request = build_request(prompt, prompt_ids, **params)
-        call = self._stub.GenerateStream(request, timeout=timeout if timeout is not None else self.timeout)
+        call = self._stub.GenerateStream(request, timeout=timeout if timeout is not None else self.timeout,
+                                        metadata=self._metadata)
         try:
             for msg in call:
                 yield GenerateDelta(
@@ -162,7 +177,8 @@ class TandemClient:
 
     def server_info(self) -> coordinator_pb2.ServerInfoResponse:
         try:
-            return self._stub.ServerInfo(coordinator_pb2.ServerInfoRequest(), timeout=self.timeout or 30)
+            return self._stub.ServerInfo(coordinator_pb2.ServerInfoRequest(), timeout=self.timeout or 30,
+                                        metadata=self._metadata)
         except grpc.RpcError as exc:
             raise TandemError(exc.code(), exc.details() or "") from None
 

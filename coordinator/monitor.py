@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 
 from coordinator.backends import BackendError, last_answer
 from coordinator.handshake import connect_transport
+from tandem import security
 from tandem.config import CoordinatorSettings
 from tandem.convert import draft_shape_from_pb, target_shape_from_pb
 from tandem.errors import Abort
@@ -91,10 +92,12 @@ def _late(reason: str) -> bool:
 class Link:
     """One internal service: a channel that reconnects by itself, what the service said it is, up or down."""
 
-    def __init__(self, name: str, address: str, options: list, stub_class, wrap: WrapChannel | None = None):
+    def __init__(self, name: str, address: str, options: list, stub_class, wrap: WrapChannel | None = None,
+                 tls: security.ChannelTls | None = None):
         self.name = name
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=[*options, *RECONNECT_OPTIONS])
+        self.tls = tls  # mutual TLS to the service (tandem/security.py); None: plain
+        self.channel = security.channel(address, [*options, *RECONNECT_OPTIONS], tls)
         self.stub = stub_class(wrap(self.channel, name) if wrap is not None else self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)  # unwrapped: checks are not traffic
         self.info = None
@@ -126,10 +129,10 @@ class Monitor:
         wrap_channel: WrapChannel | None = None,
     ):
         """`on_target(up)` is told when the target goes down and comes back (the coordinator's health)."""
-        options = channel_options(settings.max_message_mib)
-        self.target = Link("target", settings.target_addr, options, target_pb2_grpc.TargetServiceStub, wrap_channel)
+        options, tls = channel_options(settings.max_message_mib), security.services_tls(settings)
+        self.target = Link("target", settings.target_addr, options, target_pb2_grpc.TargetServiceStub, wrap_channel, tls)
         self.draft = (
-            Link("draft", settings.draft_addr, options, draft_pb2_grpc.DraftServiceStub, wrap_channel)
+            Link("draft", settings.draft_addr, options, draft_pb2_grpc.DraftServiceStub, wrap_channel, tls)
             if settings.draft_addr is not None else None
         )
         self.interval = settings.health_interval
@@ -151,10 +154,10 @@ class Monitor:
 
     def connect(self) -> None:
         """Wait for the services to be SERVING, read what they are, check they fit (PairMismatch if not)."""
-        wait_for_serving(self.target.address, self.connect_timeout, what="target service")
+        wait_for_serving(self.target.address, self.connect_timeout, what="target service", tls=self.target.tls)
         self._read_target()
         if self.draft is not None:
-            wait_for_serving(self.draft.address, self.connect_timeout, what="draft service")
+            wait_for_serving(self.draft.address, self.connect_timeout, what="draft service", tls=self.draft.tls)
             self._read_draft()
         now = time.monotonic()
         for link in self.links:

@@ -143,7 +143,7 @@ def load(settings: CoordinatorSettings, service: Service, servicer: CoordinatorS
         from coordinator.http.server import HttpFront
 
         try:
-            front = HttpFront(settings, servicer.generations)
+            front = HttpFront(settings, servicer.generations, service.keys)
         except OSError as exc:
             raise StartupError(exc) from exc
     connect(settings, service, servicer)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from tandem.aux_layers import CONVENTION_HELP
 from tandem.dtypes import DTYPE_NAMES
@@ -59,6 +59,14 @@ HTTP_PORT_HELP = ("serve the OpenAI-compatible HTTP API (/v1/completions, /v1/ch
 SERVED_MODEL_NAME_HELP = "the model name of the HTTP API (default: the target's directory name)"
 CHAT_TEMPLATE_HELP = ("the HTTP API's chat template, a jinja2 file or the template itself (default: the target "
                       "checkpoint's)")
+
+
+TLS_CERT_HELP = "serve this port over TLS with this certificate (PEM; with --tls-key)"
+TLS_KEY_HELP = "the private key of --tls-cert (PEM)"
+TLS_CA_HELP = ("target, draft: take only clients holding a certificate of this CA (mutual TLS); coordinator: check "
+               "the target's and the draft's certificates against it and present its own")
+API_KEY_HELP = "clients must send one of these keys (Bearer / authorization metadata); repeat it or separate by commas"
+API_KEY_FILE_HELP = "more API keys, one a line"
 
 
 class ConfigError(ValueError):
@@ -206,6 +214,11 @@ class ServiceSettings(BaseSettings):
     # Prometheus /metrics over HTTP on the same interface as the service; off unless a port is given.
     metrics_port: int | None = Field(None, ge=0, le=65535, description=METRICS_PORT_HELP)
     cpus: str | None = Field(None, description=CPUS_HELP)
+    # TLS on this service's port (tandem/security.py); without it only loopback is safe to bind.
+    tls_cert: Path | None = Field(None, description=TLS_CERT_HELP)
+    tls_key: Path | None = Field(None, description=TLS_KEY_HELP)
+    tls_ca: Path | None = Field(None, description=TLS_CA_HELP)
+    verifies_clients: ClassVar[bool] = False  # the target and the draft: tls_ca is the CA of their clients
 
     model_config = SettingsConfigDict(extra="ignore")
 
@@ -214,9 +227,24 @@ class ServiceSettings(BaseSettings):
     def _cpus(cls, v: str | None) -> str | None:
         return format_cpus(parse_cpus(v)) if v is not None else None
 
+    @field_validator("tls_cert", "tls_key", "tls_ca")
+    @classmethod
+    def _pem(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_file():
+            raise ValueError(f"{str(v)!r} is not a file")
+        return v
+
+    @model_validator(mode="after")
+    def _cert_and_key(self) -> ServiceSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        return self
+
 
 class EngineSettings(ServiceSettings):
     """What the target and draft services share: a model on a device, batched, with a feature path."""
+
+    verifies_clients: ClassVar[bool] = True
 
     device: Device = "cpu"
     dtype: Dtype = "float32"
@@ -299,6 +327,18 @@ DECODE_STEPS_HELP = ("tokens a target-only round decodes on the target before an
 TREE_POLICY_HELP = "on: each round runs the tree or the chain, whichever has measured faster here (default on)"
 
 
+def _keys(v) -> tuple[str, ...]:
+    """Keys from a flag given several times, a comma-separated variable, or both."""
+    parts = [v] if isinstance(v, str) else list(v or ())
+    return tuple(k.strip() for part in parts for k in str(part).split(",") if k.strip())
+
+
+ApiKeys = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_keys)]
+# The coordinator's fronts admit this many requests of one key at once (429 / RESOURCE_EXHAUSTED past it):
+# one client cannot take every session of the pair (max_sessions) from the others.
+MAX_REQUESTS_PER_KEY = 32
+
+
 class CoordinatorSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_COORDINATOR_", extra="ignore")
 
@@ -342,6 +382,29 @@ class CoordinatorSettings(ServiceSettings):
     served_model_name: str | None = Field(None, min_length=1, description=SERVED_MODEL_NAME_HELP)
     # For a checkpoint without one (a base model) or to replace it, as vLLM's --chat-template.
     chat_template: str | None = Field(None, min_length=1, description=CHAT_TEMPLATE_HELP)
+    # API keys (tandem/auth.py): none, the fronts are open; any, every route and method but the health checks
+    # (and /metrics with open_metrics) wants one of them.
+    api_key: ApiKeys = Field((), description=API_KEY_HELP)
+    api_key_file: Path | None = Field(None, description=API_KEY_FILE_HELP)
+    open_metrics: bool = False  # the HTTP front's /metrics without a key (a scraper inside the network)
+    max_requests_per_key: int = Field(MAX_REQUESTS_PER_KEY, ge=1)
+    # Mutual TLS to the services with a certificate other than the front's, and the name their certificates
+    # carry where the address is not it (127.0.0.1 in a pod).
+    tls_client_cert: Path | None = None
+    tls_client_key: Path | None = None
+    tls_server_name: str | None = None
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        from_file = _keys(self.api_key_file.read_text().splitlines()) if self.api_key_file is not None else ()
+        return (*self.api_key, *from_file)
+
+    @field_validator("api_key_file")
+    @classmethod
+    def _key_file(cls, v: Path | None) -> Path | None:
+        if v is not None and not (v.is_file() and _keys(v.read_text().splitlines())):
+            raise ValueError(f"{str(v)!r} is not a file of API keys")
+        return v
 
     @field_validator("chat_template")
     @classmethod
@@ -397,6 +460,11 @@ class ServeSettings(BaseSettings):
     # and a round at 16 requests took 1.3x longer (SPLIT_CPUS_HELP).
     split_cpus: bool = Field(True, description=SPLIT_CPUS_HELP)
     target_burst: bool = Field(True, description=TARGET_BURST_HELP)  # with split_cpus: --burst-cpus, all of them
+    api_key: ApiKeys = Field((), description=API_KEY_HELP)  # the coordinator's
+    api_key_file: Path | None = Field(None, description=API_KEY_FILE_HELP)
+    # A CA made for this host (tandem/security.py): TLS on both fronts, mutual TLS between the services.
+    tls: bool = Field(False, description="on: TLS on the fronts and mutual TLS between the services, from a CA "
+                                         "made for this run (default off)")
 
 
 def load_settings(cls: type[BaseSettings], **flags) -> BaseSettings:

@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem import auth, security
 from tandem.config import ServiceSettings, parse_cpus
 from tandem.errors import Abort, StatusInterceptor
 from tandem.metrics import new_registry, serve_metrics
@@ -112,11 +113,13 @@ class Service:
         self.traffic = Traffic()
         self.registry = new_registry(self.traffic)
         self.metrics_address = ""
+        self.keys = auth.key_ring(settings)  # the coordinator's API keys, shared by its gRPC and HTTP fronts
         # +8 threads beyond the sessions: health checks and info calls must get through under full load
         self.server = grpc.server(
             ThreadPoolExecutor(max_workers=settings.max_sessions + 8, thread_name_prefix=f"tandem-{name}"),
             options=channel_options(settings.max_message_mib),
             interceptors=[
+                *([auth.KeyInterceptor(self.keys)] if self.keys else []),  # before anything runs
                 *([TrafficInterceptor(self.traffic, *SERVER_LINKS[name])] if name in SERVER_LINKS else []),
                 StatusInterceptor(),  # typed errors -> status codes, for every method (tandem/errors.py)
             ],
@@ -137,7 +140,7 @@ class Service:
         host = self.settings.host
         bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
         try:
-            port = self.server.add_insecure_port(f"{bind_host}:{self.settings.port}")
+            port = security.add_port(self.server, f"{bind_host}:{self.settings.port}", self.settings)
         except RuntimeError as exc:
             raise OSError(f"the {self.name} service cannot bind {bind_host}:{self.settings.port}: {exc}") from None
         if port == 0:
@@ -268,9 +271,10 @@ def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-def health_status(address: str, service: str = "", timeout: float = 2.0) -> str:
+def health_status(address: str, service: str = "", timeout: float = 2.0,
+                  tls: security.ChannelTls | None = None) -> str:
     """The health of a service: "SERVING", "NOT_SERVING", ... or "UNREACHABLE"."""
-    with grpc.insecure_channel(address) as channel:
+    with security.channel(address, tls=tls) as channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
@@ -280,11 +284,12 @@ def health_status(address: str, service: str = "", timeout: float = 2.0) -> str:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
-def wait_for_serving(address: str, timeout: float, alive=lambda: True, what: str = "service") -> None:
+def wait_for_serving(address: str, timeout: float, alive=lambda: True, what: str = "service",
+                     tls: security.ChannelTls | None = None) -> None:
     """Block until the service at `address` reports SERVING; TimeoutError after `timeout` seconds,
     RuntimeError as soon as `alive()` says the process behind it has died."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with security.channel(address, tls=tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

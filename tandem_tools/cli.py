@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 from tandem.aux_layers import CONVENTION_HELP, CONVENTIONS
 from tandem.config import (
+    API_KEY_FILE_HELP,
+    API_KEY_HELP,
     BURST_CPUS_HELP,
     COHORT_RELAY_HELP,
     DECODE_STEPS_HELP,
@@ -18,6 +20,9 @@ from tandem.config import (
     SPEC_DRAFT_COST,
     SPEC_TOKEN_BUDGET,
     TARGET_BURST_HELP,
+    TLS_CA_HELP,
+    TLS_CERT_HELP,
+    TLS_KEY_HELP,
     TREE_HELP,
     TREE_POLICY_HELP,
 )
@@ -109,7 +114,16 @@ def add_service_args(p: argparse.ArgumentParser, port_help: str) -> None:
     p.add_argument("--metrics-port", type=int,
                    help="serve Prometheus /metrics on this port (default: off; 0 = any free port)")
     p.add_argument("--cpus", help="run on these CPUs only, every thread (Linux): e.g. 0 or 2-3,6 (default: all)")
+    p.add_argument("--tls-cert", help=TLS_CERT_HELP)
+    p.add_argument("--tls-key", help=TLS_KEY_HELP)
+    p.add_argument("--tls-ca", help=TLS_CA_HELP)
     p.add_argument("--announce-file", help=argparse.SUPPRESS)  # `serve` learns the bound port from it
+
+
+def add_key_args(p: argparse.ArgumentParser) -> None:
+    """The coordinator's API keys (tandem/auth.py)."""
+    p.add_argument("--api-key", action="append", help=API_KEY_HELP)
+    p.add_argument("--api-key-file", help=API_KEY_FILE_HELP)
 
 
 def _service(settings_class: str, module: str) -> Callable[[argparse.Namespace], int]:
@@ -169,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--server", metavar="HOST:PORT", help="the coordinator to call (e.g. from `tandem serve`)")
     where.add_argument("--in-process", action="store_true", help="load both engines in this process")
     p.add_argument("--timeout", type=float, default=None, help="--server: deadline in seconds")
+    p.add_argument("--api-key", help="--server: the coordinator's API key (default $TANDEM_API_KEY)")
+    p.add_argument("--tls-ca", help="--server: TLS, checking the coordinator's certificate against this CA "
+                                    "(default $TANDEM_TLS_CA; none: plain)")
     p.add_argument("--target", help="target checkpoint directory (default: the built-in tiny pair)")
     p.add_argument("--draft", help="EAGLE-3 head directory")
     add_demo_arg(p)
@@ -204,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-burst", choices=["on", "off"], help=TARGET_BURST_HELP)
     for name in ("coordinator", "target", "draft"):
         p.add_argument(f"--{name}-metrics-port", type=int, help=f"the {name}'s Prometheus /metrics port (default: off)")
+    add_key_args(p)
+    p.add_argument("--tls", choices=["on", "off"], help="on: TLS on the fronts and mutual TLS between the services, "
+                                                        "from a CA made for this run (default off)")
     p.set_defaults(func=_later("tandem_tools.serve", "cmd_serve"))
 
     p = sub.add_parser("target", help="run the target service (one process, one device)")
@@ -249,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overlap only while at most this many generations run (default 1)")
     p.add_argument("--overlap-sampled", choices=["on", "off"], help=OVERLAP_SAMPLED_HELP)
     add_http_args(p)
+    add_key_args(p)
     add_service_args(p, "port (default 50050; 0 = any free port)")
     p.set_defaults(func=_service("CoordinatorSettings", "coordinator.server"))
 

@@ -119,7 +119,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     if args.chat is not None:
         params["messages"] = [{"role": "user", "content": args.chat}]
     try:
-        with TandemClient(args.server, timeout=args.timeout) as client:
+        with TandemClient(args.server, timeout=args.timeout, api_key=args.api_key, tls_ca=args.tls_ca) as client:
             if args.stream:
                 print_deltas(client.generate_stream(args.prompt, args.prompt_ids, **params), args.json)
             else:

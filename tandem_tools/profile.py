@@ -28,7 +28,8 @@ from pathlib import Path
 
 import grpc
 
-from coordinator.client import DEFAULT_MAX_MESSAGE_MIB, build_request, stats_from_pb
+from coordinator.client import DEFAULT_MAX_MESSAGE_MIB, build_request, key_metadata, stats_from_pb
+from tandem import security
 from tandem.v1 import coordinator_pb2_grpc
 from tandem_tools.report import RequestRecord, build_report, summary
 from tandem_tools.serve import launch
@@ -161,7 +162,7 @@ def run_request(stub, index: int, prompt: str | list[int], config: ProfileConfig
     request.profile = True
     record = RequestRecord(index=index, sent_ns=time.monotonic_ns())
     try:
-        for msg in stub.GenerateStream(request, timeout=config.timeout):
+        for msg in stub.GenerateStream(request, timeout=config.timeout, metadata=key_metadata()):
             record.delta_ns.append(time.monotonic_ns())
             record.delta_tokens.append(len(msg.token_ids))
             record.token_ids.extend(msg.token_ids)
@@ -182,7 +183,7 @@ def run_workload(address: str, config: ProfileConfig) -> tuple[list[RequestRecor
     prompts = load_prompts(config.prompts)
     limit = DEFAULT_MAX_MESSAGE_MIB << 20
     options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
-    with grpc.insecure_channel(address, options=options) as channel:
+    with security.channel(address, options, security.client_tls()) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         start = time.monotonic()
         with ThreadPoolExecutor(config.concurrency) as pool:

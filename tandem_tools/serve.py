@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from tandem import security
 from tandem.config import ServeSettings, format_cpus, load_settings
 from tandem.service import PARENT_PID_ENV, setup_logging, wait_for_serving
 
@@ -109,6 +110,9 @@ def serve(settings: ServeSettings) -> int:
                      format_cpus(cpus["draft"]))
         if settings.session_ttl is not None:
             common += ["--session-ttl", str(settings.session_ttl)]
+        ca = security.make_throwaway_ca(run, [settings.host]) if settings.tls else None
+        tls_args = ["--tls-cert", str(ca.cert), "--tls-key", str(ca.key), "--tls-ca", str(ca.ca)] if ca else []
+        common += tls_args
         try:
             target_args = ["--model", str(target), "--device", settings.target_device, "--dtype", settings.dtype,
                            "--transport", settings.transport, *threads["target"], *pinned["target"]]
@@ -134,7 +138,7 @@ def serve(settings: ServeSettings) -> int:
                                 "--connect-timeout", str(settings.startup_timeout), *pinned["draft"]]
             if "draft" in addresses:
                 coordinator_args += ["--draft-addr", addresses["draft"]]
-            coordinator_args += _metrics(settings.coordinator_metrics_port)
+            coordinator_args += _metrics(settings.coordinator_metrics_port) + tls_args + _keys(settings, run)
             if settings.spec_token_budget is not None:
                 coordinator_args += ["--spec-token-budget", str(settings.spec_token_budget)]
             if settings.spec_draft_cost is not None:
@@ -158,7 +162,7 @@ def serve(settings: ServeSettings) -> int:
             children.insert(0, coordinator)  # stopped first: it drains while the services still answer
             address = coordinator.address(deadline)
             wait_for_serving(address, max(1.0, deadline - time.monotonic()), alive=lambda: _all_alive(children),
-                             what="coordinator")
+                             what="coordinator", tls=security.ChannelTls(ca=ca.ca) if ca else None)
         except (RuntimeError, TimeoutError) as exc:
             if not stop.is_set():
                 log.error("tandem serve: %s", exc)
@@ -168,6 +172,8 @@ def serve(settings: ServeSettings) -> int:
         http = coordinator.announce.with_name(coordinator.announce.name + ".http")  # coordinator/http/server.py
         if settings.http_port is not None and http.is_file():
             print(f"tandem serve: OpenAI-compatible HTTP on {http.read_text().strip()}/v1", flush=True)
+        if ca is not None:
+            print(f"tandem serve: TLS, the CA's certificate in {ca.ca} (TANDEM_TLS_CA)", flush=True)
         print(f"tandem serve: listening on {address}", flush=True)
         while not stop.wait(0.5):
             dead = [c for c in children if not c.alive]
@@ -202,6 +208,17 @@ def cpu_threads(target_device: str, draft_device: str | None,
     share = max(1, (os.cpu_count() or 1) // max(1, len(on_cpu)))
     counts = {name: len(cpus[name]) if cpus else share for name in on_cpu}
     return {name: (["--threads", str(counts[name])] if name in on_cpu else []) for name in ("target", "draft")}
+
+
+def _keys(settings: ServeSettings, run: Path) -> list[str]:
+    """The coordinator's API keys, in a file of this run's directory: no key on a command line (ps shows it)."""
+    keys = [*settings.api_key, *(settings.api_key_file.read_text().splitlines() if settings.api_key_file else [])]
+    if not keys:
+        return []
+    path = run / "api-keys"
+    path.touch(mode=0o600)
+    path.write_text("\n".join(keys) + "\n")
+    return ["--api-key-file", str(path)]
 
 
 def _metrics(port: int | None) -> list[str]:

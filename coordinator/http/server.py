@@ -14,12 +14,17 @@ import uvicorn
 
 from coordinator.generation import Generations
 from coordinator.http.app import Front
+from coordinator.http.auth import Door
+from tandem.auth import KeyRing
 from tandem.config import CoordinatorSettings
 
 log = logging.getLogger("tandem.coordinator")
 
 # After the drain, connections still open (idle keep-alive ones) get this long to close.
 SHUTDOWN_GRACE_S = 5.0
+# A request's line and headers together (h11 answers 431 past it): an OpenAI client sends well under 2 KiB,
+# and a header of megabytes held a connection's memory and parser time (vLLM's CVE-2025-48956).
+MAX_HEADER_BYTES = 64 << 10
 
 
 def http_announce_file(announce: Path) -> Path:
@@ -27,7 +32,8 @@ def http_announce_file(announce: Path) -> Path:
 
 
 class HttpFront:
-    def __init__(self, settings: CoordinatorSettings, generations: Generations):
+    def __init__(self, settings: CoordinatorSettings, generations: Generations, keys: KeyRing):
+        """`keys`: the coordinator's API keys, shared with its gRPC front (tandem/auth.py)."""
         host = settings.host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
@@ -39,10 +45,14 @@ class HttpFront:
         # headers, the client's delayed ACK, 40 ms per request on a kept-alive connection.
         self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         port = self.socket.getsockname()[1]
-        self.url = f"http://{f'[{host}]' if family == socket.AF_INET6 else host}:{port}"
-        app = Front(generations, settings.served_model_name, settings.chat_template).app()
+        scheme = "https" if settings.tls_cert is not None else "http"
+        self.url = f"{scheme}://{f'[{host}]' if family == socket.AF_INET6 else host}:{port}"
+        app = Door(Front(generations, settings.served_model_name, settings.chat_template).app(), keys,
+                   settings.open_metrics)
         config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S, http="h11",
+                                h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                                ssl_certfile=settings.tls_cert, ssl_keyfile=settings.tls_key)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, name="tandem-http", daemon=True)
         self.thread.start()
