@@ -18,6 +18,8 @@ per-token figure); TPOT (latency - TTFT) / (tokens - 1); latency to the end of t
 from __future__ import annotations
 
 import json
+import os
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -88,8 +90,15 @@ class OpenAIChat:
 
         self.url = url.rstrip("/").removesuffix("/v1") + "/v1/chat/completions"
         self.model = model
+        from coordinator.client import key_metadata
+        from tandem.security import CA_ENV
+
+        # the front's API key and CA as the gRPC client takes them: $TANDEM_API_KEY, $TANDEM_TLS_CA
+        headers = dict(key_metadata() or ())  # authorization: Bearer <key>
+        verify = ssl.create_default_context(cafile=os.environ[CA_ENV]) if os.environ.get(CA_ENV) else True
         self.http = httpx.Client(timeout=timeout, limits=httpx.Limits(max_connections=1024,
-                                                                      max_keepalive_connections=1024))
+                                                                      max_keepalive_connections=1024),
+                                 headers=headers, verify=verify)
 
     def run(self, messages: list[dict], max_tokens: int, temperature: float, seed: int) -> Timing:
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
