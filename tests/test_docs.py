@@ -10,9 +10,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "deploy" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
-FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
-WORK_LABEL = re.compile(r"\bstops?[ -]\d+\b", re.I)
+WORK_LABEL = re.compile(r"\bstops?[ -]\d+\b", re.IGNORECASE)
 
 
 def test_configuration_page_is_the_settings_rendered():
