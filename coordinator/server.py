@@ -16,6 +16,7 @@ import grpc
 
 from coordinator.chat import render_chat
 from coordinator.generation import Call, ClientRequest, Generations
+from coordinator.model_defaults import GREEDY, model_sampling
 from coordinator.monitor import Monitor, Pair
 from coordinator.probe import RequestProbe
 from tandem.config import CoordinatorSettings
@@ -39,8 +40,10 @@ def client_request_from_pb(msg: coordinator_pb2.GenerateRequest, pair: Pair,
                            dict(pair.target_info.special_tokens))
         return pair.tokenizer.encode(text, add_special_tokens=False).ids
 
-    return ClientRequest(generation_request_from_pb(msg, tokenize, chat), list(msg.stop),
-                         msg.HasField("max_new_tokens"))
+    generation = generation_request_from_pb(msg, tokenize, chat)
+    if not msg.HasField("sampling"):  # none given: the model's generation_config.json, as the HTTP front's
+        generation.sampling = model_sampling(pair.target_info.generation_config, GREEDY)
+    return ClientRequest(generation, list(msg.stop), msg.HasField("max_new_tokens"))
 
 
 def delta_to_pb(delta: TextDelta) -> coordinator_pb2.GenerateResponse:

@@ -6,10 +6,12 @@ as its stream, so a client that goes away (cancel, deadline, crash) frees its KV
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import uuid
 from collections.abc import Iterator
+from functools import lru_cache
 
 import grpc
 import torch
@@ -54,6 +56,18 @@ def load_tokenizer_json(model_dir) -> tuple[bytes, str, dict[str, str]]:
     return b"", "", {}
 
 
+@lru_cache(maxsize=4)
+def load_generation_config(model_dir) -> str:
+    """generation_config.json's values that differ from transformers' defaults, as JSON (what vLLM takes
+    its default sampling from); empty when the checkpoint has none."""
+    try:
+        from transformers import GenerationConfig
+
+        return json.dumps(GenerationConfig.from_pretrained(model_dir).to_diff_dict())
+    except (OSError, ValueError, TypeError):
+        return ""
+
+
 class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetServiceServicer):
     WHAT = "target"
     SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
@@ -86,6 +100,7 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
             transport=self.transport.caps if self.transport is not None else None,
             chat_template=self.chat_template,
             special_tokens=self.special_tokens,
+            generation_config=load_generation_config(str(engine.model_dir)),
         )
 
     def _transport(self) -> TargetTransport:
