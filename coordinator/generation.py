@@ -51,6 +51,7 @@ class ClientRequest:
     generation: GenerationRequest
     stop: Sequence[str] = ()
     max_new_tokens_given: bool = True
+    include_stop_str: bool = False  # the text ends after the stop string rather than before it
 
 
 @dataclass
@@ -178,7 +179,7 @@ class Generations:
             call.on_cancel(cancel)
             observer = RequestObserver(self.metrics, probe, len(request.prompt_ids), call.is_active)
             events = observer.rounds(run_rounds(target, draft, request, pair.target_info.max_context, self.speculation))
-            deltas = observer.deltas(text_deltas(events, pair.tokenizer, list(client.stop)))
+            deltas = observer.deltas(text_deltas(events, pair.tokenizer, list(client.stop), client.include_stop_str))
             ahead = ReadAhead(deltas) if self.service.admission.active <= ReadAhead.MAX_RUNNING else None
             produced = 0
             try:

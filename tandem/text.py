@@ -67,19 +67,24 @@ class TextDelta:
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
-def _find_stop(text: str, stop: Sequence[str]) -> int:
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return min(hits) if hits else -1
+def _find_stop(text: str, stop: Sequence[str], include: bool = False) -> int:
+    """Where the text ends at its first stop string: before it, or after it with `include`; -1: none in it."""
+    hits = [(i, s) for s in stop if (i := text.find(s)) >= 0]
+    if not hits:
+        return -1
+    at, first = min(hits, key=lambda hit: hit[0])
+    return at + len(first) if include else at
 
 
 def text_deltas(
-    events: Iterator[RoundEvent], tokenizer: Tokenizer | None, stop: Sequence[str] = ()
+    events: Iterator[RoundEvent], tokenizer: Tokenizer | None, stop: Sequence[str] = (), include_stop: bool = False
 ) -> Iterator[TextDelta]:
     """Round events -> token and text deltas.
 
-    A stop string ends the generation: the text is cut before it, the token ids after the token
-    that completed it, and finish_reason is "stop". Text that could be the start of a stop string is
-    held back until it is not. Ends the events iterator (which releases the sessions) on finishing.
+    A stop string ends the generation: the text is cut before it (after it with `include_stop`, vLLM's
+    include_stop_str_in_output), the token ids after the token that completed it, and finish_reason is
+    "stop". Text that could be the start of a stop string is held back until it is not. Ends the events
+    iterator (which releases the sessions) on finishing.
     """
     stop = [s for s in stop if s]
     if stop and tokenizer is None:
@@ -96,13 +101,13 @@ def text_deltas(
                 if detokenizer is None:
                     continue
                 pending += detokenizer.add([token])
-                if stop and (cut := _find_stop(pending, stop)) >= 0:
+                if stop and (cut := _find_stop(pending, stop, include_stop)) >= 0:
                     pending, finish = pending[:cut], "stop"
                     break
             else:
                 if finish is not None and detokenizer is not None:
                     pending += detokenizer.flush()
-                    if stop and (cut := _find_stop(pending, stop)) >= 0:
+                    if stop and (cut := _find_stop(pending, stop, include_stop)) >= 0:
                         pending, finish = pending[:cut], "stop"
             logprobs = event.logprobs[: len(token_ids)] if event.logprobs is not None else None
             if finish is not None:
