@@ -49,7 +49,7 @@ def compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def message_text(content) -> str:
+def message_text(content, where: str = "content") -> str:
     """A message's content as text: a string, or the text parts of a list of parts (vLLM's "string"
     content format); None (an assistant turn with tool calls only) is empty."""
     if content is None or isinstance(content, str):
@@ -57,20 +57,50 @@ def message_text(content) -> str:
     kinds = {part.get("type") for part in content} - {"text"}
     if kinds:
         raise InvalidRequest(f"only text content parts are supported, got {sorted(map(str, kinds))}")
+    for i, part in enumerate(content):
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"{where}[{i}] is a text part without a `text` string")
     return "\n".join(part["text"] for part in content)
 
 
+# Marks the end of the message to continue (transformers' tag): the rendering is cut where it appears.
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
 def render_chat(template: str, messages: list[dict], special_tokens: dict[str, str],
-                add_generation_prompt: bool = True, **kwargs) -> str:
-    """The prompt text; InvalidRequest when the model has no template or the template refuses the
-    conversation (its raise_exception: e.g. roles out of order)."""
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                documents: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+    """The prompt text; InvalidRequest when the model has no template, a keyword clashes with what the
+    renderer passes, or the template refuses the conversation (its raise_exception: e.g. roles out of
+    order). `continue_final_message`: the last message left open for the model to continue, cut as
+    transformers' apply_chat_template(continue_final_message=True) cuts it."""
     if not template:
         raise InvalidRequest("the model has no chat template: give the coordinator one (--chat-template), or use "
                              "/v1/completions with the prompt as text")
-    messages = [{**m, "content": message_text(m.get("content"))} for m in messages]
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true")
+    given = {"messages": messages, "add_generation_prompt": add_generation_prompt, **special_tokens,
+             **({"documents": documents} if documents is not None else {})}
+    kwargs = template_kwargs or {}
+    clash = sorted(set(kwargs) & set(given))
+    if clash:
+        raise InvalidRequest(f"chat_template_kwargs {clash} clash with what the renderer passes the template "
+                             f"({', '.join(sorted(given))})")
+    messages = [{**m, "content": message_text(m.get("content"), f"messages[{i}].content")}
+                for i, m in enumerate(messages)]
+    if continue_final_message:
+        final = messages[-1]["content"]
+        messages[-1] = {**messages[-1], "content": final + CONTINUE_TAG}
     try:
-        return compile_template(template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens, **kwargs
-        )
+        text = compile_template(template).render(**{**given, "messages": messages}, **kwargs)
     except jinja2.exceptions.TemplateError as exc:
         raise InvalidRequest(f"the chat template refused the messages: {exc}") from None
+    if not continue_final_message:
+        return text
+    at = text.rfind(CONTINUE_TAG.strip())
+    if at < 0 or final.strip() not in text:
+        raise InvalidRequest("continue_final_message: the final message does not appear in the rendered chat "
+                             "(the template drops part of it)")
+    if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG:
+        return text[:at]  # the template kept the message's spacing
+    return text[:at].rstrip()  # it trimmed the message: so the tag's space, and the message's own

@@ -5,18 +5,17 @@
     POST /v1/chat/completions   messages rendered with the target's chat template (coordinator/chat.py)
     GET  /health                200 while the coordinator serves, 503 while connecting, without its target, draining
     GET  /metrics               the coordinator's Prometheus registry
+    POST /tokenize, /detokenize, GET /version   as vLLM has them (tokens.py)
 
-Each choice (n per prompt) is one generation through Generations.stream, the same path as a gRPC
-GenerateStream, run on a thread of its own (the round loop blocks on its gRPC streams) whose deltas
-are handed to the event loop. A client that goes away (a closed connection, a stream it stops
-reading) makes the Call inactive and cancels both services' session streams at once.
+Any other path (or method) is OpenAI's JSON error object, 404 (405). Each choice (n per prompt) is one
+generation on a thread of its own (choice.py). A client that goes away (a closed connection, a stream
+it stops reading) makes the Call inactive and cancels both services' session streams at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -24,88 +23,34 @@ from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from coordinator.chat import render_chat
-from coordinator.generation import Call, ClientRequest, Generations
+from coordinator.generation import ClientRequest, Generations
+from coordinator.http.choice import Choice
 from coordinator.http.protocol import (
+    INVALID,
     ChatRequest,
     CompletionLogprobs,
     CompletionRequest,
     HTTPError,
     TokenText,
+    bad_request,
     chat_logprobs,
     http_error,
     merge_completion_logprobs,
     spec_metrics,
     usage,
 )
+from coordinator.http.tokens import detokenize_answer, tokenize, tokenize_answer, version
+from coordinator.model_defaults import model_sampling
 from coordinator.monitor import Pair
 from tandem.errors import Abort
-from tandem.params import GenerationRequest, SamplingParams
+from tandem.params import GenerationRequest
 from tandem.text import TextDelta
-
-_END = object()
-
-
-class Choice:
-    """One generation on a thread of its own; its deltas (and then _END, or the error) on a queue
-    of the event loop."""
-
-    def __init__(self, generations: Generations, build: Callable[[Pair], ClientRequest],
-                 loop: asyncio.AbstractEventLoop):
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.prompt_tokens = 0
-        self._active = True
-        self._cancel: Callable[[], None] | None = None
-        self._lock = threading.Lock()
-        self._loop = loop
-        self._build = build
-        call = Call(None, lambda: self._active, self._on_cancel)
-        threading.Thread(target=self._run, args=(generations, call), name="tandem-http-choice", daemon=True).start()
-
-    def _built(self, pair: Pair) -> ClientRequest:
-        request = self._build(pair)
-        self.prompt_tokens = len(request.generation.prompt_ids)
-        return request
-
-    def _run(self, generations: Generations, call: Call) -> None:
-        put = self._loop.call_soon_threadsafe
-        try:
-            for delta in generations.stream(self._built, call):
-                put(self.queue.put_nowait, delta)
-            put(self.queue.put_nowait, _END)
-        except BaseException as exc:  # noqa: BLE001 - handed to the request's handler
-            try:
-                put(self.queue.put_nowait, exc)
-            except RuntimeError:  # the loop is closed: the server stopped
-                pass
-
-    def _on_cancel(self, cancel: Callable[[], None]) -> None:
-        with self._lock:
-            self._cancel = cancel
-            gone = not self._active
-        if gone:
-            cancel()
-
-    def close(self) -> None:
-        """The client went away (or another choice failed): free both services' sessions now."""
-        with self._lock:
-            self._active = False
-            cancel = self._cancel
-        if cancel is not None:
-            cancel()
-
-    async def next(self) -> TextDelta | None:
-        """The next delta; None at the end; the generation's error raised."""
-        item = await self.queue.get()
-        if item is _END:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
 
 
 class Front:
@@ -136,14 +81,22 @@ class Front:
             return False, f"the target service is down ({monitor.target.reason})"
         return True, "serving"
 
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name():
+            raise HTTPError(404, INVALID, f"The model `{model}` does not exist; this server serves "
+                            f"`{self.model_name()}`", "model", "model_not_found")
+
     def app(self) -> Starlette:
         return Starlette(routes=[
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
-        ])
+        ], exception_handlers={HTTPException: _route_error})
 
     async def health(self, request: Request) -> Response:
         up, why = self.serving()
@@ -162,6 +115,21 @@ class Front:
             "root": pair.target_info.model, "max_model_len": pair.target_info.max_context,
         }]})
 
+    async def version(self, request: Request) -> Response:
+        return JSONResponse(version())
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._answer(request, tokenize_answer)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._answer(request, detokenize_answer)
+
+    async def _answer(self, request: Request, answer: Callable[[Front, dict], dict]) -> Response:
+        try:
+            return JSONResponse(answer(self, await _body(request)))
+        except Exception as exc:  # noqa: BLE001 - every error is the client's answer
+            return _error(http_error(exc))
+
     # -- the two generation endpoints -----------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
@@ -172,16 +140,8 @@ class Front:
 
     async def _serve(self, request: Request, model, chat: bool) -> Response:
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise HTTPError(400, "BadRequestError", f"the body is not JSON: {exc}") from None
-            if not isinstance(body, dict):
-                raise HTTPError(400, "BadRequestError", "the body must be a JSON object")
-            params = model.model_validate(body)
-            if params.model is not None and params.model != self.model_name():
-                raise HTTPError(404, "NotFoundError", f"the model `{params.model}` does not exist; this server "
-                                f"serves `{self.model_name()}`", "model")
+            params = model.model_validate(await _body(request))
+            self.check_model(params.model)
             choices = self._start(params, chat)
         except Exception as exc:  # noqa: BLE001 - every error is the client's answer
             return _error(http_error(exc))
@@ -208,36 +168,65 @@ class Front:
                 choices.append(Choice(self.generations, self._builder(params, chat, prompt, seed), loop))
         return choices
 
+    def render(self, pair: Pair, params) -> list[int]:
+        """A chat request's (or a chat /tokenize's) conversation as the prompt's token ids."""
+        text = render_chat(
+            self.chat_template or pair.target_info.chat_template, [m.model_dump(exclude_none=True) for m in params.messages],
+            dict(pair.target_info.special_tokens), params.generation_prompt, params.continue_final_message,
+            params.documents, params.chat_template_kwargs,
+        )
+        return tokenize(pair, text, params.add_special_tokens)
+
     def _builder(self, params, chat: bool, prompt, seed: int | None) -> Callable[[Pair], ClientRequest]:
         def build(pair: Pair) -> ClientRequest:
             if chat:
-                ids = _tokenize(pair, render_chat(
-                    self.chat_template or pair.target_info.chat_template, [m.model_dump(exclude_none=True) for m in params.messages],
-                    dict(pair.target_info.special_tokens), params.add_generation_prompt,
-                    **(params.chat_template_kwargs or {}),
-                ), special=False)  # the template writes the special tokens (BOS) itself
+                ids = self.render(pair, params)
                 max_new, logprobs = params.max_new_tokens, params.wanted_logprobs
             else:
-                ids = _tokenize(pair, prompt) if isinstance(prompt, str) else list(prompt)
+                ids = tokenize(pair, prompt, params.add_special_tokens) if isinstance(prompt, str) else list(prompt)
                 max_new, logprobs = params.max_tokens, params.logprobs
+            ids = _truncated(ids, params.truncate_prompt_tokens, pair.target_info.max_context)
             optional = {"num_draft_tokens": params.num_draft_tokens} if params.num_draft_tokens is not None else {}
             generation = GenerationRequest(
                 prompt_ids=ids,
                 max_new_tokens=max_new or pair.target_info.max_context,  # unset: what fits (fit_to_pair)
-                sampling=SamplingParams(temperature=params.temperature, top_p=params.top_p,
-                                        top_k=max(0, params.top_k), seed=seed, logprobs=logprobs),
+                sampling=model_sampling(pair.target_info.generation_config, temperature=params.temperature,
+                                        top_p=params.top_p, top_k=params.top_k, seed=seed, logprobs=logprobs),
                 stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos, speculate=params.speculate,
                 **optional,
             )
-            return ClientRequest(generation, params.stops, max_new_tokens_given=max_new is not None)
+            return ClientRequest(generation, params.stops, max_new_tokens_given=max_new is not None,
+                                 include_stop_str=params.include_stop_str_in_output)
 
         return build
 
 
-def _tokenize(pair: Pair, text: str, special: bool = True) -> list[int]:
-    if pair.tokenizer is None:
-        raise HTTPError(400, "BadRequestError", "the target has no tokenizer: send the prompt as token ids", "prompt")
-    return pair.tokenizer.encode(text, add_special_tokens=special).ids
+async def _body(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the body is not JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object", code="invalid_json")
+    return body
+
+
+async def _route_error(request: Request, exc: HTTPException) -> Response:
+    """A path no route has (404) or a method it does not take (405): OpenAI's error object, not text."""
+    what = "Invalid URL" if exc.status_code == 404 else "Method not allowed"
+    error = HTTPError(exc.status_code, INVALID, f"{what} ({request.method} {request.url.path})",
+                      code="unknown_url" if exc.status_code == 404 else None)
+    return JSONResponse(error.body, status_code=exc.status_code, headers=exc.headers)
+
+
+def _truncated(ids: list[int], keep: int | None, max_context: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context's worth)."""
+    if keep is None:
+        return ids
+    if keep > max_context:
+        raise bad_request(f"truncate_prompt_tokens {keep} is past the model's context of {max_context} tokens",
+                          "truncate_prompt_tokens", "context_length_exceeded")
+    return ids[-(max_context if keep == -1 else keep):]
 
 
 async def _first(choice: Choice) -> TextDelta | None:
@@ -253,11 +242,11 @@ class _Answer:
 
     def __init__(self, front: Front, params, chat: bool, choices: list[Choice], first: list[TextDelta | None]):
         self.params, self.chat, self.choices, self.first = params, chat, choices, first
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{params.request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = front.model_name()
         pair = front.generations.monitor.current
-        self.token_text = TokenText(pair.tokenizer if pair is not None else None)
+        self.token_text = TokenText(pair.tokenizer if pair is not None else None, params.return_tokens_as_token_ids)
         self.object = "chat.completion" if chat else "text_completion"
         self.stats = [None] * len(choices)
         self.completion_tokens = 0

@@ -2,9 +2,13 @@
 /v1/chat/completions (their parameters as OpenAI and vLLM define them), the pieces of a response,
 and the error object. No I/O here.
 
-Unknown fields are ignored (as vLLM does); a field of the wrong type or out of range is a 400 that
-names it. Fields OpenAI defines that Tandem cannot honour (penalties, logit_bias, echo, tools,
-response_format) are a 400 when set to anything but their neutral value, rather than ignored.
+A request's JSON goes through fields.py first: nulls are fields left out, and a field OpenAI or vLLM
+defines that Tandem does not implement is a 400 naming it unless neutral. Unknown fields are ignored
+(as vLLM does); a field of the wrong type or out of range is a 400 that names it.
+
+Errors are OpenAI's error object: `type` invalid_request_error (400, 404), rate_limit_error (429),
+server_error (5xx); `code` a string, the ones OpenAI sends where it has one (context_length_exceeded,
+model_not_found, unsupported_parameter, invalid_value, ...).
 
 Per-request speculative stats: vLLM reports them in a top-level `metrics.speculative_decoding`
 object (vLLM PR #48915, `--per-request-spec-decode-metrics`): num_spec_steps, num_draft_tokens,
@@ -15,9 +19,13 @@ accepted_per_position (rounds in which draft k+1 was accepted) added.
 
 from __future__ import annotations
 
-import grpc
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from typing import ClassVar
 
+import grpc
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from coordinator.http import fields
+from coordinator.http.fields import Unsupported
 from tandem.errors import status_of
 from tandem.params import MAX_LOGPROBS
 from tandem.protocol import TokenLogprob
@@ -26,32 +34,43 @@ from tandem.stats import GenerationStats, mean_acceptance_length
 # Independent samples per prompt (`n`): each is a generation of its own, and counts against max_sessions.
 MAX_N = 128
 
-# gRPC status -> HTTP status and the error's type (vLLM's names).
-HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "BadRequestError"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "BadRequestError"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "BadRequestError"),
-    grpc.StatusCode.NOT_FOUND: (404, "NotFoundError"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "RateLimitError"),
-    grpc.StatusCode.UNAVAILABLE: (503, "ServiceUnavailableError"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "TimeoutError"),
+INVALID = "invalid_request_error"
+# gRPC status -> HTTP status, the error's type and its code.
+HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, INVALID, "invalid_value"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, INVALID, "context_length_exceeded"),  # the prompt or max_tokens
+    grpc.StatusCode.FAILED_PRECONDITION: (400, INVALID, "failed_precondition"),
+    grpc.StatusCode.NOT_FOUND: (404, INVALID, "not_found"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
 }
-INTERNAL = (500, "InternalServerError")
+INTERNAL = (500, "server_error", "internal_error")
+# The code of an error raised with an HTTP status only.
+STATUS_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+                413: "request_too_large", 429: "rate_limit_exceeded", 500: "internal_error",
+                503: "service_unavailable", 504: "timeout"}
+# pydantic's error types -> OpenAI's codes for a bad field.
+PYDANTIC_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
 
 
-def error_body(status: int, kind: str, message: str, param: str | None = None) -> dict:
-    """The OpenAI error object; `code` is the HTTP status, as vLLM sends it."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+def error_body(status: int, kind: str, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The OpenAI error object; `kind` is its type; `code` defaults to the HTTP status's."""
+    return {"error": {"message": message, "type": kind, "param": param,
+                      "code": code or STATUS_CODES.get(status, "error")}}
 
 
-def describe(exc: ValidationError) -> tuple[str, str | None]:
-    """A pydantic error as (message, the first bad field's name)."""
-    parts, param = [], None
+def describe(exc: ValidationError) -> tuple[str, str | None, str]:
+    """A pydantic error as (message, the first bad field's name, its code)."""
+    parts, param, code = [], None, None
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"])
         param = param or (str(err["loc"][0]) if err["loc"] else None)  # the request's field (not a union's member)
+        kind = err["type"]
+        code = code or PYDANTIC_CODES.get(kind, "invalid_type" if kind.endswith(("_type", "_parsing")) else
+                                          "invalid_value")
         parts.append(f"{where + ': ' if where else ''}{err['msg'].removeprefix('Value error, ')}")
-    return "; ".join(parts), param
+    return "; ".join(parts), param, code or "invalid_value"
 
 
 class StreamOptions(BaseModel):
@@ -61,51 +80,56 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """What the two endpoints share."""
+    """What the two endpoints share. Sampling left unset (None) takes the model's defaults
+    (coordinator/model_defaults.py)."""
 
     model_config = ConfigDict(extra="ignore")
+    REFUSED: ClassVar[dict[str, fields.Refused]] = fields.COMMON
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)  # OpenAI's default: sampling
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)  # vLLM: -1 or 0 disable it
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # vLLM: -1 or 0 disable it
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = []  # vLLM's extension
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string ends the text instead of being cut
     n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1)  # each choice is its own sample: best_of 1, or n
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
-    user: str | None = None  # ignored
+    # vLLM's: only the prompt's last k tokens (-1: the context's worth)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    request_id: str | None = Field(None, min_length=1)  # vLLM's: the response's id
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs' tokens as "token_id:N"
+    # Identifiers that by their definition change nothing in the answer (abuse monitoring, cache routing)
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    cache_salt: str | None = Field(None, min_length=1)  # no prefix cache is shared between requests
     # Tandem's extensions: K, draft tokens per round, and target-only decoding
     num_draft_tokens: int | None = None
     speculate: bool = True
-    # OpenAI's that Tandem does not implement: refused unless neutral
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @model_validator(mode="before")
     @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v:
-            raise ValueError("penalties are not supported; send 0")
-        return v
+    def _prepare(cls, data):
+        return fields.prepare(data, cls.REFUSED) if isinstance(data, dict) else data
 
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _no_repetition_penalty(cls, v: float) -> float:
-        if v != 1.0:
-            raise ValueError("repetition_penalty is not supported; send 1")
-        return v
+    @model_validator(mode="after")
+    def _best_of(self):
+        if self.best_of not in (None, 1, self.n):
+            raise Unsupported("best_of", f"`best_of` {self.best_of}: the best of more samples than are returned is "
+                              f"not supported; send 1 or n ({self.n})", "unsupported_value")
+        return self
 
-    @field_validator("logit_bias")
+    @field_validator("truncate_prompt_tokens")
     @classmethod
-    def _no_logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _truncate(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens is -1 (the context's worth) or >= 1")
         return v
 
     @property
@@ -118,18 +142,12 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
+    REFUSED: ClassVar[dict[str, fields.Refused]] = fields.COMPLETION
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
-    echo: bool = False
-    suffix: str | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    add_special_tokens: bool = True  # vLLM's: BOS and the like around the prompt's text
 
     @field_validator("prompt")
     @classmethod
@@ -158,28 +176,44 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None
 
 
-class ChatRequest(_Sampling):
+class Conversation(BaseModel):
+    """Messages and how the template renders them (vLLM's extensions): for a chat and a chat /tokenize."""
+
+    model_config = ConfigDict(extra="ignore")
+
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool | None = None  # unset: true, unless continue_final_message
+    continue_final_message: bool = False  # the last (assistant) message left open, to be continued
+    chat_template_kwargs: dict | None = None  # more variables for the template
+    documents: list[dict] | None = None  # for templates that render retrieved documents
+    add_special_tokens: bool = False  # on top of the template's own (it writes BOS itself)
+
+    @model_validator(mode="after")
+    def _generation_prompt(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise Unsupported("continue_final_message", "`continue_final_message` and `add_generation_prompt` "
+                              "cannot both be true", "invalid_value")
+        return self
+
+    @property
+    def generation_prompt(self) -> bool:
+        if self.add_generation_prompt is None:
+            return not self.continue_final_message
+        return self.add_generation_prompt
+
+
+class ChatRequest(Conversation, _Sampling):
+    REFUSED: ClassVar[dict[str, fields.Refused]] = fields.CHAT
+
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True  # vLLM's extension
-    chat_template_kwargs: dict | None = None  # vLLM's extension: more variables for the template
-    tools: list | None = None
-    response_format: dict | None = None
 
-    @field_validator("tools")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tool calling is not supported")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v):
-        if v and v.get("type", "text") != "text":
-            raise ValueError("only text responses are supported")
+    def _top_logprobs(cls, v: int | None, info) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true")
         return v
 
     @property
@@ -229,14 +263,15 @@ def spec_metrics(stats: list[GenerationStats]) -> dict:
 class TokenText:
     """Token ids -> the strings logprobs show them as (the token's own decoded text)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, as_ids: bool = False):
         self.tokenizer = tokenizer
+        self.as_ids = as_ids  # vLLM's return_tokens_as_token_ids: text that JSON cannot carry still names its token
         self._cache: dict[int, str] = {}
 
     def __call__(self, token: int) -> str:
         text = self._cache.get(token)
         if text is None:
-            if self.tokenizer is None:
+            if self.tokenizer is None or self.as_ids:
                 text = f"token_id:{token}"
             else:
                 text = self.tokenizer.decode([token], skip_special_tokens=False)
@@ -286,21 +321,27 @@ def merge_completion_logprobs(parts: list[dict]) -> dict:
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, kind: str, message: str, param: str | None = None):
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.body = error_body(status, kind, message, param)
+        self.body = error_body(status, kind, message, param, code)
         self.status = status
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> HTTPError:
+    return HTTPError(400, INVALID, message, param, code)
 
 
 def http_error(exc: BaseException) -> HTTPError:
     """A typed error (tandem/errors.py) as the OpenAI error object with the HTTP status of its gRPC code."""
     if isinstance(exc, HTTPError):
         return exc
+    if isinstance(exc, Unsupported):
+        return bad_request(exc.message, exc.field, exc.code)
     if isinstance(exc, ValidationError):
-        message, param = describe(exc)
-        return HTTPError(400, "BadRequestError", message, param)
+        return bad_request(*describe(exc))
     status = status_of(exc)
     if status is None:
-        return HTTPError(*INTERNAL, f"{type(exc).__name__}: {exc}")
+        return HTTPError(*INTERNAL[:2], f"{type(exc).__name__}: {exc}", None, INTERNAL[2])
     code, message = status
-    return HTTPError(*HTTP_STATUS.get(code, INTERNAL), message)
+    http, kind, error_code = HTTP_STATUS.get(code, INTERNAL)
+    return HTTPError(http, kind, message, None, error_code)

@@ -1,0 +1,354 @@
+"""Every request field of OpenAI's chat and completions APIs and vLLM's extensions against a running
+`tandem serve --http-port`: the implemented ones do what they say, the others are a 400 naming the field
+(none ignored), null is the field left out, errors carry OpenAI's string codes, unknown routes answer
+JSON, /tokenize and /detokenize round-trip, and the checkpoint's generation_config.json is the default
+sampling.
+
+One stack for the module, on a copy of the tiny target whose generation_config.json sets temperature,
+top_p and top_k."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import shutil
+
+import httpx
+import openai
+import pytest
+
+from coordinator.http import fields
+from coordinator.http.protocol import ChatRequest, CompletionRequest
+from tests.test_openai import CHATML, start_stack, stop_stack
+
+# The checkpoint's sampling defaults; the repetition_penalty is there as Qwen's is, and not applied.
+GENERATION_CONFIG = {"temperature": 0.7, "top_p": 0.8, "top_k": 5, "repetition_penalty": 1.05}
+MESSAGES = [{"role": "user", "content": "def main("}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+# A value of each refused field that asks for something Tandem lacks.
+ASKING = {
+    "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.05, "logit_bias": {"5": 10},
+    "min_p": 0.1, "min_tokens": 4, "allowed_token_ids": [1, 2], "bad_words": ["x"], "logits_processors": ["m.P"],
+    "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "skip_special_tokens": False,
+    "spaces_between_special_tokens": False, "response_format": {"type": "json_object"},
+    "guided_json": {"type": "object"}, "guided_regex": "[a-z]+", "guided_choice": ["a", "b"],
+    "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
+    "structural_tag": "{}", "structured_outputs": {"regex": "a"}, "priority": 1, "kv_transfer_params": {"a": 1},
+    "vllm_xargs": {"a": 1}, "store": True, "metadata": {"a": "b"}, "service_tier": "flex",
+    "tools": [TOOL], "tool_choice": "auto", "parallel_tool_calls": False, "functions": [TOOL["function"]],
+    "function_call": "auto", "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "include_reasoning": False,
+    "verbosity": "low", "web_search_options": {}, "echo": True, "chat_template": CHATML,
+    "mm_processor_kwargs": {"a": 1}, "suffix": "\n", "prompt_embeds": "AAAA",
+}
+# Their neutral values, which ask for nothing: accepted, and the answer is the plain request's.
+NEUTRAL = {
+    "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {}, "min_p": 0,
+    "min_tokens": 0, "allowed_token_ids": [], "bad_words": [], "logits_processors": [], "use_beam_search": False,
+    "length_penalty": 1.0, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "response_format": {"type": "text"}, "priority": 0, "kv_transfer_params": {}, "vllm_xargs": {},
+    "store": False, "metadata": {}, "service_tier": "auto", "tools": [], "tool_choice": "none", "functions": [],
+    "function_call": "none", "modalities": ["text"], "include_reasoning": True, "echo": False,
+    "mm_processor_kwargs": {}, "suffix": "",
+    # accepted identifiers that by definition change nothing in the answer
+    "user": "u1", "safety_identifier": "s1", "prompt_cache_key": "k1", "cache_salt": "salt",
+}
+STREAM_ASKING = {"continuous_usage_stats": True, "include_obfuscation": True}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fields")
+    target = root / "target"  # the served model's name stays "target"
+    shutil.copytree(tiny_dir / "target", target)
+    path = target / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**config, **GENERATION_CONFIG}))
+    log = root / "serve.log"
+    stack = start_stack(target, tiny_dir / "draft", log)
+    yield stack
+    stop_stack(stack, log)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_dir / "target")
+
+
+def post(stack, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{stack.url}{path}", json=body, timeout=120)
+
+
+def chat(stack, **body) -> httpx.Response:
+    return post(stack, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 8, **body})
+
+
+def completion(stack, **body) -> httpx.Response:
+    return post(stack, "/v1/completions", {"prompt": "def main(", "max_tokens": 8, **body})
+
+
+def assert_400(response: httpx.Response, param: str, code: str | None = None) -> dict:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert param in error["message"], error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+def test_every_refused_field_has_a_value_that_asks_and_a_neutral_one():
+    refused = set(fields.CHAT) | set(fields.COMPLETION)
+    assert set(ASKING) == refused
+    never = {name for name, rule in {**fields.CHAT, **fields.COMPLETION}.items() if rule.neutral is fields._never}
+    assert set(NEUTRAL) - {"user", "safety_identifier", "prompt_cache_key", "cache_salt"} == refused - never
+    # none of them is also a field the models implement
+    assert not refused & (set(ChatRequest.model_fields) | set(CompletionRequest.model_fields))
+
+
+@pytest.mark.parametrize("field", sorted(fields.CHAT))
+def test_a_chat_field_tandem_lacks_is_a_400_naming_it(stack, field):
+    assert_400(chat(stack, **{field: ASKING[field]}), field, "unsupported_parameter")
+
+
+@pytest.mark.parametrize("field", sorted(fields.COMPLETION))
+def test_a_completion_field_tandem_lacks_is_a_400_naming_it(stack, field):
+    assert_400(completion(stack, **{field: ASKING[field]}), field, "unsupported_parameter")
+
+
+@pytest.mark.parametrize("option", sorted(fields.STREAM_OPTIONS))
+def test_a_stream_option_tandem_lacks_is_a_400_naming_it(stack, option):
+    error = assert_400(chat(stack, stream=True, stream_options={option: STREAM_ASKING[option]}), "stream_options")
+    assert option in error["message"]
+
+
+def test_neutral_values_are_accepted_and_change_nothing(stack):
+    plain = chat(stack, temperature=0).json()["choices"][0]["message"]["content"]
+    neutral = {k: v for k, v in NEUTRAL.items() if k in fields.CHAT or k in ChatRequest.model_fields}
+    got = chat(stack, temperature=0, **neutral)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["message"]["content"] == plain
+    plain = completion(stack, temperature=0).json()["choices"][0]["text"]
+    neutral = {k: v for k, v in NEUTRAL.items() if k in fields.COMPLETION or k in CompletionRequest.model_fields}
+    got = completion(stack, temperature=0, **neutral)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["text"] == plain
+
+
+def test_null_is_the_field_left_out(stack):
+    """Every optional field null (as wrappers send None), on both endpoints: the answer of the request
+    without them."""
+    for model, call, required in ((ChatRequest, chat, "messages"), (CompletionRequest, completion, "prompt")):
+        nulls = {name: None for name in (*model.model_fields, *model.REFUSED) if name != required}
+        plain = call(stack, temperature=0, max_tokens=8, ignore_eos=True).json()
+        got = call(stack, **{**nulls, "temperature": 0, "max_tokens": 8, "ignore_eos": True})
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"] == plain["choices"]
+        assert got.json()["usage"] == plain["usage"]
+    streamed = chat(stack, temperature=0, stream=True, stream_options={"include_usage": None,
+                                                                       "continuous_usage_stats": None})
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+
+
+def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(client):
+    params = {"model": "target", "prompt": "def main(", "max_tokens": 40, "temperature": 0}
+    whole = client.completions.create(**params, extra_body={"ignore_eos": True}).choices[0].text
+    stop = whole[10:13]
+    end = whole.index(stop) + len(stop)
+    for stream in (False, True):
+        got = client.completions.create(**params, stop=[stop], stream=stream,
+                                        extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+        if stream:
+            chunks = list(got)
+            text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, finish = got.choices[0].text, got.choices[0].finish_reason
+        assert (text, finish) == (whole[:end], "stop")
+
+
+@pytest.mark.parametrize("template", [None, CHATML])
+def test_continue_final_message_renders_as_transformers_renders_it(tokenizer, template):
+    from coordinator.chat import render_chat
+
+    source = template or tokenizer.chat_template
+    special = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
+    for last in ("The answer is", "Trailing space ", [{"type": "text", "text": "in parts"}]):
+        messages = [*MESSAGES, {"role": "assistant", "content": last}]
+        plain = [*MESSAGES, {"role": "assistant", "content": last if isinstance(last, str) else "in parts"}]
+        expected = tokenizer.apply_chat_template(plain, chat_template=source, tokenize=False,
+                                                 continue_final_message=True)
+        assert render_chat(source, messages, special, False, continue_final_message=True) == expected
+
+
+def test_continue_final_message_continues_the_assistants_turn(stack, client, tokenizer):
+    from coordinator.client import TandemClient
+
+    messages = [*MESSAGES, {"role": "assistant", "content": "    return"}]
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, continue_final_message=True, return_dict=False)
+    with TandemClient(stack.grpc, timeout=120) as grpc_client:
+        expected = grpc_client.generate(prompt_ids=list(ids), max_new_tokens=12, temperature=0.0)
+    got = client.chat.completions.create(model="target", messages=messages, max_tokens=12, temperature=0,
+                                         extra_body={"continue_final_message": True})
+    assert got.usage.prompt_tokens == len(ids)
+    assert got.choices[0].message.content == expected.text
+    closed = client.chat.completions.create(model="target", messages=messages, max_tokens=12, temperature=0)
+    assert closed.usage.prompt_tokens > len(ids)  # without it the turn is closed and a new one opened
+    assert_400(chat(stack, messages=messages, continue_final_message=True, add_generation_prompt=True),
+               "continue_final_message")
+
+
+def test_best_of_is_one_or_n(stack):
+    for best_of in (1, 2):
+        got = completion(stack, n=2, best_of=best_of, temperature=1.0, seed=3)
+        assert got.status_code == 200 and len(got.json()["choices"]) == 2, got.text
+    assert_400(completion(stack, n=2, best_of=3), "best_of", "unsupported_value")
+
+
+def test_top_logprobs_needs_logprobs(stack):
+    error = assert_400(chat(stack, top_logprobs=2), "top_logprobs")
+    assert "logprobs" in error["message"]
+    assert chat(stack, top_logprobs=0).status_code == 200  # asks for no alternatives, as vLLM takes it
+    got = chat(stack, logprobs=True, top_logprobs=2).json()["choices"][0]["logprobs"]["content"]
+    assert all(len(entry["top_logprobs"]) == 2 for entry in got)
+
+
+def test_a_text_part_without_text_and_a_clashing_template_keyword_are_400s(stack):
+    for part in ({"type": "text"}, {"type": "text", "text": 3}):
+        response = chat(stack, messages=[{"role": "user", "content": [part]}])
+        assert response.status_code == 400, response.text
+        assert "messages[0].content[0]" in response.json()["error"]["message"]
+    for clash in ({"messages": []}, {"add_generation_prompt": False}, {"bos_token": "x"}):
+        response = chat(stack, chat_template_kwargs=clash)
+        assert response.status_code == 400, response.text
+        assert next(iter(clash)) in response.json()["error"]["message"]
+    assert chat(stack, chat_template_kwargs={"extra": "fine"}).status_code == 200
+
+
+def test_documents_reach_the_template(tokenizer):
+    from coordinator.chat import render_chat
+
+    template = "{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}" + CHATML
+    documents = [{"title": "a", "text": "one"}, {"title": "b", "text": "two"}]
+    expected = tokenizer.apply_chat_template(MESSAGES, chat_template=template, documents=documents, tokenize=False,
+                                             add_generation_prompt=True)
+    assert render_chat(template, MESSAGES, {}, True, documents=documents) == expected
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(stack, tokenizer):
+    ids = tokenizer("import os\nimport sys\n")["input_ids"]
+    got = completion(stack, prompt=ids, temperature=0, truncate_prompt_tokens=3, ignore_eos=True).json()
+    expected = completion(stack, prompt=ids[-3:], temperature=0, ignore_eos=True).json()
+    assert got["usage"]["prompt_tokens"] == 3 and got["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert completion(stack, prompt=ids, truncate_prompt_tokens=-1).json()["usage"]["prompt_tokens"] == len(ids)
+    assert_400(completion(stack, truncate_prompt_tokens=10**7), "truncate_prompt_tokens", "context_length_exceeded")
+    assert_400(completion(stack, truncate_prompt_tokens=0), "truncate_prompt_tokens")
+
+
+def test_add_special_tokens_request_id_and_tokens_as_ids(stack, tokenizer):
+    for special in (True, False):
+        got = completion(stack, prompt="hello", add_special_tokens=special).json()
+        assert got["usage"]["prompt_tokens"] == len(tokenizer("hello", add_special_tokens=special)["input_ids"])
+    assert completion(stack, request_id="abc-1").json()["id"] == "cmpl-abc-1"
+    assert chat(stack, request_id="abc-2").json()["id"] == "chatcmpl-abc-2"
+    got = completion(stack, temperature=0, logprobs=2, return_tokens_as_token_ids=True).json()["choices"][0]
+    assert all(t.startswith("token_id:") for t in got["logprobs"]["tokens"])
+    ids = [int(t.removeprefix("token_id:")) for t in got["logprobs"]["tokens"]]
+    assert tokenizer.decode(ids) == got["text"]
+
+
+def test_errors_carry_openais_string_codes(client, stack):
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert missing.value.code == "model_not_found" and missing.value.type == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model="target", prompt="x", max_tokens=100_000)
+    assert long.value.code == "context_length_exceeded"
+    max_context = client.models.list().data[0].model_extra["max_model_len"]
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model="target", prompt=[5] * max_context, max_tokens=2)
+    assert long.value.code == "context_length_exceeded"
+    assert_400(completion(stack, max_tokens="many"), "max_tokens", "invalid_type")
+    assert post(stack, "/v1/completions", {}).json()["error"]["code"] == "missing_required_parameter"
+    assert_400(completion(stack, n=0), "n", "invalid_value")
+    not_json = httpx.post(f"{stack.url}/v1/completions", content=b"{not json")
+    assert not_json.status_code == 400 and not_json.json()["error"]["code"] == "invalid_json"
+
+
+def test_unknown_routes_and_methods_answer_openais_error_object(stack):
+    for method, path in (("POST", "/v1/responses"), ("GET", "/v1/nothing"), ("POST", "/v2/completions")):
+        response = httpx.request(method, f"{stack.url}{path}", json={})
+        assert response.status_code == 404 and response.headers["content-type"] == "application/json"
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "unknown_url")
+        assert path in error["message"]
+    wrong = httpx.get(f"{stack.url}/v1/completions")
+    assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_tokenize_and_detokenize_round_trip(stack, client, tokenizer):
+    text = "def main():\n    print('héllo ✓')\n"
+    got = post(stack, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    assert got["tokens"] == tokenizer(text)["input_ids"] and got["count"] == len(got["tokens"])
+    assert got["token_strs"] == tokenizer.convert_ids_to_tokens(got["tokens"])
+    assert got["max_model_len"] == client.models.list().data[0].model_extra["max_model_len"]
+    assert post(stack, "/detokenize", {"tokens": got["tokens"]}).json()["prompt"] == tokenizer.decode(got["tokens"])
+    plain = post(stack, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()
+    assert plain["token_strs"] is None
+    assert post(stack, "/detokenize", {"tokens": plain["tokens"]}).json()["prompt"] == text
+    # a conversation counts as the chat endpoint renders it
+    rendered = post(stack, "/tokenize", {"messages": MESSAGES}).json()
+    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert rendered["tokens"] == list(ids)
+    assert rendered["count"] == chat(stack).json()["usage"]["prompt_tokens"]
+    assert_400(post(stack, "/tokenize", {"messages": MESSAGES, "tools": [TOOL]}), "tools")
+    assert_400(post(stack, "/detokenize", {"tokens": [10**7]}), "tokens")
+    assert post(stack, "/tokenize", {"prompt": "x", "model": "gpt-4"}).json()["error"]["code"] == "model_not_found"
+    version = httpx.get(f"{stack.url}/version").json()
+    assert version == {"version": importlib.metadata.version("tandem")}
+
+
+def test_generation_config_is_the_default_sampling(stack):
+    """An omitted (or null) temperature, top_p, top_k is the checkpoint's, as vLLM applies it."""
+    model = {k: GENERATION_CONFIG[k] for k in ("temperature", "top_p", "top_k")}
+    openai_defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    for call, text in ((completion, lambda r: r["choices"][0]["text"]),
+                       (chat, lambda r: r["choices"][0]["message"]["content"])):
+        differ = 0
+        for seed in range(4):
+            omitted = text(call(stack, seed=seed, max_tokens=16, ignore_eos=True).json())
+            nulls = text(call(stack, seed=seed, max_tokens=16, ignore_eos=True, temperature=None, top_p=None,
+                              top_k=None).json())
+            explicit = text(call(stack, seed=seed, max_tokens=16, ignore_eos=True, **model).json())
+            assert omitted == nulls == explicit
+            differ += omitted != text(call(stack, seed=seed, max_tokens=16, ignore_eos=True,
+                                           **openai_defaults).json())
+        assert differ  # the defaults are not OpenAI's
+        greedy = text(call(stack, temperature=0, max_tokens=16, ignore_eos=True).json())
+        assert greedy == text(call(stack, temperature=0, top_p=None, max_tokens=16, ignore_eos=True).json())
+
+
+def test_the_target_sends_its_generation_config_and_grpc_applies_it_without_sampling(stack):
+    import grpc
+
+    from coordinator.monitor import Pair
+    from coordinator.server import client_request_from_pb
+    from tandem.v1 import coordinator_pb2, target_pb2, target_pb2_grpc
+
+    with grpc.insecure_channel(stack.target) as channel:
+        info = target_pb2_grpc.TargetServiceStub(channel).ModelInfo(target_pb2.TargetInfoRequest(), timeout=30)
+    assert {k: json.loads(info.generation_config)[k] for k in GENERATION_CONFIG} == GENERATION_CONFIG
+    pair = Pair(None, info, None, None, None)
+    unset = client_request_from_pb(coordinator_pb2.GenerateRequest(prompt_ids=[1, 2]), pair).generation.sampling
+    assert (unset.temperature, unset.top_p, unset.top_k) == (0.7, 0.8, 5)
+    given = coordinator_pb2.GenerateRequest(prompt_ids=[1, 2], sampling={"temperature": 0.0})
+    assert client_request_from_pb(given, pair).generation.sampling.greedy  # given: as given
+    info.generation_config = ""
+    assert client_request_from_pb(coordinator_pb2.GenerateRequest(prompt_ids=[1, 2]), pair).generation.sampling.greedy
