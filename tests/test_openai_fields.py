@@ -40,7 +40,7 @@ ASKING = {
     "function_call": "auto", "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "include_reasoning": False,
     "verbosity": "low", "web_search_options": {}, "echo": True, "chat_template": CHATML,
-    "mm_processor_kwargs": {"a": 1}, "suffix": "\n", "prompt_embeds": "AAAA",
+    "mm_processor_kwargs": {"a": 1}, "media_io_kwargs": {"video": {}}, "suffix": "\n", "prompt_embeds": "AAAA",
 }
 # Their neutral values, which ask for nothing: accepted, and the answer is the plain request's.
 NEUTRAL = {
@@ -50,7 +50,7 @@ NEUTRAL = {
     "response_format": {"type": "text"}, "priority": 0, "kv_transfer_params": {}, "vllm_xargs": {},
     "store": False, "metadata": {}, "service_tier": "auto", "tools": [], "tool_choice": "none", "functions": [],
     "function_call": "none", "modalities": ["text"], "include_reasoning": True, "echo": False,
-    "mm_processor_kwargs": {}, "suffix": "",
+    "mm_processor_kwargs": {}, "media_io_kwargs": {}, "suffix": "",
     # accepted identifiers that by definition change nothing in the answer
     "user": "u1", "safety_identifier": "s1", "prompt_cache_key": "k1", "cache_salt": "salt",
 }
@@ -262,6 +262,26 @@ def test_add_special_tokens_request_id_and_tokens_as_ids(stack, tokenizer):
     assert all(t.startswith("token_id:") for t in got["logprobs"]["tokens"])
     ids = [int(t.removeprefix("token_id:")) for t in got["logprobs"]["tokens"]]
     assert tokenizer.decode(ids) == got["text"]
+
+
+def test_return_token_ids_gives_the_prompts_and_the_choices_ids(stack, tokenizer):
+    got = completion(stack, temperature=0, ignore_eos=True, return_token_ids=True).json()["choices"][0]
+    assert got["prompt_token_ids"] == tokenizer("def main(")["input_ids"]
+    assert len(got["token_ids"]) == 8 and tokenizer.decode(got["token_ids"]) == got["text"]
+    chunks = [json.loads(line[6:]) for line in completion(stack, temperature=0, ignore_eos=True, stream=True,
+                                                          return_token_ids=True).text.splitlines()
+              if line.startswith("data: {")]
+    assert [i for c in chunks for i in c["choices"][0]["token_ids"]] == got["token_ids"]
+    assert [c["choices"][0].get("prompt_token_ids") for c in chunks][:2] == [got["prompt_token_ids"], None]
+    whole = chat(stack, temperature=0, ignore_eos=True, return_token_ids=True).json()
+    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert whole["prompt_token_ids"] == list(ids)
+    assert tokenizer.decode(whole["choices"][0]["token_ids"]) == whole["choices"][0]["message"]["content"]
+    chunks = [json.loads(line[6:]) for line in chat(stack, temperature=0, ignore_eos=True, stream=True,
+                                                    return_token_ids=True).text.splitlines()
+              if line.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] == list(ids)
+    assert [i for c in chunks[1:] for i in c["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
 
 
 def test_errors_carry_openais_string_codes(client, stack):

@@ -17,8 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -30,20 +29,15 @@ from starlette.routing import Route
 
 from coordinator.chat import render_chat
 from coordinator.generation import ClientRequest, Generations
+from coordinator.http.answer import Answer, error_response
 from coordinator.http.choice import Choice
 from coordinator.http.protocol import (
     INVALID,
     ChatRequest,
-    CompletionLogprobs,
     CompletionRequest,
     HTTPError,
-    TokenText,
     bad_request,
-    chat_logprobs,
     http_error,
-    merge_completion_logprobs,
-    spec_metrics,
-    usage,
 )
 from coordinator.http.tokens import detokenize_answer, tokenize, tokenize_answer, version
 from coordinator.model_defaults import model_sampling
@@ -109,7 +103,7 @@ class Front:
         try:
             pair = self.generations.pair()
         except Abort as exc:
-            return _error(http_error(exc))
+            return error_response(http_error(exc))
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name(pair), "object": "model", "created": self.created, "owned_by": "tandem",
             "root": pair.target_info.model, "max_model_len": pair.target_info.max_context,
@@ -128,7 +122,7 @@ class Front:
         try:
             return JSONResponse(answer(self, await _body(request)))
         except Exception as exc:  # noqa: BLE001 - every error is the client's answer
-            return _error(http_error(exc))
+            return error_response(http_error(exc))
 
     # -- the two generation endpoints -----------------------------------------------------------
 
@@ -144,14 +138,15 @@ class Front:
             self.check_model(params.model)
             choices = self._start(params, chat)
         except Exception as exc:  # noqa: BLE001 - every error is the client's answer
-            return _error(http_error(exc))
+            return error_response(http_error(exc))
         try:
             first = [await _first(choice) for choice in choices]  # errors before any output: an HTTP status
         except Exception as exc:  # noqa: BLE001
             for choice in choices:
                 choice.close()
-            return _error(http_error(exc))
-        answer = _Answer(self, params, chat, choices, first)
+            return error_response(http_error(exc))
+        pair = self.generations.monitor.current
+        answer = Answer(self.model_name(), pair.tokenizer if pair is not None else None, params, chat, choices, first)
         if params.stream:
             return StreamingResponse(answer.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -231,149 +226,3 @@ def _truncated(ids: list[int], keep: int | None, max_context: int) -> list[int]:
 
 async def _first(choice: Choice) -> TextDelta | None:
     return await choice.next()
-
-
-def _error(error: HTTPError) -> JSONResponse:
-    return JSONResponse(error.body, status_code=error.status)
-
-
-class _Answer:
-    """The response to one request, whole or as server-sent events."""
-
-    def __init__(self, front: Front, params, chat: bool, choices: list[Choice], first: list[TextDelta | None]):
-        self.params, self.chat, self.choices, self.first = params, chat, choices, first
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{params.request_id or uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.model = front.model_name()
-        pair = front.generations.monitor.current
-        self.token_text = TokenText(pair.tokenizer if pair is not None else None, params.return_tokens_as_token_ids)
-        self.object = "chat.completion" if chat else "text_completion"
-        self.stats = [None] * len(choices)
-        self.completion_tokens = 0
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return (self.params.logprobs is not None) if not self.chat else self.params.logprobs
-
-    def _usage_and_metrics(self) -> dict:
-        prompts = self.choices[:: self.params.n]  # the prompt is counted once for its n samples (as vLLM does)
-        return {"usage": usage(sum(c.prompt_tokens for c in prompts), self.completion_tokens),
-                "metrics": spec_metrics([s for s in self.stats if s is not None])}
-
-    async def whole(self, request: Request) -> Response:
-        """Every choice to its end, unless the client goes away first (then all are cancelled)."""
-        gone = asyncio.create_task(_disconnected(request))
-        collect = asyncio.gather(*(self._collect(i) for i in range(len(self.choices))))
-        try:
-            await asyncio.wait({gone, collect}, return_when=asyncio.FIRST_COMPLETED)
-            if not collect.done():  # the client left
-                collect.cancel()
-                return Response(status_code=499)
-            results = collect.result()
-        except Exception as exc:  # noqa: BLE001 - a choice failed mid-way
-            return _error(http_error(exc))
-        finally:
-            gone.cancel()
-            for choice in self.choices:
-                choice.close()
-        return JSONResponse({"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                             "choices": results, **self._usage_and_metrics()})
-
-    async def _collect(self, index: int) -> dict:
-        choice, delta = self.choices[index], self.first[index]
-        text, token_ids, logprobs, finish = [], [], [], None
-        while delta is not None:
-            text.append(delta.text)
-            token_ids += delta.token_ids
-            logprobs += delta.logprobs or []
-            if delta.finish_reason is not None:
-                finish, self.stats[index] = delta.finish_reason, delta.stats
-            delta = await choice.next()
-        self.completion_tokens += len(token_ids)
-        out = {"index": index, "finish_reason": finish, "logprobs": None}
-        if self.chat:
-            out["message"] = {"role": "assistant", "content": "".join(text)}
-            if self.wants_logprobs:
-                out["logprobs"] = {"content": chat_logprobs(token_ids, logprobs, self.token_text)}
-        else:
-            out["text"] = "".join(text)
-            if self.wants_logprobs:
-                out["logprobs"] = merge_completion_logprobs([CompletionLogprobs(self.token_text).add(token_ids, logprobs)])
-        return out
-
-    async def events(self) -> AsyncIterator[str]:
-        """SSE: chunks as the choices' deltas come, then (stream_options.include_usage) the usage, then [DONE].
-        A client that stops reading closes this generator: every choice is cancelled."""
-        queue: asyncio.Queue = asyncio.Queue()
-        pumps = [asyncio.create_task(self._pump(i, queue)) for i in range(len(self.choices))]
-        logprobs = [CompletionLogprobs(self.token_text) for _ in self.choices]
-        object_ = "chat.completion.chunk" if self.chat else "text_completion"
-        try:
-            if self.chat:  # the role first, as OpenAI sends it
-                for i in range(len(self.choices)):
-                    yield self._sse(object_, [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                               "logprobs": None, "finish_reason": None}])
-            running, last = len(self.choices), None
-            while running:
-                index, item = await queue.get()
-                if item is None:
-                    running -= 1
-                    continue
-                if isinstance(item, BaseException):
-                    error = http_error(item)
-                    yield f"data: {json.dumps(error.body)}\n\n"
-                    break
-                delta: TextDelta = item
-                self.completion_tokens += len(delta.token_ids)
-                if delta.finish_reason is not None:
-                    self.stats[index] = delta.stats
-                if not delta.text and delta.finish_reason is None and not (self.wants_logprobs and delta.token_ids):
-                    continue  # nothing to show yet (text held back: half a character, a possible stop string)
-                piece = {"index": index, "logprobs": None, "finish_reason": delta.finish_reason}
-                if self.chat:
-                    piece["delta"] = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
-                    if self.wants_logprobs:
-                        piece["logprobs"] = {"content": chat_logprobs(delta.token_ids, delta.logprobs or [],
-                                                                      self.token_text)}
-                else:
-                    piece["text"] = delta.text
-                    if self.wants_logprobs:
-                        piece["logprobs"] = logprobs[index].add(delta.token_ids, delta.logprobs or [])
-                if delta.finish_reason is not None and running == 1 and not self.params.include_usage:
-                    last = piece  # the request's last chunk carries its metrics
-                    continue
-                yield self._sse(object_, [piece])
-            else:
-                extra = self._usage_and_metrics()
-                if last is not None:
-                    yield self._sse(object_, [last], metrics=extra["metrics"])
-                if self.params.include_usage:
-                    yield self._sse(object_, [], usage=extra["usage"], metrics=extra["metrics"])
-            yield "data: [DONE]\n\n"
-        finally:
-            for pump in pumps:
-                pump.cancel()
-            for choice in self.choices:
-                choice.close()
-
-    async def _pump(self, index: int, queue: asyncio.Queue) -> None:
-        """One choice's deltas onto the request's queue; None at its end."""
-        delta = self.first[index]
-        try:
-            while delta is not None:
-                queue.put_nowait((index, delta))
-                delta = await self.choices[index].next()
-            queue.put_nowait((index, None))
-        except Exception as exc:  # noqa: BLE001
-            queue.put_nowait((index, exc))
-
-    def _sse(self, object_: str, choices: list[dict], **extra) -> str:
-        chunk = {"id": self.id, "object": object_, "created": self.created, "model": self.model,
-                 "choices": choices, **extra}
-        return f"data: {json.dumps(chunk)}\n\n"
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client closes its connection (the body has been read: the next message is that)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

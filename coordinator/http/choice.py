@@ -23,7 +23,7 @@ class Choice:
     def __init__(self, generations: Generations, build: Callable[[Pair], ClientRequest],
                  loop: asyncio.AbstractEventLoop):
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.prompt_tokens = 0
+        self.prompt_ids: list[int] = []
         self._active = True
         self._cancel: Callable[[], None] | None = None
         self._lock = threading.Lock()
@@ -34,7 +34,7 @@ class Choice:
 
     def _built(self, pair: Pair) -> ClientRequest:
         request = self._build(pair)
-        self.prompt_tokens = len(request.generation.prompt_ids)
+        self.prompt_ids = request.generation.prompt_ids
         return request
 
     def _run(self, generations: Generations, call: Call) -> None:
@@ -55,6 +55,10 @@ class Choice:
             gone = not self._active
         if gone:
             cancel()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
     def close(self) -> None:
         """The client went away (or another choice failed): free both services' sessions now."""

@@ -97,6 +97,7 @@ CHAT: dict[str, Refused] = {
     "chat_template": Refused(_never, "a request's own chat template is not accepted (vLLM's default): start the "
                              "coordinator with --chat-template"),
     "mm_processor_kwargs": Refused(_empty, "multimodal inputs are not supported"),
+    "media_io_kwargs": Refused(_empty, "multimodal inputs are not supported"),
 }
 
 COMPLETION: dict[str, Refused] = {

@@ -104,6 +104,7 @@ class _Sampling(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     request_id: str | None = Field(None, min_length=1)  # vLLM's: the response's id
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs' tokens as "token_id:N"
+    return_token_ids: bool = False  # vLLM's: the prompt's and the choices' token ids beside the text
     # Identifiers that by their definition change nothing in the answer (abuse monitoring, cache routing)
     user: str | None = None
     safety_identifier: str | None = None
