@@ -40,7 +40,8 @@ ASKING = {
     "function_call": "auto", "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "include_reasoning": False,
     "verbosity": "low", "web_search_options": {}, "echo": True, "chat_template": CHATML,
-    "mm_processor_kwargs": {"a": 1}, "media_io_kwargs": {"video": {}}, "suffix": "\n", "prompt_embeds": "AAAA",
+    "mm_processor_kwargs": {"a": 1}, "media_io_kwargs": {"video": {}},
+    "moderation": {"model": "omni"}, "prompt_cache_options": {"ttl": "1h"}, "prompt_cache_retention": "24h", "suffix": "\n", "prompt_embeds": "AAAA",
 }
 # Their neutral values, which ask for nothing: accepted, and the answer is the plain request's.
 NEUTRAL = {
@@ -50,7 +51,7 @@ NEUTRAL = {
     "response_format": {"type": "text"}, "priority": 0, "kv_transfer_params": {}, "vllm_xargs": {},
     "store": False, "metadata": {}, "service_tier": "auto", "tools": [], "tool_choice": "none", "functions": [],
     "function_call": "none", "modalities": ["text"], "include_reasoning": True, "echo": False,
-    "mm_processor_kwargs": {}, "media_io_kwargs": {}, "suffix": "",
+    "mm_processor_kwargs": {}, "media_io_kwargs": {}, "prompt_cache_options": {}, "suffix": "",
     # accepted identifiers that by definition change nothing in the answer
     "user": "u1", "safety_identifier": "s1", "prompt_cache_key": "k1", "cache_salt": "salt",
 }
@@ -103,6 +104,20 @@ def assert_400(response: httpx.Response, param: str, code: str | None = None) ->
     if code is not None:
         assert error["code"] == code, error
     return error
+
+
+def test_every_field_of_the_openai_sdk_is_implemented_or_refused():
+    from openai.types import completion_create_params
+    from openai.types.chat import ChatCompletionStreamOptionsParam
+    from openai.types.chat import completion_create_params as chat_create_params
+
+    for params, model in ((chat_create_params.CompletionCreateParamsBase, ChatRequest),
+                          (completion_create_params.CompletionCreateParamsBase, CompletionRequest)):
+        assert set(params.__annotations__) <= set(model.model_fields) | set(model.REFUSED)
+    from coordinator.http.protocol import StreamOptions
+
+    assert set(ChatCompletionStreamOptionsParam.__annotations__) <= set(StreamOptions.model_fields) | set(
+        fields.STREAM_OPTIONS)
 
 
 def test_every_refused_field_has_a_value_that_asks_and_a_neutral_one():

@@ -98,6 +98,9 @@ CHAT: dict[str, Refused] = {
                              "coordinator with --chat-template"),
     "mm_processor_kwargs": Refused(_empty, "multimodal inputs are not supported"),
     "media_io_kwargs": Refused(_empty, "multimodal inputs are not supported"),
+    "moderation": Refused(_never, "moderation is not supported"),
+    "prompt_cache_options": Refused(_empty, "no prompt cache is kept between requests"),
+    "prompt_cache_retention": Refused(_never, "no prompt cache is kept between requests"),
 }
 
 COMPLETION: dict[str, Refused] = {
