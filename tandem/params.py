@@ -32,7 +32,7 @@ class SamplingParams(BaseModel):
     temperature: float = 0.0
     top_k: int = Field(default=0, description="0 disables top-k")
     top_p: float = Field(default=1.0, description="1.0 disables top-p")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)  # the wire's int64: past it was an INTERNAL error
     # logprob of each generated token under the target's distribution, with this many likeliest
     # alternatives (0: the token's own only); None: no logprobs, nothing computed for them
     logprobs: int | None = None

@@ -267,5 +267,6 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     engine already has."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
     chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()  # [n]
+    top = min(top, logprobs.shape[-1])  # never past the vocabulary (SGLang's scheduler died there)
     values, ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())  # [n, top]
     return [TokenLogprob(lp, i, v) for lp, i, v in zip(chosen, ids.tolist(), values.tolist(), strict=True)]

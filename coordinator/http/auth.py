@@ -10,6 +10,9 @@ flight is 429 with Retry-After. Bodies are bounded (413) with or without keys.
 
 from __future__ import annotations
 
+import json
+import sys
+
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Match
@@ -21,6 +24,9 @@ from tandem.auth import RETRY_AFTER_S, KeyRing, bearer
 OPEN_ROUTES = ("/health",)  # the probes' and the load balancers' health check
 # A request's body: a 128k-token prompt as ids in JSON is about 1 MiB; 8 MiB leaves room for messages.
 MAX_BODY_BYTES = 8 << 20
+# Python's JSON parser recurses once per nesting level: a body of 100k '[' was a RecursionError (500).
+# Bodies nesting fewer brackets than the recursion limit cannot hit it, and are not parsed here.
+DEEP_JSON = sys.getrecursionlimit() // 2
 
 
 class Door:
@@ -55,6 +61,9 @@ class Door:
             if body is None:
                 await _error(send, 413, "BadRequestError", f"the request body is over {MAX_BODY_BYTES} bytes")
                 return
+            if _too_deep(b"".join(m.get("body", b"") for m in body)):
+                await _error(send, 400, "BadRequestError", "the request body nests deeper than JSON is parsed here")
+                return
             await self.app(scope, _replay(body, receive), send)
         finally:
             if key is not None:
@@ -85,6 +94,18 @@ async def _bounded_body(scope: Scope, receive: Receive) -> list[Message] | None:
             return None
         if message["type"] != "http.request" or not message.get("more_body", False):
             return messages
+
+
+def _too_deep(body: bytes) -> bool:
+    if body.count(b"[") + body.count(b"{") < DEEP_JSON:
+        return False
+    try:
+        json.loads(body)
+    except RecursionError:
+        return True
+    except ValueError:  # not JSON: the route says so
+        return False
+    return False
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:
