@@ -52,6 +52,7 @@ class ClientRequest:
     stop: Sequence[str] = ()
     max_new_tokens_given: bool = True
     include_stop_str: bool = False  # the text ends after the stop string rather than before it
+    skip_special_tokens: bool = True  # BOS, EOS and the like left out of the text
 
 
 @dataclass
@@ -179,7 +180,8 @@ class Generations:
             call.on_cancel(cancel)
             observer = RequestObserver(self.metrics, probe, len(request.prompt_ids), call.is_active)
             events = observer.rounds(run_rounds(target, draft, request, pair.target_info.max_context, self.speculation))
-            deltas = observer.deltas(text_deltas(events, pair.tokenizer, list(client.stop), client.include_stop_str))
+            deltas = observer.deltas(text_deltas(events, pair.tokenizer, list(client.stop), client.include_stop_str,
+                                                 client.skip_special_tokens))
             ahead = ReadAhead(deltas) if self.service.admission.active <= ReadAhead.MAX_RUNNING else None
             produced = 0
             try:

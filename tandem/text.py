@@ -77,7 +77,8 @@ def _find_stop(text: str, stop: Sequence[str], include: bool = False) -> int:
 
 
 def text_deltas(
-    events: Iterator[RoundEvent], tokenizer: Tokenizer | None, stop: Sequence[str] = (), include_stop: bool = False
+    events: Iterator[RoundEvent], tokenizer: Tokenizer | None, stop: Sequence[str] = (), include_stop: bool = False,
+    skip_special_tokens: bool = True,
 ) -> Iterator[TextDelta]:
     """Round events -> token and text deltas.
 
@@ -85,20 +86,25 @@ def text_deltas(
     include_stop_str_in_output), the token ids after the token that completed it, and finish_reason is
     "stop". Text that could be the start of a stop string is held back until it is not. Ends the events
     iterator (which releases the sessions) on finishing.
+
+    With special tokens in the text (`skip_special_tokens` False), the EOS or stop token that ended the
+    generation is not, unless `include_stop`: vLLM's rule.
     """
     stop = [s for s in stop if s]
     if stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer; the target has none")
-    detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer is not None else None
+    hide_stop_token = not skip_special_tokens and not include_stop
     hold = max((len(s) for s in stop), default=1) - 1  # a partial stop string is at most this long
     pending = ""  # decoded, not yet emitted; never contains a whole stop string
     try:
         for event in events:
             finish = event.finish_reason
             token_ids: list[int] = []
-            for token in event.new_tokens:
+            shown = len(event.new_tokens) - (finish == "stop" and hide_stop_token)
+            for n, token in enumerate(event.new_tokens):
                 token_ids.append(token)
-                if detokenizer is None:
+                if detokenizer is None or n >= shown:
                     continue
                 pending += detokenizer.add([token])
                 if stop and (cut := _find_stop(pending, stop, include_stop)) >= 0:

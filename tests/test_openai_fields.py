@@ -30,7 +30,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 ASKING = {
     "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.05, "logit_bias": {"5": 10},
     "min_p": 0.1, "min_tokens": 4, "allowed_token_ids": [1, 2], "bad_words": ["x"], "logits_processors": ["m.P"],
-    "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "skip_special_tokens": False,
+    "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1,
     "spaces_between_special_tokens": False, "response_format": {"type": "json_object"},
     "guided_json": {"type": "object"}, "guided_regex": "[a-z]+", "guided_choice": ["a", "b"],
     "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
@@ -47,7 +47,7 @@ ASKING = {
 NEUTRAL = {
     "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {}, "min_p": 0,
     "min_tokens": 0, "allowed_token_ids": [], "bad_words": [], "logits_processors": [], "use_beam_search": False,
-    "length_penalty": 1.0, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "length_penalty": 1.0, "spaces_between_special_tokens": True,
     "response_format": {"type": "text"}, "priority": 0, "kv_transfer_params": {}, "vllm_xargs": {},
     "store": False, "metadata": {}, "service_tier": "auto", "tools": [], "tool_choice": "none", "functions": [],
     "function_call": "none", "modalities": ["text"], "include_reasoning": True, "echo": False,
@@ -187,6 +187,32 @@ def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(client):
         else:
             text, finish = got.choices[0].text, got.choices[0].finish_reason
         assert (text, finish) == (whole[:end], "stop")
+
+
+def test_special_tokens_in_the_text_on_request_but_not_the_token_that_ended_it(tokenizer):
+    from tandem.rounds import RoundEvent
+    from tandem.stats import GenerationStats
+    from tandem.text import text_deltas
+
+    backend = tokenizer.backend_tokenizer
+    ids = [*tokenizer("ab", add_special_tokens=False)["input_ids"], tokenizer.bos_token_id,
+           *tokenizer("cd", add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+
+    def text(**options) -> str:
+        events = iter([RoundEvent(ids[:3], GenerationStats()), RoundEvent(ids[3:], GenerationStats(), "stop")])
+        return "".join(d.text for d in text_deltas(events, backend, **options))
+
+    assert text() == tokenizer.decode(ids, skip_special_tokens=True)
+    assert text(skip_special_tokens=False) == tokenizer.decode(ids[:-1])  # the EOS that ended it: not shown
+    assert text(skip_special_tokens=False, include_stop=True) == tokenizer.decode(ids)
+    assert tokenizer.bos_token in text(skip_special_tokens=False)
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(stack, tokenizer):
+    for seed in range(3):
+        got = completion(stack, seed=seed, temperature=2.0, top_k=0, top_p=1.0, max_tokens=48, ignore_eos=True,
+                         skip_special_tokens=False, return_token_ids=True).json()["choices"][0]
+        assert got["text"] == tokenizer.decode(got["token_ids"], skip_special_tokens=False)
 
 
 @pytest.mark.parametrize("template", [None, CHATML])

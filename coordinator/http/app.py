@@ -191,7 +191,8 @@ class Front:
                 **optional,
             )
             return ClientRequest(generation, params.stops, max_new_tokens_given=max_new is not None,
-                                 include_stop_str=params.include_stop_str_in_output)
+                                 include_stop_str=params.include_stop_str_in_output,
+                                 skip_special_tokens=params.skip_special_tokens)
 
         return build
 

@@ -95,6 +95,7 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = []  # vLLM's extension
     include_stop_str_in_output: bool = False  # vLLM's: the stop string ends the text instead of being cut
+    skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text
     n: int = Field(1, ge=1, le=MAX_N)
     best_of: int | None = Field(None, ge=1)  # each choice is its own sample: best_of 1, or n
     stream: bool = False
