@@ -55,7 +55,7 @@ NEUTRAL = {
     # accepted identifiers that by definition change nothing in the answer
     "user": "u1", "safety_identifier": "s1", "prompt_cache_key": "k1", "cache_salt": "salt",
 }
-STREAM_ASKING = {"continuous_usage_stats": True, "include_obfuscation": True}
+STREAM_ASKING = {"include_obfuscation": True}
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +171,20 @@ def test_null_is_the_field_left_out(stack):
     streamed = chat(stack, temperature=0, stream=True, stream_options={"include_usage": None,
                                                                        "continuous_usage_stats": None})
     assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+
+
+def test_continuous_usage_stats_give_the_usage_so_far_on_every_chunk(stack):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = [json.loads(line[6:]) for line in completion(stack, temperature=0, ignore_eos=True, stream=True,
+                                                          stream_options=options).text.splitlines()
+              if line.startswith("data: {")]
+    so_far = [c["usage"]["completion_tokens"] for c in chunks]
+    assert so_far == sorted(so_far) and so_far[-1] == 8
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {chunks[-1]["usage"]["prompt_tokens"]}
+    plain = [json.loads(line[6:]) for line in completion(stack, temperature=0, ignore_eos=True, stream=True,
+                                                         stream_options={"include_usage": True}).text.splitlines()
+             if line.startswith("data: {")]
+    assert all("usage" not in c for c in plain[:-1]) and plain[-1]["usage"] == chunks[-1]["usage"]
 
 
 def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(client):
@@ -408,7 +422,7 @@ def test_the_target_sends_its_generation_config_and_grpc_applies_it_without_samp
     assert {k: json.loads(info.generation_config)[k] for k in GENERATION_CONFIG} == GENERATION_CONFIG
     pair = Pair(None, info, None, None, None)
     unset = client_request_from_pb(coordinator_pb2.GenerateRequest(prompt_ids=[1, 2]), pair).generation.sampling
-    assert (unset.temperature, unset.top_p, unset.top_k) == (0.7, 0.8, 5)
+    assert (unset.temperature, unset.top_p, unset.top_k) == tuple(GENERATION_CONFIG[k] for k in ("temperature", "top_p", "top_k"))
     given = coordinator_pb2.GenerateRequest(prompt_ids=[1, 2], sampling={"temperature": 0.0})
     assert client_request_from_pb(given, pair).generation.sampling.greedy  # given: as given
     info.generation_config = ""

@@ -53,10 +53,15 @@ class Answer:
     def wants_ids(self) -> bool:
         return self.params.return_token_ids
 
-    def _usage_and_metrics(self) -> dict:
+    def _usage(self) -> dict:
         prompts = self.choices[:: self.params.n]  # the prompt is counted once for its n samples (as vLLM does)
-        return {"usage": usage(sum(c.prompt_tokens for c in prompts), self.completion_tokens),
-                "metrics": spec_metrics([s for s in self.stats if s is not None])}
+        return usage(sum(c.prompt_tokens for c in prompts), self.completion_tokens)
+
+    def _usage_so_far(self) -> dict:
+        return {"usage": self._usage()} if self.params.continuous_usage else {}
+
+    def _usage_and_metrics(self) -> dict:
+        return {"usage": self._usage(), "metrics": spec_metrics([s for s in self.stats if s is not None])}
 
     async def whole(self, request: Request) -> Response:
         """Every choice to its end, unless the client goes away first (then all are cancelled)."""
@@ -151,7 +156,7 @@ class Answer:
                 if delta.finish_reason is not None and running == 1 and not self.params.include_usage:
                     last = piece  # the request's last chunk carries its metrics
                     continue
-                yield self._sse(object_, [piece])
+                yield self._sse(object_, [piece], **self._usage_so_far())
             else:
                 extra = self._usage_and_metrics()
                 if last is not None:

@@ -50,14 +50,14 @@ COMMON: dict[str, Refused] = {
     "presence_penalty": Refused(_is(0), f"{PENALTIES}: send 0 or leave it out"),
     "frequency_penalty": Refused(_is(0), f"{PENALTIES}: send 0 or leave it out"),
     "repetition_penalty": Refused(_is(1), f"{PENALTIES}: send 1 or leave it out"),
-    "logit_bias": Refused(_empty, "logit_bias is not supported yet"),
-    "min_p": Refused(_is(0), "min_p is not supported yet: send 0 or leave it out"),
-    "min_tokens": Refused(_is(0), "min_tokens is not supported yet: send 0 or leave it out"),
-    "allowed_token_ids": Refused(_empty, "allowed_token_ids is not supported yet"),
-    "bad_words": Refused(_empty, "bad_words is not supported yet"),
+    "logit_bias": Refused(_empty, "not supported yet"),
+    "min_p": Refused(_is(0), "not supported yet: send 0 or leave it out"),
+    "min_tokens": Refused(_is(0), "not supported yet: send 0 or leave it out"),
+    "allowed_token_ids": Refused(_empty, "not supported yet"),
+    "bad_words": Refused(_empty, "not supported yet"),
     "logits_processors": Refused(_empty, "logits processors are not supported"),
     "use_beam_search": Refused(_is(False), "beam search is not supported"),
-    "length_penalty": Refused(_is(1), "length_penalty applies to beam search, which is not supported: send 1"),
+    "length_penalty": Refused(_is(1), "applies to beam search, which is not supported: send 1"),
     "prompt_logprobs": Refused(_never, "prompt logprobs are not supported yet"),
     "spaces_between_special_tokens": Refused(_is(True), "spaces between special tokens are not supported: send true"),
     "response_format": Refused(lambda v: isinstance(v, dict) and v.get("type", "text") == "text",
@@ -74,7 +74,7 @@ COMMON: dict[str, Refused] = {
     "kv_transfer_params": Refused(_empty, "disaggregated serving (KV transfer) is not supported"),
     "vllm_xargs": Refused(_empty, "vLLM's custom extensions are not supported"),
     "store": Refused(_is(False), "stored completions are not supported: send false"),
-    "metadata": Refused(_empty, "metadata is kept with stored completions, which are not supported"),
+    "metadata": Refused(_empty, "kept with stored completions, which are not supported"),
     "service_tier": Refused(_is("auto", "default"), "one service tier: send \"auto\" or \"default\""),
 }
 
@@ -88,11 +88,11 @@ CHAT: dict[str, Refused] = {
     "audio": Refused(_never, "audio output is not supported"),
     "modalities": Refused(lambda v: v == ["text"], "text is the only modality: send [\"text\"]"),
     "prediction": Refused(_never, "predicted outputs are not supported yet"),
-    "reasoning_effort": Refused(_never, "reasoning_effort is not supported"),
+    "reasoning_effort": Refused(_never, "not supported"),
     "include_reasoning": Refused(_is(True), "reasoning is not parsed out of the answer: send true"),
-    "verbosity": Refused(_never, "verbosity is not supported"),
+    "verbosity": Refused(_never, "not supported"),
     "web_search_options": Refused(_never, "web search is not supported"),
-    "echo": Refused(_is(False), "echo is not supported: send false"),
+    "echo": Refused(_is(False), "not supported: send false"),
     "chat_template": Refused(_never, "a request's own chat template is not accepted (vLLM's default): start the "
                              "coordinator with --chat-template"),
     "mm_processor_kwargs": Refused(_empty, "multimodal inputs are not supported"),
@@ -104,14 +104,13 @@ CHAT: dict[str, Refused] = {
 
 COMPLETION: dict[str, Refused] = {
     **COMMON,
-    "echo": Refused(_is(False), "echo is not supported: send false"),
-    "suffix": Refused(_is(""), "suffix (fill-in-the-middle) is not supported yet"),
+    "echo": Refused(_is(False), "not supported: send false"),
+    "suffix": Refused(_is(""), "fill-in-the-middle is not supported yet"),
     "prompt_embeds": Refused(_never, "prompt embeddings are not supported"),
 }
 
 # Inside stream_options.
 STREAM_OPTIONS: dict[str, Refused] = {
-    "continuous_usage_stats": Refused(_is(False), "usage on every chunk is not supported yet: send false"),
     "include_obfuscation": Refused(_is(False), "stream obfuscation is not supported: send false"),
 }
 

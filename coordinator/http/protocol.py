@@ -77,6 +77,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far on every chunk
 
 
 class _Sampling(BaseModel):
@@ -141,6 +142,10 @@ class _Sampling(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Sampling):
