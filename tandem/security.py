@@ -4,7 +4,8 @@
                       the draft with --tls-ca as well take only clients holding a certificate of that CA
   a channel           channel: plain, TLS (a CA to check the server by) or mutual TLS (a certificate of
                       its own as well); the coordinator's to its services, the clients', the tools'
-  one host's CA       make_throwaway_ca: what `tandem serve --tls on` hands its three children
+  one host's CA       make_throwaway_ca: what `tandem serve --tls on` hands its three children, and
+                      `tandem make-certs` writes for a deployment's secrets
 
 No torch here: the coordinator and the clients use it. `cryptography` only for the throwaway CA.
 """
@@ -27,6 +28,8 @@ log = logging.getLogger("tandem")
 CA_ENV = "TANDEM_TLS_CA"
 # A throwaway CA lives as long as the `tandem serve` that made it; a day leaves room for clock skew.
 THROWAWAY_DAYS = 1
+# `tandem make-certs`, for a deployment's secrets: a year, then make new ones (the CA's key is gone).
+CERTS_DAYS = 365
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ class ThrowawayCa:
     key: Path
 
 
-def make_throwaway_ca(directory: Path, hosts: Sequence[str] = ()) -> ThrowawayCa:
+def make_throwaway_ca(directory: Path, hosts: Sequence[str] = (), days: int = THROWAWAY_DAYS) -> ThrowawayCa:
     """A CA made now for this host, and one certificate it signs for localhost, 127.0.0.1, ::1 and
     `hosts`; the CA's key is dropped, so nothing else can ever be signed by it. Files in `directory`."""
     try:
@@ -123,7 +126,7 @@ def make_throwaway_ca(directory: Path, hosts: Sequence[str] = ()) -> ThrowawayCa
         raise RuntimeError("--tls on needs the cryptography package: pip install cryptography") from None
 
     now = datetime.datetime.now(datetime.timezone.utc)
-    expires = now + datetime.timedelta(days=THROWAWAY_DAYS)
+    expires = now + datetime.timedelta(days=days)
     ca_key, leaf_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tandem serve throwaway CA")])
     ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
@@ -158,3 +161,12 @@ def make_throwaway_ca(directory: Path, hosts: Sequence[str] = ()) -> ThrowawayCa
     out.key.touch(mode=0o600)
     out.key.write_bytes(leaf_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
     return out
+
+
+def cmd_make_certs(args) -> int:
+    """`tandem make-certs DIR [HOST ...]`: the files compose's and Kubernetes' secrets are made from."""
+    directory = Path(args.dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    made = make_throwaway_ca(directory, args.hosts, days=CERTS_DAYS)
+    print(f"wrote {made.ca}, {made.cert}, {made.key} (for localhost, 127.0.0.1, ::1{''.join(', ' + h for h in args.hosts)})")
+    return 0

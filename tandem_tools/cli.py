@@ -178,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_later("tandem_tools.tiny", "cmd_make_tiny"))
 
+    p = sub.add_parser("make-certs", help="write a CA's certificate and one certificate and key it signs for these "
+                                          "hosts (TLS and mutual TLS of the three services; the CA's key is dropped)")
+    p.add_argument("dir")
+    p.add_argument("hosts", nargs="*", metavar="HOST", help="names and IPs besides localhost, 127.0.0.1 and ::1")
+    p.set_defaults(func=_later("tandem.security", "cmd_make_certs"))
+
     p = sub.add_parser("generate", help="generate once, against a running coordinator or in-process")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--server", metavar="HOST:PORT", help="the coordinator to call (e.g. from `tandem serve`)")

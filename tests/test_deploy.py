@@ -252,23 +252,57 @@ def test_every_variable_is_a_setting_the_service_reads(compose):
                 assert key.removeprefix(prefix).lower() in cls.model_fields, (name, key)
 
 
-def test_gpu_file_environment_loads_as_valid_settings(tiny_dir, monkeypatch):
-    """The GPU file's variables, pointed at a real (tiny) pair, pass the services' own validation."""
+def test_gpu_file_environment_loads_as_valid_settings(tiny_dir, monkeypatch, tmp_path):
+    """The GPU file's variables, pointed at a real (tiny) pair and at secrets made by `tandem make-certs`,
+    pass the services' own validation."""
     env = {"TANDEM_TARGET_MODEL": str(tiny_dir / "target"), "TANDEM_DRAFT_MODEL": str(tiny_dir / "draft")}
-    services = load(GPU_FILE, env)["services"]
+    spec = load(GPU_FILE, env)
+    secrets = _made_secrets(spec, tmp_path)
+    services = spec["services"]
     for name in LONG_RUNNING:
         for key in list(os.environ):
             if key.startswith("TANDEM_"):
                 monkeypatch.delenv(key)
         for key, value in environment(services[name]).items():
             if value is not None:
-                monkeypatch.setenv(key, value)
+                monkeypatch.setenv(key, secrets.get(value, value))
         settings = config.load_settings(SETTINGS[name])
         assert (settings.host, settings.port) == ("0.0.0.0", container_port(name, services[name]))
         if name != "coordinator":
             # "cuda" in the file: the settings name the container's GPU (its current one, 0 without CUDA here)
             assert settings.device.startswith("cuda:") and settings.dtype == "bfloat16"
     assert str(settings.target_addr) == "target:50051" and settings.draft_addr == "draft:50052"
+
+
+def _made_secrets(spec: dict, directory: Path) -> dict[str, str]:
+    """/run/secrets/NAME -> a file made here as the compose file's comment says to make it."""
+    from tandem.security import make_throwaway_ca
+
+    make_throwaway_ca(directory, ["target", "draft", "coordinator"])
+    (directory / "api-keys").write_text("a-key\n")
+    return {f"/run/secrets/{name}": str(directory / Path(secret["file"]).name)
+            for name, secret in spec.get("secrets", {}).items()}
+
+
+def test_gpu_file_mounts_tls_and_api_keys_from_secrets():
+    """The target and the draft serve mutual TLS, the coordinator TLS with API keys and presents the same
+    certificate to them; every file they name is a secret the service mounts, made from TANDEM_SECRETS_DIR;
+    the health checks present what the services ask for."""
+    spec = load(GPU_FILE, {"TANDEM_SECRETS_DIR": "/srv/tandem-secrets"})
+    declared = spec["secrets"]
+    assert {Path(s["file"]).parent for s in declared.values()} == {Path("/srv/tandem-secrets")}
+    for name in LONG_RUNNING:
+        service, prefix = spec["services"][name], f"TANDEM_{name.upper()}_"
+        env = environment(service)
+        assert {env[prefix + f] for f in ("TLS_CERT", "TLS_KEY", "TLS_CA")} == \
+               {"/run/secrets/tandem-cert", "/run/secrets/tandem-key", "/run/secrets/tandem-ca"}, name
+        named = [v for v in [*env.values(), *health_command(service)] if v and v.startswith("/run/secrets/")]
+        assert {v.removeprefix("/run/secrets/") for v in named} <= set(service["secrets"]) <= set(declared), name
+        check = health_command(service)
+        assert check[check.index("--ca") + 1] == "/run/secrets/tandem-ca", name
+        assert ("--cert" in check) == (name in MODEL_SERVICES), name  # mutual TLS: the services ask for one
+    assert environment(spec["services"]["coordinator"])["TANDEM_COORDINATOR_API_KEY_FILE"] == \
+        "/run/secrets/tandem-api-keys"
 
 
 def _commands(path: Path) -> Iterator[tuple[str, list[str]]]:

@@ -258,12 +258,19 @@ def test_the_environment_loads_as_valid_settings(objects, tmp_path, monkeypatch)
     """The containers' variables pass the services' own validation (checkpoint paths rewritten to stand-in
     checkpoint directories here)."""
     from tandem import config
+    from tandem.security import make_throwaway_ca
 
+    secrets = tmp_path / "secrets"  # the Secrets' files, as the tls component's comment says to make them
+    secrets.mkdir()
+    make_throwaway_ca(secrets)
+    (secrets / "api-keys").write_text("a-key\n")
     for container in pod_spec(objects)["containers"]:
         name = service_of(container)
         for key in [k for k in os.environ if k.startswith("TANDEM_")]:
             monkeypatch.delenv(key)
         for key, value in env(container, objects).items():
+            if value.startswith("/etc/tandem/"):
+                value = str(secrets / Path(value).name)
             if value.startswith("/models/"):
                 value = str(tmp_path / value.removeprefix("/"))
                 Path(value).mkdir(parents=True, exist_ok=True)
@@ -292,7 +299,12 @@ def test_probes_are_grpc_health_checks_on_each_services_own_port(objects):
             if name == "coordinator" and kind == "readinessProbe":
                 http = int(setting(name, container, objects, "http_port"))
                 assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"httpGet"}, probe
-                assert probe["httpGet"] == {"path": "/health", "port": http} and http in ports(container).values()
+                scheme = {"scheme": "HTTPS"} if tls(name, container, objects) else {}
+                assert probe["httpGet"] == {"path": "/health", "port": http, **scheme}
+                assert http in ports(container).values()
+                continue
+            if tls(name, container, objects):
+                _assert_tls_probe(name, container, objects, probe, port)
                 continue
             # the kubelet's native grpc.health.v1 client; the port must be a number (named ports are not
             # supported for gRPC probes)
@@ -310,6 +322,71 @@ def test_probes_are_grpc_health_checks_on_each_services_own_port(objects):
     assert float(setting("coordinator", coordinator, objects, "connect_timeout")) >= budget["target"]
 
 
+def tls(name: str, container: dict, objects) -> dict[str, str]:
+    """The container's TLS files ({"cert": ..., "key": ..., "ca": ...}); empty without TLS."""
+    return {f: v for f in ("cert", "key", "ca") if (v := setting(name, container, objects, f"tls_{f}")) is not None}
+
+
+def _assert_tls_probe(name: str, container: dict, objects, probe: dict, port: int) -> None:
+    """The kubelet's gRPC probes speak plaintext only: over TLS, tandem-healthcheck on the service's own port
+    with its CA, and for the target and the draft (mutual TLS) a certificate they accept."""
+    assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"exec"}, (name, probe)
+    command = probe["exec"]["command"]
+    assert command[:2] == ["tandem-healthcheck", f"127.0.0.1:{port}"], (name, command)
+    flags = dict(zip(command[2::2], command[3::2], strict=True))
+    files = tls(name, container, objects)
+    want = {"--ca": files["ca"]} | ({"--cert": files["cert"], "--key": files["key"]} if name in MODEL_SERVICES else {})
+    assert flags == want, (name, flags)
+
+
+def test_network_policy_lets_in_only_the_fronts_ports(objects):
+    """From anywhere only the ports the Services route to (the coordinator's gRPC and HTTP); the metrics
+    ports from the monitoring namespace only; the target's and the draft's gRPC ports never."""
+    policy = one(objects, "NetworkPolicy")
+    assert selects(policy["spec"]["podSelector"]["matchLabels"], pod_labels(objects))
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    named = {p: n for c in containers(objects).values() for p, n in ports(c).items()}
+    routed = {port["targetPort"] for service in of_kind(objects, "Service") for port in service["spec"]["ports"]}
+    metrics = {p for name, c in containers(objects).items() for p, n in ports(c).items()
+               if n == int(setting(name, c, objects, "metrics_port"))}
+    open_to, scraped = set(), set()
+    for rule in policy["spec"]["ingress"]:
+        rule_ports = {p["port"] for p in rule["ports"]}
+        assert rule_ports <= set(named), f"the policy names a port no container has: {rule_ports}"
+        if "from" not in rule:
+            open_to |= rule_ports
+            continue
+        assert all(set(peer) == {"namespaceSelector"} for peer in rule["from"]), rule
+        scraped |= rule_ports
+    assert open_to == routed == {"grpc", "http"}
+    assert scraped == metrics
+    for name in MODEL_SERVICES:
+        own = int(setting(name, containers(objects)[name], objects, "port"))
+        assert not {p for p in open_to | scraped if named[p] == own}, f"{name}'s gRPC port is reachable"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlays_serve_tls_and_want_keys_from_secrets(overlay):
+    """Every overlay: TLS on the fronts and mutual TLS between the services, the files and the API keys from
+    Secrets mounted read-only where the settings read them."""
+    if KUBECTL is None:
+        pytest.skip("kubectl is not installed: cannot render the manifests (kubectl kustomize)")
+    objects = render(f"overlays/{overlay}")
+    secret_volumes = {v["name"]: v["secret"]["secretName"] for v in pod_spec(objects)["volumes"] if "secret" in v}
+    assert set(secret_volumes.values()) == {"tandem-tls", "tandem-api-keys"}
+    for name, container in containers(objects).items():
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"] if m["name"] in secret_volumes}
+        files = tls(name, container, objects)
+        assert set(files) == {"cert", "key", "ca"}, name  # the services verify clients by the CA: mutual TLS
+        wanted = [*files.values()]
+        if name == "coordinator":
+            wanted.append(setting(name, container, objects, "api_key_file"))
+        for path in wanted:
+            [mount] = [m for where, m in mounts.items() if Path(path).parent == Path(where)]
+            assert mount["readOnly"], (name, path)
+    assert pod_spec(objects)["securityContext"]["fsGroup"] == UID
+
+
 def test_services_reach_only_the_coordinators_ports(objects):
     labels = pod_labels(objects)
     coordinator = containers(objects)["coordinator"]
@@ -323,7 +400,10 @@ def test_services_reach_only_the_coordinators_ports(objects):
             assert port["targetPort"] in ports(coordinator), f"{service['metadata']['name']} exposes {port}"
     client = {p["name"]: p for p in services["tandem"]["spec"]["ports"]}
     assert named[client["grpc"]["targetPort"]] == int(setting("coordinator", coordinator, objects, "port"))
-    assert client["grpc"]["appProtocol"] == "kubernetes.io/h2c"
+    if tls("coordinator", coordinator, objects):  # no cleartext HTTP/2 for a gateway to assume
+        assert "appProtocol" not in client["grpc"] and client["http"]["appProtocol"] == "https"
+    else:
+        assert client["grpc"]["appProtocol"] == "kubernetes.io/h2c"
     assert client["http"]["port"] == named[client["http"]["targetPort"]] == 8000
     assert env(coordinator, objects)["TANDEM_COORDINATOR_HTTP_PORT"] == "8000"
     headless = services["tandem-headless"]["spec"]

@@ -275,3 +275,15 @@ def test_a_key_past_its_requests_in_flight_is_refused_and_other_keys_are_not(sta
                 assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED
                 threading.Event().wait(0.05)
         assert done.is_set()
+
+
+def test_the_container_healthcheck_probes_over_tls_and_mutual_tls(stack):
+    """deploy/healthcheck.py, as the compose files and the Kubernetes overlays run it."""
+    import runpy
+
+    probe = runpy.run_path(str(Path(__file__).resolve().parents[1] / "deploy" / "healthcheck.py"))["probe"]
+    files = {"cert": str(stack.tls.cert), "key": str(stack.tls.key)}
+    assert probe(stack.grpc, ca=str(stack.tls.ca)) == "SERVING"
+    assert probe(stack.target, ca=str(stack.tls.ca), **files) == "SERVING"
+    assert probe(stack.target, ca=str(stack.tls.ca)).startswith("UNREACHABLE")
+    assert probe(stack.draft).startswith("UNREACHABLE")
