@@ -27,6 +27,7 @@ from draft_server.model import DraftKV, Eagle3Draft
 from draft_server.sampling import DraftSampler, QSettings, draft_q, draw
 from tandem.compiling import compile_graphs
 from tandem.protocol import DraftProbs
+from tandem.staging import upload
 
 log = logging.getLogger("tandem.draft")
 
@@ -91,7 +92,8 @@ class GreedyPropose:
         if not features.is_inference():  # a graph is guarded on it: ours were traced on inference tensors
             features = features.clone()
         kv.crop(length)
-        drafts, rows, kv.k, kv.v = self._propose(features, torch.tensor(next_tokens, device=device),
+        (tokens,) = upload([(next_tokens, torch.long)], device)
+        drafts, rows, kv.k, kv.v = self._propose(features, tokens,
                                                  torch.arange(length, length + len(next_tokens), device=device),
                                                  plain(kv.k), plain(kv.v), rounds)
         return read_rollout(drafts[None], None)[0], rows
@@ -150,8 +152,9 @@ class SampledPropose:
             features = features.clone()
         kv.crop(length)
         settings = draws.settings
+        (tokens,) = upload([(next_tokens, torch.long)], device)
         drafts, q, rows, kv.k, kv.v = self._propose(
-            features, torch.tensor(next_tokens, device=device),
+            features, tokens,
             torch.arange(length, length + len(next_tokens), device=device), plain(kv.k), plain(kv.v), rounds,
             settings.temperature, settings.top_p, draws.uniforms, settings.cut_only)
         drafts, qs, _ = read_rollout(drafts, q)
@@ -194,13 +197,10 @@ def draws_for(samplers: list[DraftSampler | None], first: list[int], rounds: int
     if not rows:
         return None
     sampled = [samplers[i] for i in rows]
-    return Draws(
-        index=None if len(rows) == len(samplers) else torch.tensor(rows, device=device),
-        settings=QSettings.of(sampled, vocab, device),
-        uniforms=torch.tensor([[s.uniform(first[i] + n) for n in range(rounds)] for s, i in zip(sampled, rows,
-                                                                                              strict=True)],
-                              dtype=torch.float64, device=device),
-    )
+    uniforms = [[s.uniform(first[i] + n) for n in range(rounds)] for s, i in zip(sampled, rows, strict=True)]
+    index, uniforms = upload([(rows, torch.long), (uniforms, torch.float64)], device)  # [b], [b, rounds]
+    return Draws(index=None if len(rows) == len(samplers) else index, settings=QSettings.of(sampled, vocab, device),
+                 uniforms=uniforms.view(len(rows), rounds))
 
 
 def rollout(model: Eagle3Draft, top_n: int, a: torch.Tensor, kv: DraftKV, position: torch.Tensor, rounds: int,

@@ -46,6 +46,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from tandem.protocol import tree_depths
+from tandem.staging import upload
 from target_server.kv import KVPool
 
 BLOCK = KVPool.BLOCK
@@ -221,7 +222,15 @@ def bucket(n: int, device: str = "cpu") -> int:
 
 def plan(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool) -> tuple[torch.Tensor, PagedBatch]:
     """The positions [width] (int32) and the PagedBatch of a forward of `spans`' tokens padded to `width`, built
-    on the host from the block tables and copied to the device once."""
+    on the host from the block tables and copied to the device once (tandem/staging.py: no host sync)."""
+    positions, batch, _ = plan_with(spans, width, pool, dense)
+    return positions, batch
+
+
+def plan_with(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool,
+              more: Sequence[tuple[object, torch.dtype]] = ()) -> tuple[torch.Tensor, PagedBatch, list[torch.Tensor]]:
+    """plan's, and the tensors of `more` ((values, dtype) pairs: the forward's tokens, the rows it reads
+    logits at) uploaded in the same copy."""
     positions, slots, owner, tree, anc = [], [], [], [], []
     q_block = min(width, Q_BLOCK.get(pool.device.type, 16))
     for span in spans:
@@ -240,20 +249,19 @@ def plan(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool) -> t
     anc += [0] * pad
     masked, whole = ([], []) if dense else _visible_blocks(spans, width, q_block)  # dense attention reads neither
     (kv_num, kv_idx), (full_num, full_idx) = _block_table(masked, pool.blocks), _block_table(whole, pool.blocks)
-    device = pool.device
+    int32, int64 = torch.int32, torch.int64
+    (positions, slots, owner, tree, anc, kv_num, kv_idx, full_num, full_idx, *extra) = upload(
+        [(positions, int32), (slots, int64), (owner, int32), (tree, int64), (anc, int64), (kv_num, int32),
+         (kv_idx, int32), (full_num, int32), (full_idx, int32), *more], pool.device)
     batch = PagedBatch(
-        slots=torch.tensor(slots, dtype=torch.long).to(device), owner=torch.tensor(owner, dtype=torch.int32).to(device),
-        kv_num=kv_num.to(device), kv_idx=kv_idx.to(device), full_num=full_num.to(device),
-        full_idx=full_idx.to(device), keys=pool.keys, values=pool.values,
-        row_owner=pool.owner, row_position=pool.position, row_tree=pool.tree,
-        tree=torch.tensor(tree, dtype=torch.int64).to(device),
-        anc=torch.tensor(anc, dtype=torch.int64).to(device),
-        q_block=q_block, trees=any(span.parents is not None for span in spans),
+        slots=slots, owner=owner, kv_num=kv_num, kv_idx=kv_idx, full_num=full_num, full_idx=full_idx,
+        keys=pool.keys, values=pool.values, row_owner=pool.owner, row_position=pool.position, row_tree=pool.tree,
+        tree=tree, anc=anc, q_block=q_block, trees=any(span.parents is not None for span in spans),
         dense=(1 + max((b for span in spans for b in span.blocks), default=0)) * BLOCK if dense else 0,
         fresh=tuple(n for n in [*(span.new for span in spans), pad] if n) if dense and spans and all(
             span.past == 0 and span.parents is None for span in spans) else (),  # padding: a sequence of its own
     )
-    return torch.tensor(positions, dtype=torch.int32).to(device), batch
+    return positions, batch, extra
 
 
 def _visible_blocks(spans: Sequence[Span], width: int, q_block: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -288,14 +296,13 @@ def _visible_blocks(spans: Sequence[Span], width: int, q_block: int) -> tuple[li
     return masked, whole
 
 
-def _block_table(rows: list[list[int]], blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_table(rows: list[list[int]], blocks: int) -> tuple[numpy.ndarray, numpy.ndarray]:
     """A BlockMask's counts [1, 1, Q] and indices [1, 1, Q, blocks] (int32) of each query block's pool blocks
     (filled in numpy: a tensor a query block cost ~1 ms a forward at 96 of them)."""
-    idx = numpy.zeros((len(rows), blocks), dtype=numpy.int32)
+    idx = numpy.zeros((1, 1, len(rows), blocks), dtype=numpy.int32)
     for j, row in enumerate(rows):
-        idx[j, : len(row)] = row
-    num = torch.tensor([len(row) for row in rows], dtype=torch.int32)
-    return num[None, None], torch.from_numpy(idx)[None, None]
+        idx[0, 0, j, : len(row)] = row
+    return numpy.array([[[len(row) for row in rows]]], dtype=numpy.int32).reshape(1, 1, len(rows)), idx
 
 
 def keep_rows(pool: PagedKVPool, src: list[int], dst: list[int], positions: list[int],
@@ -303,18 +310,17 @@ def keep_rows(pool: PagedKVPool, src: list[int], dst: list[int], positions: list
     """After a tree verify (all its steps at once, on the device, no host sync): the KV of the kept nodes'
     rows `src` moves to the rows `dst` of their committed `positions` in every layer; those rows become
     committed (position, tree bit 0), and the rows `freed` (the trees' other nodes) are freed."""
-    device = pool.device
-    to = torch.tensor(dst, dtype=torch.long).to(device)
     moved = [(s, d) for s, d in zip(src, dst, strict=True) if s != d]
+    long = torch.long
+    to, rows_from, rows_to, committed, gone = upload(
+        [(dst, long), ([s for s, _ in moved], long), ([d for _, d in moved], long), (positions, torch.int32),
+         (freed, long)], pool.device)
     if moved:
-        rows_from = torch.tensor([s for s, _ in moved], dtype=torch.long).to(device)
-        rows_to = torch.tensor([d for _, d in moved], dtype=torch.long).to(device)
         for table in (pool.keys, pool.values):
             for t in table:  # index_select copies first: a row may be read and written by two moves
                 t.index_copy_(pool.ROW_DIM, rows_to, t.index_select(pool.ROW_DIM, rows_from))
-    pool.position.index_copy_(0, to, torch.tensor(positions, dtype=torch.int32).to(device))
+    pool.position.index_copy_(0, to, committed)
     pool.tree.index_fill_(0, to, 0)
     if freed:
-        gone = torch.tensor(freed, dtype=torch.long).to(device)
         pool.owner.index_fill_(0, gone, FREE)
         pool.tree.index_fill_(0, gone, 0)

@@ -32,10 +32,11 @@ from transformers.cache_utils import Cache
 from tandem.compiling import compile_graphs
 from tandem.packed import PACK_MIN_WEIGHTS, PackedLinear, can_pack, pack_linears
 from tandem.protocol import tree_depths
+from tandem.staging import upload
 from target_server.kv import VERIFY_TOKENS, KVLayer, KVPool
 from target_server.loading import LoadedTarget
 from target_server.native import NativeCausalLM, fuse_projections
-from target_server.paged import BLOCK, PAD, PagedKVPool, Span, ancestor_bits, bucket, keep_rows, plan
+from target_server.paged import BLOCK, PAD, PagedKVPool, Span, ancestor_bits, bucket, keep_rows, plan_with
 from target_server.warmup import WarmUp
 
 if TYPE_CHECKING:
@@ -157,22 +158,23 @@ class NativeRunner:
         spans = [Span(step.session.owner, step.session.blocks, step.session.length, size, step.parents)
                  for step, size in zip(steps, sizes, strict=True)]
         ids = [i for step in steps for i in step.ids]
-        hidden, features = self._run(ids, spans, key, pool, compiled)  # [width, H], [width, 3H]
         rows, end = [], 0
         for step, size in zip(steps, sizes, strict=True):
             end += size
             rows += range(end - size, end) if step.kind == "verify" else [end - 1]
-        logits = self.model.lm_head(hidden.index_select(0, torch.tensor(rows).to(self.device)))  # [N, V]
+        hidden, features, rows = self._run(ids, spans, key, pool, compiled, rows)  # [width, H], [width, 3H], [N]
+        logits = self.model.lm_head(hidden.index_select(0, rows))  # [N, V]
         return logits, list(features[:n].split(sizes))
 
     def _run(self, ids: list[int], spans: list[Span], key: tuple[int, int], pool: PagedKVPool,
-             compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             compiled: bool, rows: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The forward of `spans`' tokens `ids`: compiled, padded to the bucket key[0] (static shapes are for
-        the compiler), or eagerly, unpadded. A compiled bucket that fails (the compiler's failure, not the
+        the compiler), or eagerly, unpadded; with `rows` (the rows whose logits are read) on the device, copied
+        with the forward's inputs. A compiled bucket that fails (the compiler's failure, not the
         batch's: flex's Triton template refused every block size below 16 rows on an H100) runs eagerly from
         then on; inline compiles only (WarmUp keeps its own)."""
         try:
-            return self._forward_padded(ids, spans, key[0] if compiled else len(ids), pool, compiled)
+            return self._forward_padded(ids, spans, key[0] if compiled else len(ids), pool, compiled, rows)
         except torch.OutOfMemoryError:
             raise
         except Exception:
@@ -181,13 +183,14 @@ class NativeRunner:
             log.exception("the compiled forward for %d tokens over a pool of %d rows failed: that bucket runs "
                           "eagerly", *key)
             self.failed.add(key)
-            return self._forward_padded(ids, spans, len(ids), pool, False)
+            return self._forward_padded(ids, spans, len(ids), pool, False, rows)
 
     def _forward_padded(self, ids: list[int], spans: list[Span], width: int, pool: PagedKVPool,
-                        compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.tensor(ids + [0] * (width - len(ids))).to(self.device)
-        positions, batch = plan(spans, width, pool, dense=not compiled)
-        return (self._forward if compiled else self._eager)(tokens, positions, batch)
+                        compiled: bool, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        positions, batch, (tokens, rows) = plan_with(spans, width, pool, not compiled,
+                                                     [(ids + [0] * (width - len(ids)), torch.long),
+                                                      (list(rows), torch.long)])
+        return *(self._forward if compiled else self._eager)(tokens, positions, batch), rows
 
     @torch.inference_mode()
     def measure_forward_bytes(self, pool: KVPool, max_tokens: int, max_batch: int, max_context: int) -> int:
@@ -201,7 +204,7 @@ class NativeRunner:
         n = max(min(max_tokens, max_context - 1), 1)
         compiled = self.compiled and self.warm_up is None  # WarmUp's prefills run eagerly
         key = (bucket(n, device.type), pool.owner.shape[0])
-        hidden, _ = self._run([0] * n, [Span(PAD, [0] * -(-n // KVPool.BLOCK), 0, n)], key, pool, compiled)
+        hidden, _, _ = self._run([0] * n, [Span(PAD, [0] * -(-n // KVPool.BLOCK), 0, n)], key, pool, compiled)
         rows = min(n, max_batch * VERIFY_TOKENS)
         logits = self.model.lm_head(hidden[:rows]).float().log_softmax(-1)
         del hidden, logits
@@ -282,14 +285,20 @@ class HFRunner:
             positions[i] = torch.arange(past[i], past[i] + width)
             if step.parents is not None:  # a tree's nodes at past + their depths
                 positions[i, : sizes[i]] = past[i] + torch.tensor([0, *tree_depths(step.parents)])
-        attention = None if len(steps) == 1 else mask.to(self.device)
-        if any(step.parents is not None for step in steps):
-            attention = self._tree_mask(steps, mask, longest, width)
+        trees = any(step.parents is not None for step in steps)
+        long = torch.long
+        ids, positions, mask, *visible = upload([(ids, long), (positions, long), (mask, long)] + (
+            [(self._tree_visible(steps, mask, longest, width), torch.bool)] if trees else []), self.device)
+        attention = None if len(steps) == 1 else mask
+        if trees:
+            dtype = self.model.dtype
+            attention = torch.zeros(visible[0].shape, dtype=dtype, device=self.device).masked_fill_(
+                ~visible[0], torch.finfo(dtype).min)
         self._batch, self._width = self._gather_kv(steps, longest, pool), width
         hidden = self.decoder(
-            input_ids=ids.to(self.device),
+            input_ids=ids,
             attention_mask=attention,
-            position_ids=positions.to(self.device),
+            position_ids=positions,
             past_key_values=Cache(layers=self._batch),
             use_cache=True,
         ).last_hidden_state
@@ -298,10 +307,11 @@ class HFRunner:
                 for i, (step, n) in enumerate(zip(steps, sizes, strict=True))]
         return self.logits(torch.cat(rows)), [features[i, :n] for i, n in enumerate(sizes)]
 
-    def _tree_mask(self, steps: list[Step], mask: torch.Tensor, longest: int, width: int) -> torch.Tensor:
-        """[B, 1, width, longest + width] additive (0 visible, the dtype's minimum hidden; transformers passes
-        a 4D mask through as given): the padding of `mask` [B, longest + width], causal among the new tokens,
-        and a tree's node sees only its ancestors and itself among them."""
+    def _tree_visible(self, steps: list[Step], mask: torch.Tensor, longest: int, width: int) -> torch.Tensor:
+        """[B, 1, width, longest + width] bool, the 4D mask's visible entries (made additive on the device: 0
+        visible, the dtype's minimum hidden; transformers passes a 4D mask through as given): the padding of
+        `mask` [B, longest + width], causal among the new tokens, and a tree's node sees only its ancestors
+        and itself among them."""
         new = torch.ones(width, width, dtype=torch.bool).tril().repeat(len(steps), 1, 1)  # [B, width, width]
         for i, step in enumerate(steps):
             if step.parents is not None:
@@ -310,9 +320,7 @@ class HFRunner:
                 new[i, :n, :n] = (bits[:, None] >> torch.arange(n)[None]) & 1 == 1
         visible = mask.bool()[:, None, :].repeat(1, width, 1)  # [B, width, longest + width]
         visible[:, :, longest:] &= new
-        dtype = self.model.dtype
-        additive = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-        return additive[:, None].to(self.device)
+        return visible[:, None]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
@@ -343,8 +351,8 @@ class HFRunner:
         rows = torch.cat([step.session.rows[p : p + len(keep)]
                           for step, p, keep in zip(steps, past, kept, strict=True)])
         # which of the batch's B x width new tokens: an index built on the host (a boolean mask syncs)
-        chosen = torch.tensor([i * self._width + j for i, keep in enumerate(kept) for j in keep],
-                              device=self.device)
+        (chosen,) = upload([([i * self._width + j for i, keep in enumerate(kept) for j in keep], torch.long)],
+                           self.device)
         for layer, pool_keys, pool_values in zip(self._batch, pool.keys, pool.values, strict=True):
             pool_keys[rows] = layer.new_keys.transpose(1, 2).flatten(0, 1)[chosen]  # [B * width, heads, D] rows
             pool_values[rows] = layer.new_values.transpose(1, 2).flatten(0, 1)[chosen]

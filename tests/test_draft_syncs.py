@@ -53,7 +53,7 @@ def test_a_lone_propose_syncs_once(engine, sampled):
     features, tokens = _inputs(engine, 3, 10)
     with OpCounter() as ops:
         drafts = engine.propose(name, features, tokens, K)
-    assert ops.syncs <= 1, dict(ops.sync_ops)
+    assert ops.reads <= 1, dict(ops.sync_ops)  # uploads: tests/test_host_syncs.py
     _check(drafts, drafts.q, sampled)
     engine.release(name)
 
@@ -67,7 +67,7 @@ def test_a_batched_rollout_syncs_once(engine, mix):
              for i, name in enumerate(names)]
     with OpCounter() as ops:
         results = engine._run_steps(steps)  # what the batcher runs for 16 concurrent proposes
-    assert ops.syncs <= 1, dict(ops.sync_ops)
+    assert ops.reads <= 1, dict(ops.sync_ops)  # uploads: tests/test_host_syncs.py
     for step, drafts in zip(steps, results, strict=True):
         _check(drafts, drafts.q, step.session.sampler is not None, step.k)
     for name in names:
@@ -84,7 +84,7 @@ def test_an_ahead_syncs_once(engine, sampled, new_pairs):
     features, tokens = _inputs(engine, new_pairs, 30) if new_pairs else (None, [])
     with OpCounter() as ops:
         branches = engine.prepare(name, features, tokens, assumed, K, branches=4)
-    assert ops.syncs <= 1, dict(ops.sync_ops)
+    assert ops.reads <= 1, dict(ops.sync_ops)  # uploads: tests/test_host_syncs.py
     assert len(branches) == 4
     for branch in branches:
         assert 0 <= branch.accepted <= len(assumed)
