@@ -8,14 +8,14 @@ import queue
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from target_server.paged import PagedKVPool, plan
 
 if TYPE_CHECKING:
-    from target_server.runners import NativeRunner
     from target_server.steps import Step
 
 log = logging.getLogger("tandem.target")
@@ -24,6 +24,14 @@ log = logging.getLogger("tandem.target")
 # op it ran without it within this many seconds rather than the default 5 ms: 4 demo generations ran in 2.7 s
 # against 0.6 compiled, where with the default they took 9.3 s.
 SWITCH_S = 2e-4
+
+
+class Compiled(Protocol):
+    """What WarmUp needs of the runner whose buckets it compiles (runners.NativeRunner)."""
+
+    device: torch.device
+    buckets: set[tuple[int, int]]  # (tokens, pool rows) compiled or queued, shared with the runner
+    _forward: Callable  # the compiled forward: ids, positions, batch -> hidden, features
 
 
 class WarmUp:
@@ -43,7 +51,7 @@ class WarmUp:
     # only; 1.11x, none shed, with these)
     FIRST = (2, 4, 8, 16, 32, 48, 64, 80, 96)
 
-    def __init__(self, runner: NativeRunner):
+    def __init__(self, runner: Compiled):
         self.runner = runner
         self.compiled: set[tuple[int, int]] = set()  # (tokens, pool rows) ready to run compiled
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
