@@ -37,6 +37,7 @@ tokens causally, one SDPA each, without reading the pool back. Eager, 16 closed-
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -71,6 +72,10 @@ Q_BLOCK = {"cpu": 1, "cuda": 16}
 MIN_TOKENS = {"cpu": 2, "cuda": 16}  # inductor's CPU flex template fails on one query row
 KERNEL_OPTIONS = {"cuda": {"BLOCK_M": 16, "BLOCK_N": 16}}
 PACK_GROUPS = {"cpu"}
+# A BlockMask's transpose (which query blocks see each pool block) serves only the backward pass; built per
+# forward, it is a sort over [query blocks, pool blocks] on the device (built where torch has no such option)
+FORWARD_ONLY = {"compute_q_blocks": False} if "compute_q_blocks" in inspect.signature(
+    BlockMask.from_kv_blocks).parameters else {}
 
 
 class PagedKVPool(KVPool):
@@ -161,7 +166,7 @@ def open_batch(batch: PagedBatch, positions: torch.Tensor, groups: int = 1) -> P
 
     mask = BlockMask.from_kv_blocks(batch.kv_num, batch.kv_idx, batch.full_num, batch.full_idx,
                                     BLOCK_SIZE=(batch.q_block * g, BLOCK), mask_mod=visible,
-                                    seq_lengths=(owner.shape[0] * g, row_owner.shape[0]))
+                                    seq_lengths=(owner.shape[0] * g, row_owner.shape[0]), **FORWARD_ONLY)
     return batch._replace(mask=mask, groups=g)
 
 
