@@ -18,11 +18,12 @@ import openai
 import pytest
 
 from coordinator.http import fields
-from coordinator.http.protocol import ChatRequest, CompletionRequest
+from coordinator.http.protocol import ChatRequest, CompletionRequest, StreamOptions
 from tests.test_openai import CHATML, start_stack, stop_stack
 
 # The checkpoint's sampling defaults; the repetition_penalty is there as Qwen's is, and not applied.
 GENERATION_CONFIG = {"temperature": 0.7, "top_p": 0.8, "top_k": 5, "repetition_penalty": 1.05}
+SAMPLING = {k: GENERATION_CONFIG[k] for k in ("temperature", "top_p", "top_k")}
 MESSAGES = [{"role": "user", "content": "def main("}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
@@ -30,31 +31,30 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 ASKING = {
     "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.05, "logit_bias": {"5": 10},
     "min_p": 0.1, "min_tokens": 4, "allowed_token_ids": [1, 2], "bad_words": ["x"], "logits_processors": ["m.P"],
-    "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1,
-    "spaces_between_special_tokens": False, "response_format": {"type": "json_object"},
-    "guided_json": {"type": "object"}, "guided_regex": "[a-z]+", "guided_choice": ["a", "b"],
-    "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
-    "structural_tag": "{}", "structured_outputs": {"regex": "a"}, "priority": 1, "kv_transfer_params": {"a": 1},
-    "vllm_xargs": {"a": 1}, "store": True, "metadata": {"a": "b"}, "service_tier": "flex",
-    "tools": [TOOL], "tool_choice": "auto", "parallel_tool_calls": False, "functions": [TOOL["function"]],
-    "function_call": "auto", "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
-    "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "include_reasoning": False,
-    "verbosity": "low", "web_search_options": {}, "echo": True, "chat_template": CHATML,
-    "mm_processor_kwargs": {"a": 1}, "media_io_kwargs": {"video": {}},
-    "moderation": {"model": "omni"}, "prompt_cache_options": {"ttl": "1h"}, "prompt_cache_retention": "24h", "suffix": "\n", "prompt_embeds": "AAAA",
+    "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "spaces_between_special_tokens": False,
+    "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "[a-z]+",
+    "guided_choice": ["a", "b"], "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "xgrammar",
+    "guided_whitespace_pattern": " ", "structural_tag": "{}", "structured_outputs": {"regex": "a"}, "priority": 1,
+    "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "store": True, "metadata": {"a": "b"},
+    "service_tier": "flex", "tools": [TOOL], "tool_choice": "auto", "parallel_tool_calls": False,
+    "functions": [TOOL["function"]], "function_call": "auto", "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
+    "include_reasoning": False, "verbosity": "low", "web_search_options": {}, "echo": True, "chat_template": CHATML,
+    "mm_processor_kwargs": {"a": 1}, "media_io_kwargs": {"video": {}}, "moderation": {"model": "omni"},
+    "prompt_cache_options": {"ttl": "1h"}, "prompt_cache_retention": "24h", "suffix": "\n", "prompt_embeds": "AAAA",
 }
 # Their neutral values, which ask for nothing: accepted, and the answer is the plain request's.
 NEUTRAL = {
     "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {}, "min_p": 0,
     "min_tokens": 0, "allowed_token_ids": [], "bad_words": [], "logits_processors": [], "use_beam_search": False,
-    "length_penalty": 1.0, "spaces_between_special_tokens": True,
-    "response_format": {"type": "text"}, "priority": 0, "kv_transfer_params": {}, "vllm_xargs": {},
-    "store": False, "metadata": {}, "service_tier": "auto", "tools": [], "tool_choice": "none", "functions": [],
-    "function_call": "none", "modalities": ["text"], "include_reasoning": True, "echo": False,
-    "mm_processor_kwargs": {}, "media_io_kwargs": {}, "prompt_cache_options": {}, "suffix": "",
-    # accepted identifiers that by definition change nothing in the answer
-    "user": "u1", "safety_identifier": "s1", "prompt_cache_key": "k1", "cache_salt": "salt",
+    "length_penalty": 1.0, "spaces_between_special_tokens": True, "response_format": {"type": "text"},
+    "priority": 0, "kv_transfer_params": {}, "vllm_xargs": {}, "store": False, "metadata": {}, "service_tier": "auto",
+    "tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "modalities": ["text"],
+    "include_reasoning": True, "echo": False, "mm_processor_kwargs": {}, "media_io_kwargs": {},
+    "prompt_cache_options": {}, "suffix": "",
 }
+# Accepted identifiers that by their definition change nothing in the answer.
+IDENTIFIERS = {"user": "u1", "safety_identifier": "s1", "prompt_cache_key": "k1", "cache_salt": "salt"}
 STREAM_ASKING = {"include_obfuscation": True}
 
 
@@ -96,6 +96,11 @@ def completion(stack, **body) -> httpx.Response:
     return post(stack, "/v1/completions", {"prompt": "def main(", "max_tokens": 8, **body})
 
 
+def events(response: httpx.Response) -> list[dict]:
+    """A stream's chunks (its server-sent events but [DONE])."""
+    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+
+
 def assert_400(response: httpx.Response, param: str, code: str | None = None) -> dict:
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -107,36 +112,30 @@ def assert_400(response: httpx.Response, param: str, code: str | None = None) ->
 
 
 def test_every_field_of_the_openai_sdk_is_implemented_or_refused():
-    from openai.types import completion_create_params
-    from openai.types.chat import ChatCompletionStreamOptionsParam
-    from openai.types.chat import completion_create_params as chat_create_params
+    from openai.types import completion_create_params as completion_params
+    from openai.types.chat import ChatCompletionStreamOptionsParam as Options
+    from openai.types.chat import completion_create_params as chat_params
 
-    for params, model in ((chat_create_params.CompletionCreateParamsBase, ChatRequest),
-                          (completion_create_params.CompletionCreateParamsBase, CompletionRequest)):
+    for params, model in ((chat_params.CompletionCreateParamsBase, ChatRequest),
+                          (completion_params.CompletionCreateParamsBase, CompletionRequest)):
         assert set(params.__annotations__) <= set(model.model_fields) | set(model.REFUSED)
-    from coordinator.http.protocol import StreamOptions
-
-    assert set(ChatCompletionStreamOptionsParam.__annotations__) <= set(StreamOptions.model_fields) | set(
-        fields.STREAM_OPTIONS)
+    assert set(Options.__annotations__) <= set(StreamOptions.model_fields) | set(fields.STREAM_OPTIONS)
 
 
 def test_every_refused_field_has_a_value_that_asks_and_a_neutral_one():
     refused = set(fields.CHAT) | set(fields.COMPLETION)
     assert set(ASKING) == refused
     never = {name for name, rule in {**fields.CHAT, **fields.COMPLETION}.items() if rule.neutral is fields._never}
-    assert set(NEUTRAL) - {"user", "safety_identifier", "prompt_cache_key", "cache_salt"} == refused - never
+    assert set(NEUTRAL) == refused - never
     # none of them is also a field the models implement
     assert not refused & (set(ChatRequest.model_fields) | set(CompletionRequest.model_fields))
 
 
-@pytest.mark.parametrize("field", sorted(fields.CHAT))
-def test_a_chat_field_tandem_lacks_is_a_400_naming_it(stack, field):
-    assert_400(chat(stack, **{field: ASKING[field]}), field, "unsupported_parameter")
-
-
-@pytest.mark.parametrize("field", sorted(fields.COMPLETION))
-def test_a_completion_field_tandem_lacks_is_a_400_naming_it(stack, field):
-    assert_400(completion(stack, **{field: ASKING[field]}), field, "unsupported_parameter")
+@pytest.mark.parametrize(("endpoint", "field"), [*(("chat", f) for f in sorted(fields.CHAT)),
+                                                  *(("completion", f) for f in sorted(fields.COMPLETION))])
+def test_a_field_tandem_lacks_is_a_400_naming_it(stack, endpoint, field):
+    call = chat if endpoint == "chat" else completion
+    assert_400(call(stack, **{field: ASKING[field]}), field, "unsupported_parameter")
 
 
 @pytest.mark.parametrize("option", sorted(fields.STREAM_OPTIONS))
@@ -146,16 +145,11 @@ def test_a_stream_option_tandem_lacks_is_a_400_naming_it(stack, option):
 
 
 def test_neutral_values_are_accepted_and_change_nothing(stack):
-    plain = chat(stack, temperature=0).json()["choices"][0]["message"]["content"]
-    neutral = {k: v for k, v in NEUTRAL.items() if k in fields.CHAT or k in ChatRequest.model_fields}
-    got = chat(stack, temperature=0, **neutral)
-    assert got.status_code == 200, got.text
-    assert got.json()["choices"][0]["message"]["content"] == plain
-    plain = completion(stack, temperature=0).json()["choices"][0]["text"]
-    neutral = {k: v for k, v in NEUTRAL.items() if k in fields.COMPLETION or k in CompletionRequest.model_fields}
-    got = completion(stack, temperature=0, **neutral)
-    assert got.status_code == 200, got.text
-    assert got.json()["choices"][0]["text"] == plain
+    for model, call in ((ChatRequest, chat), (CompletionRequest, completion)):
+        neutral = {k: v for k, v in NEUTRAL.items() if k in model.REFUSED}
+        got = call(stack, temperature=0, **neutral, **IDENTIFIERS)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"] == call(stack, temperature=0).json()["choices"]
 
 
 def test_null_is_the_field_left_out(stack):
@@ -175,32 +169,25 @@ def test_null_is_the_field_left_out(stack):
 
 def test_continuous_usage_stats_give_the_usage_so_far_on_every_chunk(stack):
     options = {"include_usage": True, "continuous_usage_stats": True}
-    chunks = [json.loads(line[6:]) for line in completion(stack, temperature=0, ignore_eos=True, stream=True,
-                                                          stream_options=options).text.splitlines()
-              if line.startswith("data: {")]
+    chunks = events(completion(stack, temperature=0, ignore_eos=True, stream=True, stream_options=options))
     so_far = [c["usage"]["completion_tokens"] for c in chunks]
     assert so_far == sorted(so_far) and so_far[-1] == 8
     assert {c["usage"]["prompt_tokens"] for c in chunks} == {chunks[-1]["usage"]["prompt_tokens"]}
-    plain = [json.loads(line[6:]) for line in completion(stack, temperature=0, ignore_eos=True, stream=True,
-                                                         stream_options={"include_usage": True}).text.splitlines()
-             if line.startswith("data: {")]
+    plain = events(completion(stack, temperature=0, ignore_eos=True, stream=True,
+                              stream_options={"include_usage": True}))
     assert all("usage" not in c for c in plain[:-1]) and plain[-1]["usage"] == chunks[-1]["usage"]
 
 
-def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(client):
-    params = {"model": "target", "prompt": "def main(", "max_tokens": 40, "temperature": 0}
-    whole = client.completions.create(**params, extra_body={"ignore_eos": True}).choices[0].text
+def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(stack):
+    params = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    whole = completion(stack, **params).json()["choices"][0]["text"]
     stop = whole[10:13]
+    params.update(stop=[stop], include_stop_str_in_output=True)
+    got = completion(stack, **params).json()["choices"][0]
+    chunks = [c["choices"][0] for c in events(completion(stack, **params, stream=True))]
     end = whole.index(stop) + len(stop)
-    for stream in (False, True):
-        got = client.completions.create(**params, stop=[stop], stream=stream,
-                                        extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
-        if stream:
-            chunks = list(got)
-            text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
-        else:
-            text, finish = got.choices[0].text, got.choices[0].finish_reason
-        assert (text, finish) == (whole[:end], "stop")
+    assert (got["text"], got["finish_reason"]) == (whole[:end], "stop")
+    assert ("".join(c["text"] for c in chunks), chunks[-1]["finish_reason"]) == (whole[:end], "stop")
 
 
 def test_special_tokens_in_the_text_on_request_but_not_the_token_that_ended_it(tokenizer):
@@ -208,13 +195,12 @@ def test_special_tokens_in_the_text_on_request_but_not_the_token_that_ended_it(t
     from tandem.stats import GenerationStats
     from tandem.text import text_deltas
 
-    backend = tokenizer.backend_tokenizer
     ids = [*tokenizer("ab", add_special_tokens=False)["input_ids"], tokenizer.bos_token_id,
            *tokenizer("cd", add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
 
     def text(**options) -> str:
-        events = iter([RoundEvent(ids[:3], GenerationStats()), RoundEvent(ids[3:], GenerationStats(), "stop")])
-        return "".join(d.text for d in text_deltas(events, backend, **options))
+        rounds = iter([RoundEvent(ids[:3], GenerationStats()), RoundEvent(ids[3:], GenerationStats(), "stop")])
+        return "".join(d.text for d in text_deltas(rounds, tokenizer.backend_tokenizer, **options))
 
     assert text() == tokenizer.decode(ids, skip_special_tokens=True)
     assert text(skip_special_tokens=False) == tokenizer.decode(ids[:-1])  # the EOS that ended it: not shown
@@ -230,7 +216,7 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(stack, tokenizer):
 
 
 @pytest.mark.parametrize("template", [None, CHATML])
-def test_continue_final_message_renders_as_transformers_renders_it(tokenizer, template):
+def test_continue_final_message_and_documents_render_as_transformers_renders_them(tokenizer, template):
     from coordinator.chat import render_chat
 
     source = template or tokenizer.chat_template
@@ -241,21 +227,24 @@ def test_continue_final_message_renders_as_transformers_renders_it(tokenizer, te
         expected = tokenizer.apply_chat_template(plain, chat_template=source, tokenize=False,
                                                  continue_final_message=True)
         assert render_chat(source, messages, special, False, continue_final_message=True) == expected
+    source = "{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}" + source
+    documents = [{"title": "a", "text": "one"}, {"title": "b", "text": "two"}]
+    expected = tokenizer.apply_chat_template(MESSAGES, chat_template=source, documents=documents, tokenize=False,
+                                             add_generation_prompt=True)
+    assert render_chat(source, MESSAGES, special, True, documents=documents) == expected
 
 
-def test_continue_final_message_continues_the_assistants_turn(stack, client, tokenizer):
+def test_continue_final_message_continues_the_assistants_turn(stack, tokenizer):
     from coordinator.client import TandemClient
 
     messages = [*MESSAGES, {"role": "assistant", "content": "    return"}]
     ids = tokenizer.apply_chat_template(messages, tokenize=True, continue_final_message=True, return_dict=False)
     with TandemClient(stack.grpc, timeout=120) as grpc_client:
         expected = grpc_client.generate(prompt_ids=list(ids), max_new_tokens=12, temperature=0.0)
-    got = client.chat.completions.create(model="target", messages=messages, max_tokens=12, temperature=0,
-                                         extra_body={"continue_final_message": True})
-    assert got.usage.prompt_tokens == len(ids)
-    assert got.choices[0].message.content == expected.text
-    closed = client.chat.completions.create(model="target", messages=messages, max_tokens=12, temperature=0)
-    assert closed.usage.prompt_tokens > len(ids)  # without it the turn is closed and a new one opened
+    got = chat(stack, messages=messages, max_tokens=12, temperature=0, continue_final_message=True).json()
+    assert (got["usage"]["prompt_tokens"], got["choices"][0]["message"]["content"]) == (len(ids), expected.text)
+    closed = chat(stack, messages=messages, max_tokens=12, temperature=0).json()
+    assert closed["usage"]["prompt_tokens"] > len(ids)  # without it the turn is closed and a new one opened
     assert_400(chat(stack, messages=messages, continue_final_message=True, add_generation_prompt=True),
                "continue_final_message")
 
@@ -287,16 +276,6 @@ def test_a_text_part_without_text_and_a_clashing_template_keyword_are_400s(stack
     assert chat(stack, chat_template_kwargs={"extra": "fine"}).status_code == 200
 
 
-def test_documents_reach_the_template(tokenizer):
-    from coordinator.chat import render_chat
-
-    template = "{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}" + CHATML
-    documents = [{"title": "a", "text": "one"}, {"title": "b", "text": "two"}]
-    expected = tokenizer.apply_chat_template(MESSAGES, chat_template=template, documents=documents, tokenize=False,
-                                             add_generation_prompt=True)
-    assert render_chat(template, MESSAGES, {}, True, documents=documents) == expected
-
-
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(stack, tokenizer):
     ids = tokenizer("import os\nimport sys\n")["input_ids"]
     got = completion(stack, prompt=ids, temperature=0, truncate_prompt_tokens=3, ignore_eos=True).json()
@@ -323,18 +302,14 @@ def test_return_token_ids_gives_the_prompts_and_the_choices_ids(stack, tokenizer
     got = completion(stack, temperature=0, ignore_eos=True, return_token_ids=True).json()["choices"][0]
     assert got["prompt_token_ids"] == tokenizer("def main(")["input_ids"]
     assert len(got["token_ids"]) == 8 and tokenizer.decode(got["token_ids"]) == got["text"]
-    chunks = [json.loads(line[6:]) for line in completion(stack, temperature=0, ignore_eos=True, stream=True,
-                                                          return_token_ids=True).text.splitlines()
-              if line.startswith("data: {")]
+    chunks = events(completion(stack, temperature=0, ignore_eos=True, stream=True, return_token_ids=True))
     assert [i for c in chunks for i in c["choices"][0]["token_ids"]] == got["token_ids"]
     assert [c["choices"][0].get("prompt_token_ids") for c in chunks][:2] == [got["prompt_token_ids"], None]
     whole = chat(stack, temperature=0, ignore_eos=True, return_token_ids=True).json()
     ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert whole["prompt_token_ids"] == list(ids)
     assert tokenizer.decode(whole["choices"][0]["token_ids"]) == whole["choices"][0]["message"]["content"]
-    chunks = [json.loads(line[6:]) for line in chat(stack, temperature=0, ignore_eos=True, stream=True,
-                                                    return_token_ids=True).text.splitlines()
-              if line.startswith("data: {")]
+    chunks = events(chat(stack, temperature=0, ignore_eos=True, stream=True, return_token_ids=True))
     assert chunks[0]["prompt_token_ids"] == list(ids)
     assert [i for c in chunks[1:] for i in c["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
 
@@ -392,22 +367,18 @@ def test_tokenize_and_detokenize_round_trip(stack, client, tokenizer):
 
 def test_generation_config_is_the_default_sampling(stack):
     """An omitted (or null) temperature, top_p, top_k is the checkpoint's, as vLLM applies it."""
-    model = {k: GENERATION_CONFIG[k] for k in ("temperature", "top_p", "top_k")}
-    openai_defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
-    for call, text in ((completion, lambda r: r["choices"][0]["text"]),
-                       (chat, lambda r: r["choices"][0]["message"]["content"])):
+    for call in (completion, chat):
+        def choices(call=call, **body):
+            return call(stack, max_tokens=16, ignore_eos=True, **body).json()["choices"]
+
         differ = 0
         for seed in range(4):
-            omitted = text(call(stack, seed=seed, max_tokens=16, ignore_eos=True).json())
-            nulls = text(call(stack, seed=seed, max_tokens=16, ignore_eos=True, temperature=None, top_p=None,
-                              top_k=None).json())
-            explicit = text(call(stack, seed=seed, max_tokens=16, ignore_eos=True, **model).json())
-            assert omitted == nulls == explicit
-            differ += omitted != text(call(stack, seed=seed, max_tokens=16, ignore_eos=True,
-                                           **openai_defaults).json())
-        assert differ  # the defaults are not OpenAI's
-        greedy = text(call(stack, temperature=0, max_tokens=16, ignore_eos=True).json())
-        assert greedy == text(call(stack, temperature=0, top_p=None, max_tokens=16, ignore_eos=True).json())
+            omitted = choices(seed=seed)
+            assert omitted == choices(seed=seed, temperature=None, top_p=None, top_k=None) == choices(
+                seed=seed, **SAMPLING)
+            differ += omitted != choices(seed=seed, temperature=1.0, top_p=1.0, top_k=0)  # OpenAI's defaults
+        assert differ
+        assert choices(temperature=0) == choices(temperature=0, top_p=None)  # given: as given
 
 
 def test_the_target_sends_its_generation_config_and_grpc_applies_it_without_sampling(stack):
@@ -422,7 +393,7 @@ def test_the_target_sends_its_generation_config_and_grpc_applies_it_without_samp
     assert {k: json.loads(info.generation_config)[k] for k in GENERATION_CONFIG} == GENERATION_CONFIG
     pair = Pair(None, info, None, None, None)
     unset = client_request_from_pb(coordinator_pb2.GenerateRequest(prompt_ids=[1, 2]), pair).generation.sampling
-    assert (unset.temperature, unset.top_p, unset.top_k) == tuple(GENERATION_CONFIG[k] for k in ("temperature", "top_p", "top_k"))
+    assert {k: getattr(unset, k) for k in SAMPLING} == SAMPLING
     given = coordinator_pb2.GenerateRequest(prompt_ids=[1, 2], sampling={"temperature": 0.0})
     assert client_request_from_pb(given, pair).generation.sampling.greedy  # given: as given
     info.generation_config = ""
