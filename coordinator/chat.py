@@ -82,10 +82,11 @@ def render_chat(template: str, messages: list[dict], special_tokens: dict[str, s
     given = {"messages": messages, "add_generation_prompt": add_generation_prompt, **special_tokens,
              **({"documents": documents} if documents is not None else {})}
     kwargs = template_kwargs or {}
-    clash = sorted(set(kwargs) & set(given))
+    passed = {*given, *compile_template(template).globals}  # raise_exception and the like too
+    clash = sorted(set(kwargs) & passed)
     if clash:
         raise InvalidRequest(f"chat_template_kwargs {clash} clash with what the renderer passes the template "
-                             f"({', '.join(sorted(given))})")
+                             f"({', '.join(sorted(passed))})")
     messages = [{**m, "content": message_text(m.get("content"), f"messages[{i}].content")}
                 for i, m in enumerate(messages)]
     if continue_final_message:
@@ -95,6 +96,9 @@ def render_chat(template: str, messages: list[dict], special_tokens: dict[str, s
         text = compile_template(template).render(**{**given, "messages": messages}, **kwargs)
     except jinja2.exceptions.TemplateError as exc:
         raise InvalidRequest(f"the chat template refused the messages: {exc}") from None
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError) as exc:
+        # a template that fails on what the request sent (a number where it joins strings, ...) fails that request
+        raise InvalidRequest(f"the chat template failed on the request: {type(exc).__name__}: {exc}") from None
     if not continue_final_message:
         return text
     at = text.rfind(CONTINUE_TAG.strip())

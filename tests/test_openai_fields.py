@@ -19,6 +19,7 @@ import pytest
 
 from coordinator.http import fields
 from coordinator.http.protocol import ChatRequest, CompletionRequest, StreamOptions
+from tandem.sessions import InvalidRequest
 from tests.test_openai import CHATML, start_stack, stop_stack
 
 # The checkpoint's sampling defaults; the repetition_penalty is there as Qwen's is, and not applied.
@@ -251,14 +252,12 @@ def test_continue_final_message_continues_the_assistants_turn(stack, tokenizer):
 
 def test_best_of_is_one_or_n(stack):
     for best_of in (1, 2):
-        got = completion(stack, n=2, best_of=best_of, temperature=1.0, seed=3)
-        assert got.status_code == 200 and len(got.json()["choices"]) == 2, got.text
+        assert len(completion(stack, n=2, best_of=best_of, temperature=1.0, seed=3).json()["choices"]) == 2
     assert_400(completion(stack, n=2, best_of=3), "best_of", "unsupported_value")
 
 
 def test_top_logprobs_needs_logprobs(stack):
-    error = assert_400(chat(stack, top_logprobs=2), "top_logprobs")
-    assert "logprobs" in error["message"]
+    assert "logprobs" in assert_400(chat(stack, top_logprobs=2), "top_logprobs")["message"]
     assert chat(stack, top_logprobs=0).status_code == 200  # asks for no alternatives, as vLLM takes it
     got = chat(stack, logprobs=True, top_logprobs=2).json()["choices"][0]["logprobs"]["content"]
     assert all(len(entry["top_logprobs"]) == 2 for entry in got)
@@ -267,13 +266,15 @@ def test_top_logprobs_needs_logprobs(stack):
 def test_a_text_part_without_text_and_a_clashing_template_keyword_are_400s(stack):
     for part in ({"type": "text"}, {"type": "text", "text": 3}):
         response = chat(stack, messages=[{"role": "user", "content": [part]}])
-        assert response.status_code == 400, response.text
-        assert "messages[0].content[0]" in response.json()["error"]["message"]
-    for clash in ({"messages": []}, {"add_generation_prompt": False}, {"bos_token": "x"}):
+        assert response.status_code == 400 and "messages[0].content[0]" in response.json()["error"]["message"]
+    for clash in ({"messages": []}, {"add_generation_prompt": False}, {"bos_token": "x"}, {"raise_exception": 1}):
         response = chat(stack, chat_template_kwargs=clash)
-        assert response.status_code == 400, response.text
-        assert next(iter(clash)) in response.json()["error"]["message"]
+        assert response.status_code == 400 and next(iter(clash)) in response.json()["error"]["message"]
     assert chat(stack, chat_template_kwargs={"extra": "fine"}).status_code == 200
+    from coordinator.chat import render_chat  # a template failing on the request's data fails that request
+
+    with pytest.raises(InvalidRequest, match="TypeError"):
+        render_chat("{{ messages[0].content + 1 }}", MESSAGES, {})
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(stack, tokenizer):
@@ -361,8 +362,7 @@ def test_tokenize_and_detokenize_round_trip(stack, client, tokenizer):
     assert_400(post(stack, "/tokenize", {"messages": MESSAGES, "tools": [TOOL]}), "tools")
     assert_400(post(stack, "/detokenize", {"tokens": [10**7]}), "tokens")
     assert post(stack, "/tokenize", {"prompt": "x", "model": "gpt-4"}).json()["error"]["code"] == "model_not_found"
-    version = httpx.get(f"{stack.url}/version").json()
-    assert version == {"version": importlib.metadata.version("tandem")}
+    assert httpx.get(f"{stack.url}/version").json() == {"version": importlib.metadata.version("tandem")}
 
 
 def test_generation_config_is_the_default_sampling(stack):
