@@ -2,7 +2,10 @@
 that leaves the host free: packed into one byte buffer, pinned where CUDA is (torch's caching host allocator
 keeps a pinned block until the copy that reads it is done, so a buffer is never written under a copy), and
 copied non_blocking. From pageable memory, or without non_blocking, CUDA waits for the stream before the
-copy: a host sync per upload. On a CPU the same code runs, the copy a no-op."""
+copy: a host sync per upload. On a CPU the same code runs, the copy a no-op.
+
+`upload` makes new device tensors each time; a `Staged` copies into the same device buffer each time, for
+inputs whose shapes are fixed (a compiled bucket's): a CUDA graph captured over them replays on new data."""
 
 from __future__ import annotations
 
@@ -17,9 +20,9 @@ ALIGN = 16  # every part starts at a multiple of the widest element (a byte slic
 # the 16 bytes inductor assumes of a graph's inputs
 
 
-def upload(parts: Sequence[tuple[object, torch.dtype]], device: torch.device) -> list[torch.Tensor]:
-    """Each (values: a list, nested lists or a numpy array; dtype) -> a tensor of its shape and dtype on
-    `device`, all in one copy."""
+def _pack(parts: Sequence[tuple[object, torch.dtype]], device: torch.device
+          ) -> tuple[torch.Tensor, list[np.ndarray], list[int]]:
+    """The parts in one host byte buffer (pinned where CUDA is) -> it, the parts as arrays, their offsets."""
     arrays = [np.ascontiguousarray(values, dtype=NUMPY[dtype]) for values, dtype in parts]
     offsets, size = [], 0
     for a in arrays:
@@ -31,6 +34,39 @@ def upload(parts: Sequence[tuple[object, torch.dtype]], device: torch.device) ->
     host = torch.from_numpy(buffer)
     if device.type == "cuda":
         host = host.pin_memory()
-    moved = host.to(device, non_blocking=True)
-    return [moved[at : at + a.nbytes].view(dtype).view(a.shape)
+    return host, arrays, offsets
+
+
+def _views(buffer: torch.Tensor, arrays: list[np.ndarray], offsets: list[int],
+           parts: Sequence[tuple[object, torch.dtype]]) -> list[torch.Tensor]:
+    return [buffer[at : at + a.nbytes].view(dtype).view(a.shape)
             for a, at, (_, dtype) in zip(arrays, offsets, parts, strict=True)]
+
+
+def upload(parts: Sequence[tuple[object, torch.dtype]], device: torch.device) -> list[torch.Tensor]:
+    """Each (values: a list, nested lists or a numpy array; dtype) -> a tensor of its shape and dtype on
+    `device`, all in one copy."""
+    host, arrays, offsets = _pack(parts, device)
+    return _views(host.to(device, non_blocking=True), arrays, offsets, parts)
+
+
+class Staged:
+    """Inputs of fixed shapes in one device buffer of their own: `write` copies new values in (one copy, as
+    upload's) and answers the same tensors every time."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffer: torch.Tensor | None = None  # [bytes] uint8, laid out by the first write
+        self.layout: list[tuple[tuple[int, ...], torch.dtype]] = []
+        self.tensors: list[torch.Tensor] = []
+
+    def write(self, parts: Sequence[tuple[object, torch.dtype]]) -> list[torch.Tensor]:
+        host, arrays, offsets = _pack(parts, self.device)
+        layout = [(a.shape, dtype) for a, (_, dtype) in zip(arrays, parts, strict=True)]
+        if self.buffer is None:
+            self.buffer = torch.empty(host.shape, dtype=torch.uint8, device=self.device)
+            self.layout, self.tensors = layout, _views(self.buffer, arrays, offsets, parts)
+        elif layout != self.layout:
+            raise ValueError(f"staged inputs of shapes {layout}, where this buffer holds {self.layout}")
+        self.buffer.copy_(host, non_blocking=True)
+        return self.tensors

@@ -47,7 +47,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from tandem.protocol import tree_depths
-from tandem.staging import upload
+from tandem.staging import Staged, upload
 from target_server.kv import KVPool
 
 BLOCK = KVPool.BLOCK
@@ -233,9 +233,10 @@ def plan(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool) -> t
 
 
 def plan_with(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool,
-              more: Sequence[tuple[object, torch.dtype]] = ()) -> tuple[torch.Tensor, PagedBatch, list[torch.Tensor]]:
+              more: Sequence[tuple[object, torch.dtype]] = (), into: Staged | None = None
+              ) -> tuple[torch.Tensor, PagedBatch, list[torch.Tensor]]:
     """plan's, and the tensors of `more` ((values, dtype) pairs: the forward's tokens, the rows it reads
-    logits at) uploaded in the same copy."""
+    logits at) uploaded in the same copy; into `into`'s buffer where given (a bucket's static inputs)."""
     positions, slots, owner, tree, anc = [], [], [], [], []
     q_block = min(width, Q_BLOCK.get(pool.device.type, 16))
     for span in spans:
@@ -255,9 +256,10 @@ def plan_with(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool,
     masked, whole = ([], []) if dense else _visible_blocks(spans, width, q_block)  # dense attention reads neither
     (kv_num, kv_idx), (full_num, full_idx) = _block_table(masked, pool.blocks), _block_table(whole, pool.blocks)
     int32, int64 = torch.int32, torch.int64
-    (positions, slots, owner, tree, anc, kv_num, kv_idx, full_num, full_idx, *extra) = upload(
-        [(positions, int32), (slots, int64), (owner, int32), (tree, int64), (anc, int64), (kv_num, int32),
-         (kv_idx, int32), (full_num, int32), (full_idx, int32), *more], pool.device)
+    parts = [(positions, int32), (slots, int64), (owner, int32), (tree, int64), (anc, int64), (kv_num, int32),
+             (kv_idx, int32), (full_num, int32), (full_idx, int32), *more]
+    (positions, slots, owner, tree, anc, kv_num, kv_idx, full_num, full_idx, *extra) = (
+        upload(parts, pool.device) if into is None else into.write(parts))
     batch = PagedBatch(
         slots=slots, owner=owner, kv_num=kv_num, kv_idx=kv_idx, full_num=full_num, full_idx=full_idx,
         keys=pool.keys, values=pool.values, row_owner=pool.owner, row_position=pool.position, row_tree=pool.tree,

@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache
 from tandem.compiling import compile_graphs
 from tandem.packed import PACK_MIN_WEIGHTS, PackedLinear, can_pack, pack_linears
 from tandem.protocol import tree_depths
-from tandem.staging import upload
+from tandem.staging import Staged, upload
 from target_server.kv import VERIFY_TOKENS, KVLayer, KVPool
 from target_server.loading import LoadedTarget
 from target_server.native import NativeCausalLM, fuse_projections
@@ -92,6 +92,7 @@ class NativeRunner:
         self.model, self.device, self.compiled = model, device, bool(compile)
         self.buckets: set[tuple[int, int]] = set()  # (tokens, pool rows) compiled (or compiling) so far
         self.failed: set[tuple[int, int]] = set()  # buckets whose compile failed: eager (TANDEM_COMPILE=1)
+        self.static: dict[tuple[int, int], Staged] = {}  # per compiled bucket its inputs' device buffer
         self._forward = self._eager = model
         packs = can_pack(device, model.model.embed_tokens.weight.dtype)
         if compile == "background" and packs:  # the forward until a bucket is compiled: packed, as eager's
@@ -187,10 +188,25 @@ class NativeRunner:
 
     def _forward_padded(self, ids: list[int], spans: list[Span], width: int, pool: PagedKVPool,
                         compiled: bool, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        positions, batch, (tokens, rows) = plan_with(spans, width, pool, not compiled,
-                                                     [(ids + [0] * (width - len(ids)), torch.long),
-                                                      (list(rows), torch.long)])
-        return *(self._forward if compiled else self._eager)(tokens, positions, batch), rows
+        """A compiled bucket's inputs go into its static buffers (the same tensors every forward, as a CUDA
+        graph captured over them needs), the logits' rows padded to the width with them; eager's are new."""
+        rows = list(rows)
+        if not compiled:
+            positions, batch, (tokens, rows) = plan_with(spans, width, pool, True, [(ids, torch.long),
+                                                                                   (rows, torch.long)])
+            return *self._eager(tokens, positions, batch), rows
+        positions, batch, (tokens, padded) = plan_with(
+            spans, width, pool, False, [(ids + [0] * (width - len(ids)), torch.long),
+                                        (rows + [0] * (width - len(rows)), torch.long)], self._staged(width, pool))
+        return *self._forward(tokens, positions, batch), padded[: len(rows)]
+
+    def _staged(self, width: int, pool: PagedKVPool) -> Staged:
+        """The static inputs of the bucket (width, pool rows); those of a smaller pool go once it grows."""
+        key = (width, pool.owner.shape[0])
+        if key not in self.static:
+            self.static = {k: v for k, v in self.static.items() if k[1] == key[1]}
+            self.static[key] = Staged(self.device)
+        return self.static[key]
 
     @torch.inference_mode()
     def measure_forward_bytes(self, pool: KVPool, max_tokens: int, max_batch: int, max_context: int) -> int:

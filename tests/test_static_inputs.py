@@ -1,0 +1,56 @@
+"""A compiled bucket's inputs live in static buffers (tandem/staging.Staged): every forward of the bucket
+reads the same device tensors, which a CUDA graph captured over them needs, and the CPU runs that same path.
+Compiled with dynamo's "eager" backend here (the graphs and guards as compiled code has them, none of
+inductor's compile time)."""
+
+from __future__ import annotations
+
+import torch
+from helpers import compile_eagerly
+from torch._dynamo.utils import counters
+
+from tandem.params import SamplingParams
+from tandem.staging import Staged
+from tandem_tools.opcount import OpCounter
+from target_server.engine import TargetEngine
+
+
+def test_a_staged_buffer_answers_the_same_tensors_with_new_values():
+    staged = Staged(torch.device("cpu"))
+    first = staged.write([([1, 2, 3], torch.long), ([[4, 5]], torch.int32)])
+    ids = [t.data_ptr() for t in first]
+    with OpCounter() as ops:
+        second = staged.write([([7, 8, 9], torch.long), ([[1, 0]], torch.int32)])
+    assert ops.syncs == 0, dict(ops.sync_ops)
+    assert [t.data_ptr() for t in second] == ids
+    assert second[0].tolist() == [7, 8, 9] and second[1].tolist() == [[1, 0]]
+
+
+def test_compiled_verifies_read_their_buckets_static_inputs_and_decode_as_eager(tiny_dir, monkeypatch):
+    compile_eagerly(monkeypatch)
+    eager = TargetEngine(tiny_dir / "target", engine="native")
+    compiled = TargetEngine(tiny_dir / "target", engine="native", compile=True)
+    seen: list[tuple[int, ...]] = []
+    forward = compiled.runner._forward
+
+    def recording(tokens, positions, batch):
+        seen.append((tokens.data_ptr(), positions.data_ptr(), batch.slots.data_ptr(), batch.kv_idx.data_ptr()))
+        return forward(tokens, positions, batch)
+
+    compiled.runner._forward = recording
+    outputs = []
+    for engine in (eager, compiled):
+        token = engine.prefill("s", [5, 6, 7, 8, 9], SamplingParams()).token
+        tokens = [token]
+        for drafts in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):  # each verify 4 tokens: one bucket
+            result = engine.verify("s", tokens[-1], drafts)
+            tokens += [*result.accepted, result.bonus]
+        engine.release("s")
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1]
+    verifies = seen[-3:]
+    assert len(set(verifies)) == 1, verifies  # the same tensors each verify of the bucket
+    token = compiled.prefill("t", [3, 4], SamplingParams()).token
+    graphs = counters["stats"]["unique_graphs"]
+    compiled.verify("t", token, [1, 2, 3])  # another session in the bucket: the same graph
+    assert counters["stats"]["unique_graphs"] == graphs, "a static input recompiled its bucket"
