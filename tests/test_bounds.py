@@ -9,7 +9,6 @@ One stack for the module."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
 from dataclasses import dataclass
@@ -18,45 +17,31 @@ import grpc
 import httpx
 import pytest
 
-from coordinator.client import TandemClient, TandemError
+from coordinator.client import TandemClient
 from tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from tandem_tools.serve import launch, stop
-from tests.processes import open_sessions, wait_for_no_sessions
+from tests.processes import wait_for_no_sessions
+from tests.serving import KV_ENV, Served, assert_whole_kv_budget_free, serve
 
 KEY = "bounds-key"
-KV_TOKENS = 4096  # the target's whole KV budget: TANDEM_TARGET_KV_CACHE_GIB below, at 2 KiB a token (the tiny pair)
-KV_GIB = KV_TOKENS * 2048 / (1 << 30)
 REFERENCE = {"prompt_ids": [7, 8, 9, 10], "max_new_tokens": 24, "ignore_eos": True}
 
 
 @dataclass
 class Stack:
-    url: str
-    grpc: str
-    target: str
-    draft: str
-    reference: list[int]
+    served: Served
+    reference: list[int]  # REFERENCE's greedy output before any bad request
+
+    def __getattr__(self, name: str):
+        return getattr(self.served, name)
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {**os.environ, "TANDEM_TARGET_KV_CACHE_GIB": repr(KV_GIB), "TANDEM_TARGET_QUEUE_TIMEOUT": "1"}
-    lines: list[str] = []
-    proc, address = launch(["--target", str(tiny_dir / "target"), "--draft", str(tiny_dir / "draft"), "--port", "0",
-                            "--http-port", "0", "--api-key", KEY], log, env, lines)
-    said = {}
-    for line in lines:
-        body = line.removeprefix("tandem serve: ").strip()
-        if body.startswith("target "):
-            said.update(part.split(" ") for part in body.split(", "))
-        elif body.startswith("OpenAI-compatible HTTP on "):
-            said["url"] = body.rsplit(" ", 1)[1].removesuffix("/v1")
-    with TandemClient(address, timeout=60, api_key=KEY) as client:
+    served = serve(tiny_dir, tmp_path_factory.mktemp("serve") / "serve.log", ["--api-key", KEY], KV_ENV)
+    with TandemClient(served.grpc, timeout=60, api_key=KEY) as client:
         reference = client.generate(**REFERENCE).token_ids
-    yield Stack(said["url"], address, said["target"], said["draft"], reference)
-    stop(proc)
-    assert proc.returncode == 0, log.read_text()[-3000:]
+    yield Stack(served, reference)
+    served.stop()
 
 
 def beside_another_request(stack: Stack, bad):
@@ -236,18 +221,7 @@ def test_oversized_metadata_is_refused(stack, what, metadata):
 
 
 def test_the_whole_kv_budget_is_free_after_the_bad_requests(stack):
-    """Last: a generation whose reservation is the whole budget starts only when no block is held. The
-    target reserves prompt + max_new_tokens + 17 (a verify's width) in blocks of 16."""
-    assert open_sessions(stack.target, stack.draft) == (0, 0)
-    prompt = [3] * 8
-    with TandemClient(stack.grpc, timeout=60, api_key=KEY) as client:
-        with pytest.raises(TandemError, match=f"the whole KV budget is {KV_TOKENS}"):
-            client.generate(prompt_ids=prompt, max_new_tokens=KV_TOKENS - len(prompt) - 17 + 1)
-        stream = client.generate_stream(prompt_ids=prompt, max_new_tokens=KV_TOKENS - len(prompt) - 17,
-                                        ignore_eos=True)
-        assert next(stream).token_ids  # reserved all of it
-        stream.close()
-    wait_for_no_sessions(stack.target, stack.draft)
+    assert_whole_kv_budget_free(stack.served, KEY)
 
 
 def test_alternatives_never_go_past_the_vocabulary():

@@ -8,11 +8,9 @@ One stack for the module."""
 
 from __future__ import annotations
 
-import os
 import socket
 import ssl
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -28,52 +26,28 @@ from coordinator.http.auth import OPEN_ROUTES
 from tandem import security
 from tandem.auth import KeyRing, bearer
 from tandem.v1 import coordinator_pb2, target_pb2, target_pb2_grpc
-from tandem_tools.serve import launch, stop
+from tests.serving import Served, serve
 
 KEYS = ("key-one", "key-two")
 PER_KEY = 2  # TANDEM_COORDINATOR_MAX_REQUESTS_PER_KEY of the stack
 PROMPT_IDS = [5, 17, 42, 99, 3]
 
 
-@dataclass
-class Stack:
-    url: str
-    grpc: str
-    target: str
-    draft: str
-    tls: security.ThrowawayCa
-
-
 @pytest.fixture(scope="module")
 def stack(tiny_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {**os.environ, "TANDEM_COORDINATOR_MAX_REQUESTS_PER_KEY": str(PER_KEY)}
-    lines: list[str] = []
-    proc, address = launch(["--target", str(tiny_dir / "target"), "--draft", str(tiny_dir / "draft"), "--port", "0",
-                            "--http-port", "0", "--tls", "on", "--api-key", ",".join(KEYS)], log, env, lines)
-    said = {}
-    for line in lines:
-        body = line.removeprefix("tandem serve: ").strip()
-        if body.startswith("target "):
-            said.update(part.split(" ") for part in body.split(", "))
-        elif body.startswith("OpenAI-compatible HTTP on "):
-            said["url"] = body.rsplit(" ", 1)[1].removesuffix("/v1")
-        elif body.startswith("TLS, the CA's certificate in "):
-            said["ca"] = Path(body.split(" in ", 1)[1].split(" ")[0])
-    ca = said["ca"]
-    yield Stack(said["url"], address, said["target"], said["draft"],
-                security.ThrowawayCa(ca, ca.with_name("cert.pem"), ca.with_name("key.pem")))
-    stop(proc)
-    assert proc.returncode == 0, log.read_text()[-3000:]
+    served = serve(tiny_dir, tmp_path_factory.mktemp("serve") / "serve.log", ["--tls", "on", "--api-key", ",".join(KEYS)],
+                   {"TANDEM_COORDINATOR_MAX_REQUESTS_PER_KEY": str(PER_KEY)})
+    yield served
+    served.stop()
 
 
-def _http(stack: Stack, key: str | None = None) -> httpx.Client:
+def _http(stack: Served, key: str | None = None) -> httpx.Client:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.Client(base_url=stack.url, verify=ssl.create_default_context(cafile=stack.tls.ca), headers=headers,
                         timeout=60)
 
 
-def _raw(stack: Stack, method: str, target: str, headers: str = "") -> int:
+def _raw(stack: Served, method: str, target: str, headers: str = "") -> int:
     """The status of one request sent byte for byte as written (httpx would normalise the path)."""
     host, port = stack.url.removeprefix("https://").rsplit(":", 1)
     context = ssl.create_default_context(cafile=stack.tls.ca)
@@ -98,11 +72,11 @@ def _grpc_methods() -> list[str]:
     return [f"/{s.full_name}/{m.name}" for s in services for m in s.methods]
 
 
-def _client_tls(stack: Stack) -> security.ChannelTls:
+def _client_tls(stack: Served) -> security.ChannelTls:
     return security.ChannelTls(ca=stack.tls.ca)
 
 
-def _target_sessions(stack: Stack) -> int:
+def _target_sessions(stack: Served) -> int:
     mutual = security.ChannelTls(ca=stack.tls.ca, cert=stack.tls.cert, key=stack.tls.key)
     with security.channel(stack.target, tls=mutual) as channel:
         return target_pb2_grpc.TargetServiceStub(channel).ModelInfo(target_pb2.TargetInfoRequest(),
