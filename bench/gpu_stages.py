@@ -176,19 +176,24 @@ def forward(sizes, record, pair) -> None:
 
 
 def _graph_of(sizes, record, measure, n, runner, model, layout, pool, device) -> None:
-    """The compiled forward of `layout` over static inputs (tokens, positions, the batch's tables), captured
-    once and replayed."""
-    from target_server.paged import bucket, plan
+    """The compiled forward over the runner's static inputs of the bucket, captured once; each replay after
+    the step's tables are written into those inputs (one copy), as a graphed step would run."""
+    from target_server.paged import bucket, plan_with
 
     if device.type != "cuda":
         record(f"graph {n} tokens", "SKIP", "CUDA graphs need CUDA")
         return
     try:
         width = bucket(n, device.type)
-        tokens = torch.full((width,), 3, dtype=torch.long, device=device)
-        positions, batch = plan(layout, width, pool, dense=False)
+        staged = runner._staged(width, pool)
+
+        def write() -> tuple:
+            return plan_with(layout, width, pool, False, [([3] * width, torch.long), (list(range(width)), torch.long)],
+                             staged)
+
+        positions, batch, (tokens, _) = write()
         replay = _graphed(lambda: model.lm_head(runner._forward(tokens, positions, batch)[0][:n]), device)
-        measure("graph", n, replay)
+        measure("graph", n, lambda: (write(), replay()))
     except Exception as exc:  # noqa: BLE001
         record(f"graph {n} tokens", "FAIL", f"{type(exc).__name__}: {str(exc)[:300]}")
 

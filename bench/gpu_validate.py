@@ -36,6 +36,8 @@ for path in (str(ROOT), str(BENCH)):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+# the test files with CUDA tests (-m gpu picks them out; other files import what the GPU image may lack)
+GPU_TESTS = ("tests/test_gpu_paths.py", "tests/test_transports.py", "tests/test_host_syncs.py")
 # (stage, cap in seconds): 470 s of work together, inside a call's 8 minutes of work
 STAGES = (("versions", 30), ("pytest", 80), ("forward", 190), ("rollout", 50), ("transports", 45),
           ("services", 75))
@@ -72,13 +74,13 @@ class Sizes:
                                      "max_position_embeddings": 2048},
                        draft_vocab=256, widths=(1, 6, 16, 96), compiled_widths=(1,), past=16, reps=3,
                        batches=(1, 16), k=5, sessions=4, steps=8, width=192, max_rows=32, ring_mib=1, prompts=2,
-                       new_tokens=12, pytest_args=("tests/test_gpu_paths.py",))
+                       new_tokens=12, pytest_args=GPU_TESTS)
         return cls(False, "cuda:0", {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                                      "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
                                      "max_position_embeddings": 8192},
-                   draft_vocab=32000, widths=(1, 6, 16, 96), compiled_widths=(1, 6, 16, 96), past=512, reps=20,
+                   draft_vocab=32000, widths=(1, 6, 16, 96), compiled_widths=(1, 16, 6, 96), past=512, reps=20,
                    batches=(1, 16), k=5, sessions=16, steps=30, width=3 * 4096, max_rows=512, ring_mib=64,
-                   prompts=8, new_tokens=64, pytest_args=("tests/",))
+                   prompts=8, new_tokens=64, pytest_args=GPU_TESTS)
 
 
 class Recorder:

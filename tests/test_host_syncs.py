@@ -105,3 +105,43 @@ def test_a_draft_propose_syncs_the_host_once_counting_every_kind(draft):
         draft.propose("p", torch.randn(2, draft.feature_size, generator=g), [3, 4], K)
     draft.release("p")
     assert ops.syncs <= 1, dict(ops.sync_ops)
+
+
+def _cuda_syncs(call) -> int:
+    """The host syncs torch itself reports in `call` (its sync debug mode warns at each one)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_target_verify_and_a_batched_rollout_each_sync_the_host_once(tiny_dir):
+    target = TargetEngine(tiny_dir / "target", device="cuda", engine="native")
+    token = target.prefill("c", [5, 6, 7, 8], SamplingParams()).token
+    target.verify("c", token, [1, 2])  # warm: the first forward's allocations
+    token = target.prefill("d", [5, 6, 7, 8], SamplingParams()).token
+    assert _cuda_syncs(lambda: target.verify("d", token, [1, 2, 3, 4, 5])) <= 1
+    engine = DraftEngine(tiny_dir / "draft", tiny_dir / "target", device="cuda")
+    model, b, past = engine.model, 16, 8
+    attention = model.midlayer.self_attn
+    kv = DraftKV()
+
+    def step() -> None:
+        kv.k, kv.v = (torch.randn(b, attention.num_kv_heads, past, attention.head_dim, device="cuda") for _ in range(2))
+        a = torch.randn(b, 1, model.config.hidden_size, device="cuda")
+        drafts, q, _ = rollout(model, 8, a, kv, torch.full((b, 1), past, device="cuda"), K, None,
+                               torch.ones(b, past, dtype=torch.bool, device="cuda"))
+        read_rollout(drafts, q)
+
+    with torch.inference_mode():
+        step()
+        assert _cuda_syncs(step) <= 1
