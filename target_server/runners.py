@@ -218,9 +218,9 @@ class NativeRunner:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         n = max(min(max_tokens, max_context - 1), 1)
-        compiled = self.compiled and self.warm_up is None  # WarmUp's prefills run eagerly
+        # eagerly: a compiled bucket here would be over this scratch pool, which the sized one replaces
         key = (bucket(n, device.type), pool.owner.shape[0])
-        hidden, _, _ = self._run([0] * n, [Span(PAD, [0] * -(-n // KVPool.BLOCK), 0, n)], key, pool, compiled)
+        hidden, _, _ = self._run([0] * n, [Span(PAD, [0] * -(-n // KVPool.BLOCK), 0, n)], key, pool, False)
         rows = min(n, max_batch * VERIFY_TOKENS)
         logits = self.model.lm_head(hidden[:rows]).float().log_softmax(-1)
         del hidden, logits
