@@ -261,3 +261,40 @@ def test_the_container_healthcheck_probes_over_tls_and_mutual_tls(stack):
     assert probe(stack.target, ca=str(stack.tls.ca), **files) == "SERVING"
     assert probe(stack.target, ca=str(stack.tls.ca)).startswith("UNREACHABLE")
     assert probe(stack.draft).startswith("UNREACHABLE")
+
+
+def test_a_coordinator_without_a_client_certificate_cannot_start_on_the_services(stack, tmp_path):
+    """A real coordinator that trusts the CA but presents no certificate (then one of another CA): the
+    services refuse its connections, so it never reaches them and exits 1 (a StartupError)."""
+    import subprocess
+    import sys
+
+    other = security.make_throwaway_ca(tmp_path)
+    for extra in ([], ["--tls-cert", str(other.cert), "--tls-key", str(other.key)]):
+        out = subprocess.run(
+            [sys.executable, "-m", "tandem_tools.cli", "coordinator", "--target-addr", stack.target, "--draft-addr",
+             stack.draft, "--port", "0", "--tls-ca", str(stack.tls.ca), "--connect-timeout", "3", *extra],
+            capture_output=True, text=True, timeout=120, check=False)
+        assert out.returncode == 1, out.stderr[-2000:]
+        assert "was not SERVING within 3s" in out.stderr, out.stderr[-2000:]
+
+
+def test_metrics_open_only_by_the_setting():
+    """The door on a toy app with the front's open route and /metrics: open_metrics opens /metrics alone."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from coordinator.http.auth import Door
+
+    async def ok(request):
+        return PlainTextResponse("ok")
+
+    app = Starlette(routes=[Route(path, ok) for path in ("/health", "/metrics", "/v1/models")])
+    for open_metrics, want in ((False, 401), (True, 200)):
+        with TestClient(Door(app, KeyRing(KEYS, 1), open_metrics)) as client:
+            assert client.get("/metrics").status_code == want
+            assert client.get("/health").status_code == 200
+            assert client.get("/v1/models").status_code == 401
+            assert client.get("/v1/models", headers={"Authorization": f"Bearer {KEYS[0]}"}).status_code == 200
