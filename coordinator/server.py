@@ -23,7 +23,7 @@ from tandem.config import CoordinatorSettings
 from tandem.convert import generation_request_from_pb, stats_to_pb
 from tandem.pairing import PairMismatch
 from tandem.service import Service, StartupError, run_service
-from tandem.text import TextDelta
+from tandem.text import TextDelta, encode_within
 from tandem.traffic import MeteredChannel
 from tandem.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2, target_pb2
 
@@ -33,12 +33,13 @@ log = logging.getLogger("tandem.coordinator")
 def client_request_from_pb(msg: coordinator_pb2.GenerateRequest, pair: Pair,
                            chat_template: str | None = None) -> ClientRequest:
     """`chat_template`: the coordinator's --chat-template, in place of the target checkpoint's."""
-    tokenize = (lambda text: pair.tokenizer.encode(text).ids) if pair.tokenizer is not None else None
+    context = pair.target_info.max_context  # no more of a text is tokenized than can fit (tandem/text.py)
+    tokenize = (lambda text: encode_within(pair.tokenizer, text, context)) if pair.tokenizer is not None else None
 
     def chat(messages: list[dict]) -> list[int]:  # the template writes the special tokens (BOS) itself
         text = render_chat(chat_template or pair.target_info.chat_template, messages,
                            dict(pair.target_info.special_tokens))
-        return pair.tokenizer.encode(text, add_special_tokens=False).ids
+        return encode_within(pair.tokenizer, text, context, add_special_tokens=False)
 
     generation = generation_request_from_pb(msg, tokenize, chat)
     if not msg.HasField("sampling"):  # none given: the model's generation_config.json, as the HTTP front's

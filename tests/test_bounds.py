@@ -232,3 +232,19 @@ def test_alternatives_never_go_past_the_vocabulary():
 
     out = token_logprobs(torch.randn(2, 5), [1, 4], top=20)
     assert [len(lp.top_ids) for lp in out] == [5, 5]
+
+
+def test_a_huge_prompt_text_is_refused_without_tokenizing_all_of_it(stack):
+    """15 MiB of text took the coordinator 35 s of tokenizing to refuse; only a context's worth is read now."""
+    import time
+
+    text = "def main(): pass\n" * ((15 << 20) // 17)
+    with grpc.insecure_channel(stack.grpc, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as exc:
+            coordinator_pb2_grpc.CoordinatorStub(channel).Generate(
+                R(prompt=text, max_new_tokens=2), metadata=(("authorization", f"Bearer {KEY}"),), timeout=60)
+        took = time.monotonic() - started
+    assert exc.value.code() == grpc.StatusCode.OUT_OF_RANGE and "already" in exc.value.details()
+    assert took < 5, f"{took:.1f}s"
+    wait_for_no_sessions(stack.target, stack.draft)
