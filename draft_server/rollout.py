@@ -198,8 +198,14 @@ def draws_for(samplers: list[DraftSampler | None], first: list[int], rounds: int
         return None
     sampled = [samplers[i] for i in rows]
     uniforms = [[s.uniform(first[i] + n) for n in range(rounds)] for s, i in zip(sampled, rows, strict=True)]
-    index, uniforms = upload([(rows, torch.long), (uniforms, torch.float64)], device)  # [b], [b, rounds]
-    return Draws(index=None if len(rows) == len(samplers) else index, settings=QSettings.of(sampled, vocab, device),
+    top_k = [min(s.top_k, vocab) or vocab for s in sampled]  # as QSettings.of, its tensors in this one copy
+    index, uniforms, temperature, top_k_col, top_p = upload(
+        [(rows, torch.long), (uniforms, torch.float64), ([s.temperature for s in sampled], torch.float32),
+         (top_k, torch.long), ([s.top_p for s in sampled], torch.float32)], device)  # [b], [b, rounds], [b] x 3
+    settings = QSettings(temperature=temperature[:, None], top_k=top_k, top_k_col=top_k_col[:, None],
+                         top_p=top_p[:, None], cut_only=all(k == vocab for k in top_k) and all(
+                             s.top_p >= 1.0 for s in sampled))
+    return Draws(index=None if len(rows) == len(samplers) else index, settings=settings,
                  uniforms=uniforms.view(len(rows), rounds))
 
 
