@@ -284,11 +284,12 @@ def _made_secrets(spec: dict, directory: Path) -> dict[str, str]:
             for name, secret in spec.get("secrets", {}).items()}
 
 
-def test_gpu_file_mounts_tls_and_api_keys_from_secrets():
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_tls_and_api_keys_come_from_secrets(path):
     """The target and the draft serve mutual TLS, the coordinator TLS with API keys and presents the same
     certificate to them; every file they name is a secret the service mounts, made from TANDEM_SECRETS_DIR;
     the health checks present what the services ask for."""
-    spec = load(GPU_FILE, {"TANDEM_SECRETS_DIR": "/srv/tandem-secrets"})
+    spec = load(path, {"TANDEM_SECRETS_DIR": "/srv/tandem-secrets"})
     declared = spec["secrets"]
     assert {Path(s["file"]).parent for s in declared.values()} == {Path("/srv/tandem-secrets")}
     for name in LONG_RUNNING:
@@ -518,6 +519,7 @@ class Stack:
     pythons: dict[str, Path] = field(default_factory=dict)  # image -> the interpreter standing in for it
     ports: dict[tuple[str, int], int] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    secrets: dict[str, str] = field(default_factory=dict)  # /run/secrets/NAME -> the file made for it
 
     def __post_init__(self) -> None:
         for name, service in self.services.items():
@@ -526,10 +528,13 @@ class Stack:
                 self.ports[(name, port)] = _free_port()
 
     def rewrite(self, value: str, own: str) -> str:
-        """Paths under /models -> the tmp models dir; service:port and the service's own
-        127.0.0.1:port -> 127.0.0.1:free port; 0.0.0.0 -> 127.0.0.1 (stay off this host's network)."""
+        """Paths under /models -> the tmp models dir, a secret's /run/secrets/NAME -> its file; service:port
+        and the service's own 127.0.0.1:port -> 127.0.0.1:free port; 0.0.0.0 -> 127.0.0.1 (stay off this
+        host's network)."""
         if value == "0.0.0.0":
             return "127.0.0.1"
+        if value in self.secrets:
+            return self.secrets[value]
         if value == "/models" or value.startswith("/models/"):
             return str(self.models) + value.removeprefix("/models")
         m = re.fullmatch(r"(.+):(\d+)", value)
@@ -558,7 +563,7 @@ class Stack:
             if value is None:  # passed through from the shell: unset here unless set in ours
                 continue
             env[key] = self.rewrite(value, name) if key.endswith(("_PORT", "_HOST", "_ADDR")) or \
-                value.startswith("/models") else value
+                value.startswith(("/models", "/run/secrets/")) else value
         # one torch thread per process on this small machine; a service drains if the test dies
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env[PARENT_PID_ENV] = str(os.getpid())
@@ -608,6 +613,8 @@ def compose_up(path: Path, tmp_path: Path, pythons: dict[str, Path]) -> Iterator
     logs.mkdir()
     stack = Stack(spec["services"], tmp_path / "models", logs, pythons)
     stack.models.mkdir()
+    (tmp_path / "secrets").mkdir()
+    stack.secrets = _made_secrets(spec, tmp_path / "secrets")
     order = start_order(stack.services)
     try:
         for name in order:
@@ -643,7 +650,8 @@ def test_cpu_compose_stack_serves_a_generation_through_the_coordinator(tmp_path,
         # the client from the coordinator image, as `docker compose exec coordinator tandem generate` runs it
         out = subprocess.run(
             [str(coordinator_python), "-m", "tandem_tools.cli", "generate", "--server", address,
-             "--prompt", "def main(", "--max-new-tokens", "24", "--json", "--timeout", "120"],
+             "--prompt", "def main(", "--max-new-tokens", "24", "--json", "--timeout", "120",
+             "--api-key", "a-key", "--tls-ca", stack.secrets["/run/secrets/tandem-ca"]],
             capture_output=True, text=True, timeout=180, check=False, cwd=stack.logs,
         )
         assert out.returncode == 0, (out.stderr, stack.log("coordinator"))
