@@ -37,7 +37,7 @@ for path in (str(ROOT), str(BENCH)):
         sys.path.insert(0, path)
 
 # the test files with CUDA tests (-m gpu picks them out; other files import what the GPU image may lack)
-GPU_TESTS = ("tests/test_gpu_paths.py", "tests/test_transports.py", "tests/test_host_syncs.py")
+GPU_TESTS = ("tests/test_gpu_paths.py", "tests/test_transports.py", "tests/test_host_syncs.py", "tests/test_static_inputs.py")
 # (stage, cap in seconds): 470 s of work together, inside a call's 8 minutes of work
 STAGES = (("versions", 30), ("pytest", 80), ("forward", 190), ("rollout", 50), ("transports", 45),
           ("services", 75))

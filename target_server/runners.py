@@ -23,6 +23,7 @@ import copy
 import logging
 import os
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +33,8 @@ from transformers.cache_utils import Cache
 from tandem.compiling import compile_graphs
 from tandem.packed import PACK_MIN_WEIGHTS, PackedLinear, can_pack, pack_linears
 from tandem.protocol import tree_depths
-from tandem.staging import Staged, upload
+from tandem.staging import upload
+from target_server.graphs import CudaGraphs, StaticInputs, graphs_enabled
 from target_server.kv import VERIFY_TOKENS, KVLayer, KVPool
 from target_server.loading import LoadedTarget
 from target_server.native import NativeCausalLM, fuse_projections
@@ -92,7 +94,7 @@ class NativeRunner:
         self.model, self.device, self.compiled = model, device, bool(compile)
         self.buckets: set[tuple[int, int]] = set()  # (tokens, pool rows) compiled (or compiling) so far
         self.failed: set[tuple[int, int]] = set()  # buckets whose compile failed: eager (TANDEM_COMPILE=1)
-        self.static: dict[tuple[int, int], Staged] = {}  # per compiled bucket its inputs' device buffer
+        self.static = StaticInputs(device)  # per compiled bucket its inputs' device buffer
         self._forward = self._eager = model
         packs = can_pack(device, model.model.embed_tokens.weight.dtype)
         if compile == "background" and packs:  # the forward until a bucket is compiled: packed, as eager's
@@ -120,6 +122,7 @@ class NativeRunner:
             if packs:
                 pack_linears(model)
         self.warm_up = WarmUp(self) if compile == "background" else None
+        self.graphs = CudaGraphs(self._forward, device) if graphs_enabled(device, bool(compile)) else None
 
     def make_pool(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, tokens: int | None) -> PagedKVPool:
         cap = None if tokens is None else max(tokens // KVPool.BLOCK, 1)
@@ -197,16 +200,9 @@ class NativeRunner:
             return *self._eager(tokens, positions, batch), rows
         positions, batch, (tokens, padded) = plan_with(
             spans, width, pool, False, [(ids + [0] * (width - len(ids)), torch.long),
-                                        (rows + [0] * (width - len(rows)), torch.long)], self._staged(width, pool))
-        return *self._forward(tokens, positions, batch), padded[: len(rows)]
-
-    def _staged(self, width: int, pool: PagedKVPool) -> Staged:
-        """The static inputs of the bucket (width, pool rows); those of a smaller pool go once it grows."""
-        key = (width, pool.owner.shape[0])
-        if key not in self.static:
-            self.static = {k: v for k, v in self.static.items() if k[1] == key[1]}
-            self.static[key] = Staged(self.device)
-        return self.static[key]
+                                        (rows + [0] * (width - len(rows)), torch.long)], self.static.of(width, pool))
+        forward = self._forward if self.graphs is None else partial(self.graphs, (width, pool.owner.shape[0]))
+        return *forward(tokens, positions, batch), padded[: len(rows)]
 
     @torch.inference_mode()
     def measure_forward_bytes(self, pool: KVPool, max_tokens: int, max_batch: int, max_context: int) -> int:

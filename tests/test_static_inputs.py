@@ -5,6 +5,7 @@ inductor's compile time)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import compile_eagerly
 from torch._dynamo.utils import counters
@@ -54,3 +55,33 @@ def test_compiled_verifies_read_their_buckets_static_inputs_and_decode_as_eager(
     graphs = counters["stats"]["unique_graphs"]
     compiled.verify("t", token, [1, 2, 3])  # another session in the bucket: the same graph
     assert counters["stats"]["unique_graphs"] == graphs, "a static input recompiled its bucket"
+
+
+def test_cuda_graphs_are_off_without_cuda_or_a_compiled_forward(monkeypatch):
+    from target_server.graphs import graphs_enabled
+
+    monkeypatch.setenv("TANDEM_CUDA_GRAPHS", "1")
+    assert not graphs_enabled(torch.device("cpu"), True)
+    assert not graphs_enabled(torch.device("cuda"), False)
+    monkeypatch.setenv("TANDEM_CUDA_GRAPHS", "0")
+    assert not graphs_enabled(torch.device("cuda"), True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graphed_verifies_decode_as_eager_on_cuda(tiny_dir, monkeypatch):
+    monkeypatch.setenv("TANDEM_CUDA_GRAPHS", "1")
+    eager = TargetEngine(tiny_dir / "target", device="cuda", engine="native", compile=False)
+    graphed = TargetEngine(tiny_dir / "target", device="cuda", engine="native", compile=True)
+    assert graphed.runner.graphs is not None
+    outputs = []
+    for engine in (eager, graphed):
+        token = engine.prefill("s", [5, 6, 7, 8, 9], SamplingParams()).token
+        tokens = [token]
+        for drafts in ([1, 2, 3], [4, 5, 6], [7, 8, 9], [1, 1, 1]):
+            result = engine.verify("s", tokens[-1], drafts)
+            tokens += [*result.accepted, result.bonus]
+        engine.release("s")
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1]
+    assert graphed.runner.graphs.graphs  # captured, then replayed
