@@ -140,20 +140,24 @@ def _sampling():
 
 
 def _generate_request():
-    lengths = st.one_of(st.integers(-3, MAX_GENERATED), st.sampled_from([8193, 2 ** 31 - 1]))
-    messages = st.lists(st.builds(coordinator_pb2.ChatMessage, role=st.sampled_from(["user", "assistant", "system", "tool", "x"]),
-                                  content=st.text(max_size=40)), max_size=3)
-    tree = st.builds(common_pb2.TreeParams, nodes=st.integers(-3, 80), depth=st.integers(-3, 20), top_k=st.integers(-3, 20))
-    # mostly one prompt source, as a client sends it; now and then several, or none
-    sources = st.one_of(st.fixed_dictionaries({"prompt": st.text(min_size=1, max_size=60)}),
-                        st.fixed_dictionaries({"prompt_ids": _ids(0, VOCAB - 1)}),
-                        st.fixed_dictionaries({"prompt_ids": _ids()}),
-                        st.fixed_dictionaries({"messages": messages}),
-                        st.fixed_dictionaries({}, optional={"prompt": st.text(max_size=60), "prompt_ids": _ids(),
-                                                            "messages": messages}))
+    lengths = _mostly(st.integers(1, MAX_GENERATED), st.one_of(st.integers(-3, 0), st.sampled_from([8193, 2 ** 31 - 1])))
+    messages = st.builds(coordinator_pb2.ChatMessage, role=_mostly(st.just("user"), st.sampled_from(["assistant",
+                         "system", "tool", "x"])), content=st.text(max_size=40))
+    tree = _mostly(st.builds(common_pb2.TreeParams, nodes=st.integers(1, 16), depth=st.integers(1, 4),
+                             top_k=st.integers(1, 4)),
+                   st.builds(common_pb2.TreeParams, nodes=st.integers(-3, 80), depth=st.integers(-3, 20),
+                             top_k=st.integers(-3, 20)))
+    # mostly one prompt source, as a client sends it; now and then several, or none, or empty ones
+    one_source = st.one_of(st.fixed_dictionaries({"prompt": st.text(min_size=1, max_size=60)}),
+                           st.fixed_dictionaries({"prompt_ids": st.lists(st.integers(0, VOCAB - 1), min_size=1,
+                                                                         max_size=24)}),
+                           st.fixed_dictionaries({"messages": st.lists(messages, min_size=1, max_size=3)}))
+    sources = _mostly(one_source, st.fixed_dictionaries({}, optional={
+        "prompt": st.text(max_size=60), "prompt_ids": _ids(), "messages": st.lists(messages, max_size=3)}))
     fields = st.fixed_dictionaries({"max_new_tokens": lengths}, optional={  # unset is 64: long for a case
-        "num_draft_tokens": st.integers(-3, 20), "sampling": _sampling(),
-        "stop_token_ids": _ids(), "stop": st.lists(st.text(max_size=300), max_size=18), "ignore_eos": st.booleans(),
+        "num_draft_tokens": _mostly(st.integers(0, 8), st.integers(-3, 20)), "sampling": _sampling(),
+        "stop_token_ids": _ids(), "stop": _mostly(st.lists(st.text(min_size=1, max_size=8), max_size=3),
+                        st.lists(st.text(max_size=300), max_size=18)), "ignore_eos": st.booleans(),
         "speculate": st.booleans(), "tree": tree})
     return st.tuples(sources, fields).map(lambda t: coordinator_pb2.GenerateRequest(**t[0], **t[1]))
 
