@@ -1,6 +1,7 @@
 """What the coordinator does for one client request, whatever API it came through (gRPC here, the
-OpenAI HTTP front too): admit it, fit it to the pair of services, run the round loop (tandem/rounds.py)
-over one session stream to each service, detokenize and apply stop strings (tandem/text.py).
+OpenAI HTTP front too): admit it, fit it to the pair of services, submit it to the pair's scheduler
+(coordinator/scheduler.py) and read its output queue, detokenize and apply stop strings (tandem/text.py):
+vLLM's split of AsyncLLM (the handler) and the engine core's loop.
 
 No protobuf of the client API and no torch here: requests arrive as a GenerationRequest.
 """
@@ -8,25 +9,23 @@ No protobuf of the client API and no torch here: requests arrive as a Generation
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
 
-from coordinator.backends import CLOSE_GRACE_S, BackendError, GrpcDraft, GrpcTarget
-from coordinator.cohorts import CohortLink, Cohorts
+from coordinator.links import BackendError, ServiceLink
 from coordinator.monitor import LATE_PATIENCE_S, Monitor, Pair
 from coordinator.probe import RequestObserver, RequestProbe
-from coordinator.relay import CohortRelay, draft_relay, target_relay
+from coordinator.scheduler import Scheduler, pack_draft, pack_target
 from tandem.config import CoordinatorSettings
 from tandem.errors import Abort, InvalidRequest, OutOfRange
 from tandem.gates import AcceptanceGate, TreeGate
 from tandem.metrics import CoordinatorMetrics
 from tandem.params import MAX_STOP_LENGTH, MAX_STOP_STRINGS, GenerationRequest, parse_tree
-from tandem.policy import Speculation, adaptive_k
-from tandem.rounds import run_rounds
+from tandem.policy import OVERLAP_BRANCHES, OVERLAP_MAX_RUNNING, Speculation, adaptive_k
 from tandem.service import Service
 from tandem.text import TextDelta, text_deltas
 
@@ -37,10 +36,6 @@ log = logging.getLogger("tandem.coordinator")
 TARGET_LOST = (
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED,
 )
-# A target-only decode of a client that reads the answer at the end (Generate, not GenerateStream) answers the
-# coordinator after this long, not the target's 50 ms for a stream: a round trip a quarter second instead of
-# one every 50 ms (Verify.answer_within_ms).
-UNARY_ANSWER_WITHIN_MS = 250
 
 
 @dataclass
@@ -102,28 +97,32 @@ def check_stop_strings(stop: Sequence[str], has_tokenizer: bool) -> None:
 
 
 class Generations:
-    """The coordinator's generations: one server-wide K policy (adaptive K, the acceptance gate,
-    overlap) and cohort table, and the services as the monitor last saw them."""
+    """The coordinator's generations: one server-wide K policy (adaptive K, the acceptance gate, overlap),
+    the scheduler of the pair, and the services as the monitor last saw them."""
 
     def __init__(self, service: Service):
         self.service = service
         self.settings: CoordinatorSettings = service.settings
         self.monitor: Monitor | None = None
         self.metrics = CoordinatorMetrics(service.registry)
-        self.cohorts = Cohorts()
-        self._relays: dict[str, tuple[tuple, CohortRelay]] = {}  # service -> (what it was made for, it)
-        self._relays_lock = threading.Lock()
-        settings, running = self.settings, service.admission
+        settings = self.settings
+        # the handlers in flight: those running and those waiting in the scheduler's queue
+        service.admission.limit = settings.max_sessions + settings.max_waiting
+        service.admission.named = "max_sessions + max_waiting"
+        self._scheduler: tuple[tuple, Scheduler] | None = None  # (the stubs it steps, it)
+        self.owner = uuid.uuid4().hex  # this coordinator, to the services it steps
+        self._lock = threading.Lock()
         budget, cost = settings.spec_token_budget, settings.spec_draft_cost
+        running = lambda: self._scheduler[1].running if self._scheduler is not None else 0
         self.speculation = Speculation(
-            k_for=adaptive_k(budget, lambda: running.active) if budget else None,
+            k_for=adaptive_k(budget, running) if budget else None,
             gate=AcceptanceGate(cost) if cost else None,  # one for the server: it learns from every request
             overlap=settings.overlap,
             overlap_sampled=settings.overlap_sampled,
-            branches=settings.overlap_branches,
-            overlap_while=lambda: running.active <= settings.overlap_max_running,
+            branches=OVERLAP_BRANCHES,
+            overlap_while=lambda: running() <= OVERLAP_MAX_RUNNING,
             trees=TreeGate() if settings.tree_policy else None,
-            fits=(lambda width: running.active * width <= budget) if budget else None,
+            fits=(lambda width: running() * width <= budget) if budget else None,
             default_tree=parse_tree(settings.tree) if settings.tree else None,
             decode_steps=settings.decode_steps,
         )
@@ -131,22 +130,21 @@ class Generations:
     def attach(self, monitor: Monitor) -> None:
         self.monitor = monitor
 
-    def relay(self, pair: Pair, service: str) -> CohortRelay | None:
-        """The cohort relay to this pair's target or draft (--cohort-relay), made again when the service changed."""
-        if not self.settings.cohort_relay:
-            return None
-        stub, info = (pair.target, pair.target_info) if service == "target" else (pair.draft, pair.draft_info)
-        made_for = (stub, info.dtype, info.hidden_size if service == "target" else info.target_hidden_size)
-        with self._relays_lock:
-            current = self._relays.get(service)
-            if current is None or current[0] != made_for:
-                if current is not None:
-                    current[1].close()
-                mib = self.settings.max_message_mib
-                relay = (target_relay(stub, info, mib) if service == "target"
-                         else draft_relay(stub, info, mib, self.settings.draft_timeout))
-                current = self._relays[service] = (made_for, relay)
-            return current[1]
+    def scheduler(self, pair: Pair) -> Scheduler:
+        """The pair's scheduler, made again when the monitor's services changed (a draft that came or went)."""
+        made_for = (pair.target, pair.draft)
+        with self._lock:
+            if self._scheduler is None or self._scheduler[0] != made_for:
+                if self._scheduler is not None:
+                    self._scheduler[1].close()
+                target = ServiceLink("target", pair.target.Step, pack_target, owner=self.owner)
+                draft = (ServiceLink("draft", pair.draft.Step, pack_draft, self.settings.draft_timeout, self.owner)
+                         if pair.draft is not None else None)
+                scheduler = Scheduler(target, draft, list(pair.target_info.eos_token_ids),
+                                      pair.target_info.max_context, self.speculation, self.settings.max_sessions,
+                                      self.settings.max_waiting, lambda error: self.monitor.fault("draft", error))
+                self._scheduler = (made_for, scheduler)
+            return self._scheduler[1]
 
     def pair(self, patience: float = 0.0) -> Pair:
         """The services for a new generation (Monitor.pair: `patience` for a target down for late checks)."""
@@ -162,30 +160,15 @@ class Generations:
             pair = self.pair(LATE_PATIENCE_S)
             client = build(pair)
             request = fit_to_pair(client, pair)
-            link = CohortLink(self.cohorts)  # the batch of each step goes along to the next service
-            target = GrpcTarget(pair.target, list(pair.target_info.eos_token_ids), call.timeout, probe=probe,
-                                cohorts=link, relay=self.relay(pair, "target"),
-                                answer_within_ms=0 if call.streamed else UNARY_ANSWER_WITHIN_MS)
-            draft = None
-            if pair.draft is not None and request.speculate:  # no draft (or it is down): target-only
-                draft = GrpcDraft(pair.draft, call.timeout, step_timeout=self.settings.draft_timeout,
-                                  on_fault=lambda error: self.monitor.fault("draft", error), probe=probe, cohorts=link,
-                                  relay=self.relay(pair, "draft"))
-
-            def cancel() -> None:  # the client went away or its deadline passed: free both sessions now
-                target.cancel()
-                if draft is not None:
-                    draft.cancel()
-
-            call.on_cancel(cancel)
+            handle = self.scheduler(pair).submit(request, call.timeout, pair.draft is not None and request.speculate,
+                                                 probe)
+            call.on_cancel(handle.cancel)  # the client went away or its deadline passed: both sessions freed
             observer = RequestObserver(self.metrics, probe, len(request.prompt_ids), call.is_active)
-            events = observer.rounds(run_rounds(target, draft, request, pair.target_info.max_context, self.speculation))
-            deltas = observer.deltas(text_deltas(events, pair.tokenizer, list(client.stop), client.include_stop_str,
-                                                 client.skip_special_tokens))
-            ahead = ReadAhead(deltas) if self.service.admission.active <= ReadAhead.MAX_RUNNING else None
+            deltas = observer.deltas(text_deltas(observer.rounds(handle.events()), pair.tokenizer, list(client.stop),
+                                                 client.include_stop_str, client.skip_special_tokens))
             produced = 0
             try:
-                for delta in ahead or deltas:
+                for delta in deltas:
                     if not call.is_active():
                         break
                     produced += len(delta.token_ids)
@@ -193,14 +176,7 @@ class Generations:
             except BackendError as exc:
                 raise self._failed(exc, produced, call) from None
             finally:
-                if ahead is not None and not ahead.stop(CLOSE_GRACE_S):  # a round still waits: end its streams
-                    cancel()
-                    ahead.stop(CLOSE_GRACE_S)
-                if ahead is None or not ahead.running:
-                    events.close()
-                target.release("")
-                if draft is not None:
-                    draft.release("")
+                handle.cancel()
 
     def _failed(self, exc: BackendError, produced: int, call: Call) -> Abort:
         if exc.service == "target" and exc.code in TARGET_LOST and call.is_active():
@@ -211,69 +187,3 @@ class Generations:
                 f"({exc.code.name}: {exc.details}); retry once the coordinator reports SERVING again",
             )
         return Abort(exc.code, str(exc))
-
-
-class ReadAhead:
-    """A request's deltas made in a thread of their own, at most `depth` ahead of the client: the next round
-    goes to the services while the last one's tokens go out. Handing a delta to a gRPC client waits for the
-    send to complete (0.28 ms a round at one request, demo pair, target-only: 5% of a round), and that wait sat
-    between every verify and the next. What the rounds raise is raised where the client reads, after the deltas
-    made before it.
-
-    Only while few requests run (MAX_RUNNING): a thread more per request costs more than it saves once the
-    coordinator's core is busy. Demo pair through the services, three runs each way, stacks interleaved: one
-    request target-only 188 -> 208 tokens/s (medians), EAGLE-3 K=5 284 -> 302; 16 requests target-only
-    881 -> 761."""
-
-    MAX_RUNNING = 2  # this request included
-    _END = object()
-
-    def __init__(self, source: Iterator, depth: int = 4):
-        self._source = source
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tandem-rounds", daemon=True)
-        self._thread.start()
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
-    def _run(self) -> None:
-        try:
-            for item in self._source:
-                if not self._put(item):
-                    return
-            self._put(self._END)
-        except BaseException as exc:  # noqa: BLE001 - handed to the reader, raised there
-            self._put(_Raised(exc))
-
-    def _put(self, item) -> bool:
-        while not self._stopping.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def __iter__(self) -> Iterator:
-        while True:
-            item = self._queue.get()
-            if item is self._END:
-                return
-            if isinstance(item, _Raised):
-                raise item.exc
-            yield item
-
-    def stop(self, timeout: float) -> bool:
-        """Stop making deltas (the reader is done); -> whether the thread has ended within `timeout` s."""
-        self._stopping.set()
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-
-@dataclass
-class _Raised:
-    exc: BaseException
-

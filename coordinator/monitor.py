@@ -25,10 +25,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenizers import Tokenizer
 
-from coordinator.backends import BackendError, last_answer
 from coordinator.handshake import connect_transport
+from coordinator.links import BackendError, last_answer
 from tandem import security
-from tandem.config import CoordinatorSettings
+from tandem.config import BATCH_MESSAGE_MIB, CoordinatorSettings
 from tandem.convert import draft_shape_from_pb, target_shape_from_pb
 from tandem.errors import Abort
 from tandem.pairing import PairMismatch, check_pair
@@ -129,7 +129,7 @@ class Monitor:
         wrap_channel: WrapChannel | None = None,
     ):
         """`on_target(up)` is told when the target goes down and comes back (the coordinator's health)."""
-        options, tls = channel_options(settings.max_message_mib), security.services_tls(settings)
+        options, tls = channel_options(BATCH_MESSAGE_MIB), security.services_tls(settings)  # batches: features inline
         self.target = Link("target", settings.target_addr, options, target_pb2_grpc.TargetServiceStub, wrap_channel, tls)
         self.draft = (
             Link("draft", settings.draft_addr, options, draft_pb2_grpc.DraftServiceStub, wrap_channel, tls)

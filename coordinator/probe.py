@@ -4,8 +4,8 @@ time went, joined from the coordinator's own clock and the StepTiming the servic
 
     probe = RequestProbe(request, ...) if request.profile else None
     observer = RequestObserver(metrics, probe, prompt_tokens)
-    GrpcTarget(..., probe=probe), GrpcDraft(..., probe=probe)   # they report each message
-    for delta in observer.deltas(text_deltas(observer.rounds(run_rounds(...)), ...)): ...
+    scheduler.submit(request, ..., probe)   # the scheduler reports each step's messages
+    for delta in observer.deltas(text_deltas(observer.rounds(handle.events()), ...)): ...
     probe.to_client(response, last)                              # counts it; the last one gets the profile
 
 The probe counts messages at the coordinator's end of each link with ByteSize(), the serialized size
@@ -18,15 +18,17 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from tandem.dtypes import ITEMSIZE
 from tandem.metrics import CoordinatorMetrics
 from tandem.rounds import RoundEvent
 from tandem.text import TextDelta
-from tandem.traffic import GRPC, LinkCount, parts_of
+from tandem.traffic import GRPC, LinkCount, Parts, parts_of
 from tandem.v1 import coordinator_pb2, draft_pb2, profile_pb2, target_pb2
 
 TO_CLIENT, FROM_CLIENT = "coordinator->client", "client->coordinator"
 TO_TARGET, FROM_TARGET = "coordinator->target", "target->coordinator"
 TO_DRAFT, FROM_DRAFT = "coordinator->draft", "draft->coordinator"
+DIRECT = "target->draft"  # a fast path's features, counted from their descriptors (FeatureRef)
 
 
 @dataclass
@@ -64,16 +66,17 @@ class _Round:
             msg.draft.CopyFrom(self.draft)
         if self.target is not None:
             msg.target.CopyFrom(self.target)
-        for link, count in self.links.items():
+        for link, count in self.links.items():  # the coordinator's links are gRPC; features go by the fast path
             msg.traffic.append(profile_pb2.LinkTraffic(
-                link=link, transport=transport, messages=count.messages, bytes=count.bytes,
+                link=link, transport=transport if link == DIRECT else GRPC, messages=count.messages, bytes=count.bytes,
                 token_ids=count.token_ids, feature_rows=count.feature_rows,
             ))
         return msg
 
 
 class RequestProbe:
-    """One generation's profile. Single-threaded: every call comes from the request's own thread."""
+    """One generation's profile: the scheduler reports its steps' messages and its rounds' ends, the request's
+    handler its answers to the client."""
 
     def __init__(
         self,
@@ -128,6 +131,10 @@ class RequestProbe:
         now = time.monotonic_ns()
         r = self._round()
         self._count(r, link, msg)
+        if link == FROM_TARGET and msg.HasField("features") and msg.features.WhichOneof("payload") == "ref":
+            ref = msg.features.ref  # the rows went target -> draft by the fast path: what crossed there
+            rows = Parts(features=ref.rows * ref.width * ITEMSIZE.get(ref.dtype, 0), feature_rows=ref.rows)
+            r.links.setdefault(DIRECT, LinkCount()).add(rows.features, rows)
         if link == FROM_TARGET and msg.WhichOneof("result") is not None:
             r.target_received_ns = now
             if msg.HasField("timing"):
@@ -175,8 +182,8 @@ class RequestProbe:
 
 
 class RequestObserver:
-    """Feeds the coordinator's metrics from one generation's round events and deltas, and ends the
-    profile's rounds as their deltas go out."""
+    """Feeds the coordinator's metrics from one generation's round events and deltas (the scheduler ends
+    a profile's rounds as they commit)."""
 
     def __init__(
         self,
@@ -222,7 +229,7 @@ class RequestObserver:
                 close()
 
     def deltas(self, deltas: Iterator[TextDelta]) -> Iterator[TextDelta]:
-        """Latencies and finish reasons; closes a profile round once its delta has been handed on."""
+        """Latencies and finish reasons."""
         m = self.metrics
         reason = "abort"  # the client went away (or its deadline passed) before the end
         last = self.start
@@ -244,8 +251,6 @@ class RequestObserver:
                 if delta.finish_reason is not None:
                     reason = delta.finish_reason
                 yield delta
-                if self.probe is not None:
-                    self.probe.round_done(len(delta.token_ids))
         except GeneratorExit:
             raise
         except BaseException:

@@ -5,7 +5,7 @@ a prefill — appends them to its KV at RoPE positions i, then rolls out K steps
 d_1 comes from the last extend output; step k>1 feeds (a_{k-1}, d_{k-1}) at the next position.
 The rollout's KV is dropped at the end, so the next round's exact target features replace it.
 
-Concurrent sessions are batched (tandem/batching.py) as in the target engine: their KV stacked
+The scheduler's batch of a step runs at once (`run`): the sessions' KV stacked
 left-padded, their new pairs right-padded, one extend forward and one forward per rollout step for
 all of them; each session keeps the KV of its committed pairs only.
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,15 +47,13 @@ from draft_server.rollout import GreedyPropose, GreedyStep, SampledPropose, draw
 from draft_server.sampling import DraftSampler
 from draft_server.steps import Outcomes, _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
 from draft_server.tree import SiblingRates, grow_tree
-from tandem.batching import Batcher
 from tandem.config import DRAFT_Q_TOP_N
 from tandem.dtypes import TORCH_DTYPES
 from tandem.packed import can_pack, pack_linears
 from tandem.pairing import DraftShape, check_pair
 from tandem.params import SamplingParams, TreeParams
-from tandem.protocol import Branch, Drafts
-from tandem.sessions import InvalidRequest, SessionOwner, SessionTable
-from tandem.timing import StepClock
+from tandem.protocol import Ahead, Branch, Drafts, DraftStep, Propose
+from tandem.sessions import InvalidRequest, SessionNotFound, SessionOwner, SessionTable
 
 
 class DraftEngine(SessionOwner):
@@ -65,8 +63,6 @@ class DraftEngine(SessionOwner):
         target_dir: str | Path | None = None,
         device: str = "cpu",
         dtype: str = "float32",
-        max_batch_size: int = 32,
-        max_batch_tokens: int = 4096,
         q_top_n: int = DRAFT_Q_TOP_N,
         aux_layer_convention: str | None = None,
     ):
@@ -92,10 +88,7 @@ class DraftEngine(SessionOwner):
             pack_linears(self.model)
         self.feature_size = 3 * self.config.target_hidden_size
         self.sessions: SessionTable[_Session] = SessionTable("draft")
-        # one forward at a time, batched across sessions
-        self.batcher: Batcher[_Step | _Ahead] = Batcher(self._run_steps, max_batch_size, max_batch_tokens)
-        self._ahead_pool: ThreadPoolExecutor | None = None  # in-process aheads run here, beside the verify
-        self._max_batch_size = max_batch_size
+        self._running = threading.Lock()  # one batch at a time: in-process callers may come from several threads
         self.q_top_n = q_top_n  # sampled drafts: q is cut to this many likeliest tokens (0: not cut)
         self.draft_vocab = self.config.draft_vocab_size
         self.outcomes = Outcomes()  # how many drafts verifies accepted: aheads rank their branches by it
@@ -121,10 +114,6 @@ class DraftEngine(SessionOwner):
         self.greedy_propose, self.greedy_ahead, self.sampled_propose = calls.propose, calls.ahead, calls.sampled
         self.greedy_step = calls.step
 
-    def release(self, session_id: str) -> bool:
-        self.batcher.forget(session_id)
-        return super().release(session_id)
-
     def shape(self, max_target_id: int | None = None) -> DraftShape:
         if max_target_id is None:
             d2t = self.model.d2t
@@ -136,33 +125,47 @@ class DraftEngine(SessionOwner):
             aux_layer_ids=self.config.aux_layer_ids,
         )
 
-    def propose(
-        self,
-        session_id: str,
-        features: torch.Tensor,  # [m, 3Ht]: F_i of the new committed positions
-        next_tokens: list[int],  # [m]: x_{i+1} for each
-        num_draft_tokens: int,
-        create: bool = False,
-        sampling: SamplingParams | None = None,  # with create: a sampled request's settings
-        tree: TreeParams | None = None,  # a draft tree of this shape instead of a chain (K is then ignored)
-    ) -> Drafts:
-        """Append the m new committed pairs and return K draft tokens (target ids): the argmax, or for a
-        session opened with sampling (temperature > 0) drawn from q, with q. With `tree`: a tree of drafts
-        (Drafts.parents), ranked by the draft's log-probabilities; a sampled session's tempered, its children
-        drawn from q without replacement (Drafts.q: one q_j per node, empty for the undrawn)."""
-        step, tokens = self._propose_step(session_id, features, next_tokens, num_draft_tokens, create, sampling, tree)
-        # a first extend carries the whole prompt (padding others' few pairs to it is waste); trees run apart
-        group = "tree" if tree is not None else "first" if create else "next"
-        return self.batcher.submit(step, tokens, key=session_id, group=group)
+    def run(self, steps: Sequence[DraftStep]) -> list[Drafts | list[Branch] | Exception]:
+        """One batch, run at once: a Propose's Drafts or an Ahead's branches, or the error of a step that
+        failed (it fails alone), per step. Chain proposes share forwards (a session's first apart: it carries
+        the whole prompt, and padding the others' few pairs to it is waste); trees and aheads run one by one."""
+        results: list = [None] * len(steps)
+        built: list[tuple[int, _Step | _Ahead]] = []
+        with self._running:
+            seen: set[str] = set()
+            for i, step in enumerate(steps):
+                try:
+                    if step.session_id in seen:
+                        raise InvalidRequest(f"two steps of session {step.session_id!r} in one batch")
+                    seen.add(step.session_id)
+                    built.append((i, self._propose_step(step) if isinstance(step, Propose) else self._ahead_step(step)))
+                except (InvalidRequest, SessionNotFound) as exc:
+                    results[i] = exc
+            groups = [_group(b) for _, b in built]  # before any runs: a first propose's KV grows
+            for group in (True, False, None):
+                part = [(i, b) for (i, b), g in zip(built, groups, strict=True) if g is group]
+                if part:
+                    for (i, _), out in zip(part, self._run_steps([b for _, b in part]), strict=True):
+                        results[i] = out
+        return results
 
-    def propose_many(self, calls: list[tuple[tuple, StepClock | None]]) -> list[Drafts | Exception]:
-        """Chain proposes the coordinator's cohort relay gathered, `((session_id, features, next_tokens, K),
-        clock)` each, run as one batch: the drafts, or the error of a step that failed (it fails alone), each."""
-        return self.batcher.submit_many(calls, self._propose_step, "next")
+    def propose(self, session_id: str, features: torch.Tensor, next_tokens: list[int], num_draft_tokens: int,
+                create: bool = False, sampling: SamplingParams | None = None, tree: TreeParams | None = None) -> Drafts:
+        """One propose alone (run() with a batch of one), raising its error: the m new committed pairs
+        (features [m, 3Ht], next_tokens [m]), then K drafts (target ids): the argmax, or for a session opened
+        with sampling drawn from q, with q; with `tree`, a tree of drafts (Drafts.parents)."""
+        return _raised(self.run([Propose(session_id, features, next_tokens, num_draft_tokens, create, sampling,
+                                         tree)])[0])
 
-    def _propose_step(self, session_id: str, features: torch.Tensor, next_tokens: list[int], num_draft_tokens: int,
-                      create=False, sampling: SamplingParams | None = None, tree: TreeParams | None = None):
-        """A propose's step and its tokens (pairs and rollout or tree), or InvalidRequest; the session is used."""
+    def prepare(self, session_id: str, features: torch.Tensor | None, next_tokens: list[int], assumed: list[int],
+                num_draft_tokens: int, branches: int = 1) -> list[Branch]:
+        """One ahead alone (run() with a batch of one), raising its error."""
+        return _raised(self.run([Ahead(session_id, features, next_tokens, assumed, num_draft_tokens, branches)])[0])
+
+    def _propose_step(self, p: Propose) -> _Step:
+        """A propose's step, or InvalidRequest; the session is used (`open`: made, once the input is known good)."""
+        session_id, features, next_tokens, num_draft_tokens, tree = p.session_id, p.features, p.next_tokens, p.k, p.tree
+        create, sampling = p.open, p.sampling
         m = len(next_tokens)
         if m == 0 or features.shape != (m, self.feature_size):
             raise InvalidRequest(
@@ -182,19 +185,14 @@ class DraftEngine(SessionOwner):
             session.last_tree = None
         session.tree = tree is not None
         session.last_used = time.monotonic()
-        return _Step(session, features, list(next_tokens), num_draft_tokens, tree), m + (tree.nodes if tree else num_draft_tokens)
+        return _Step(session, features, list(next_tokens), num_draft_tokens, tree)
 
-    def prepare(
-        self,
-        session_id: str,
-        features: torch.Tensor | None,  # [m, 3Ht] of the new committed pairs; None or [0, 3Ht]: none
-        next_tokens: list[int],  # [m]
-        assumed: list[int],  # the drafts under verification, as this session proposed them
-        num_draft_tokens: int,
-        branches: int = 1,
-    ) -> list[Branch]:
-        """Append the new committed pairs, then prepare the next round's drafts for the `branches`
-        likeliest outcomes of verifying `assumed`, likeliest first."""
+    def _ahead_step(self, a: Ahead) -> _Ahead:
+        """An ahead's step, or InvalidRequest: append the new committed pairs (features [m, 3Ht], None or
+        [0, 3Ht] for none), then prepare the next round's drafts for the `branches` likeliest outcomes of
+        verifying `drafts` (as this session proposed them), likeliest first."""
+        session_id, features, next_tokens, assumed = a.session_id, a.features, list(a.next_tokens), list(a.drafts)
+        num_draft_tokens, branches = a.k, a.branches
         m = len(next_tokens)
         if features is None:
             features = torch.empty(0, self.feature_size)
@@ -215,26 +213,13 @@ class DraftEngine(SessionOwner):
         rows = next((r[: len(assumed)] for drafts, r in session.proposed if drafts[: len(assumed)] == assumed), None)
         if rows is None:
             raise InvalidRequest("an ahead assumes drafts this session proposed in its last step")
-        step = _Ahead(session, features, list(next_tokens), list(assumed), rows, num_draft_tokens, branches)
-        out = self.batcher.submit(step, m + len(assumed) + branches * num_draft_tokens, key=session_id)
         session.last_used = time.monotonic()
-        return out
-
-    def ahead(
-        self, session_id: str, features: torch.Tensor | None, next_tokens: list[int], drafts: list[int],
-        num_draft_tokens: int, branches: int = 1,
-    ) -> Future:
-        """prepare() on a worker thread: the in-process round loop verifies meanwhile."""
-        if self._ahead_pool is None:
-            self._ahead_pool = ThreadPoolExecutor(self._max_batch_size, thread_name_prefix="draft-ahead")
-        return self._ahead_pool.submit(
-            self.prepare, session_id, features, next_tokens, drafts, num_draft_tokens, branches
-        )
+        return _Ahead(session, features, list(next_tokens), list(assumed), rows, num_draft_tokens, branches)
 
     # -- one batched step -----------------------------------------------------------------------
 
     def _run_steps(self, steps: list[_Step | _Ahead]) -> list:
-        """The batcher's work: chain proposes batched together, trees and aheads one session at a time."""
+        """Chain proposes batched together, trees and aheads one session at a time."""
         proposes = [step for step in steps if isinstance(step, _Step) and step.tree is None]
         results: dict[int, object] = {}
         if proposes:
@@ -396,3 +381,17 @@ class DraftEngine(SessionOwner):
         session.proposed = [(drafts[i * k : (i + 1) * k], rows[i]) for i in range(b)]
         return [Branch(accepted=forks[i], bonus=bonus[i], drafts=drafts[i * k : (i + 1) * k],
                        q=qs[i * k : (i + 1) * k] if qs else None) for i in range(b)]
+
+
+def _group(step: _Step | _Ahead) -> bool | None:
+    """Which steps share forwards: a session's first chain proposes (True), its later ones (False); trees and
+    aheads (None) run one session at a time."""
+    if isinstance(step, _Ahead) or step.tree is not None:
+        return None
+    return step.session.length == 0
+
+
+def _raised(result):
+    if isinstance(result, BaseException):
+        raise result
+    return result

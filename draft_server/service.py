@@ -1,7 +1,7 @@
 """The draft gRPC service: a thin shell over DraftEngine.
 
-One bidirectional stream per generation (proto/tandem/v1/draft.proto). A step's features arrive in
-one or more messages (chunks of rows); the step runs when the last chunk is in.
+One stream from the coordinator's scheduler (proto/tandem/v1/draft.proto, DraftService.Step): a batch of
+steps each way per step, each step's features inline or as a fast path's descriptor.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ from tandem.convert import branches_to_pb, draft_probs_to_pb, parents_to_pb, sam
 from tandem.dtypes import name_of
 from tandem.errors import Abort
 from tandem.params import MAX_DRAFT_TOKENS
-from tandem.protocol import Drafts
+from tandem.protocol import Ahead, Drafts, Propose
 from tandem.service import Service, run_service
 from tandem.servicer import EngineServicer
 from tandem.sessions import InvalidRequest
-from tandem.timing import StepClock
 from tandem.transports.contract import NoChannel
 from tandem.transports.endpoints import DraftTransport
 from tandem.v1 import draft_pb2, draft_pb2_grpc
@@ -42,6 +41,7 @@ class DraftServicer(EngineServicer[DraftEngine], draft_pb2_grpc.DraftServiceServ
         super().__init__(service)
         self.model_dir = ""
         self.transport: DraftTransport | None = None
+        self.timed: set[str] = set()  # sessions whose answers carry their StepTiming (a profiled request)
 
     def add_to_server(self, server: grpc.Server) -> None:
         draft_pb2_grpc.add_DraftServiceServicer_to_server(self, server)
@@ -72,100 +72,62 @@ class DraftServicer(EngineServicer[DraftEngine], draft_pb2_grpc.DraftServiceServ
         self.transport.open(request)
         return request
 
-    def Session(self, request_iterator, context) -> Iterator[draft_pb2.DraftResponse]:
-        """One generation: proposes (and, with overlap, ahead steps), each once its features are in."""
-        session_id = None
-        created = False
-        with self.service.admission.admit():
-            engine = self.loaded()
-            try:
-                assembler = FeatureAssembler()
-                for request in request_iterator:
-                    if session_id is None:
-                        if not request.session_id:
-                            raise InvalidRequest("the first message of a draft stream names the session")
-                        session_id, timed = request.session_id, request.want_timing  # answers carry StepTiming
-                    if not assembler.started:  # the first message of a step
-                        clock = StepClock(getattr(engine, "device", None), request)
-                        step = _check_step(request)
-                    with clock.codec():
-                        features = self._features(engine, request, step, assembler)
-                    if features is None:
-                        continue  # more chunks of this step to come
-                    if step.HasField("ahead") and not created:
-                        raise InvalidRequest("a draft stream starts with a propose, not an ahead")
-                    create = not created
-                    if create:
-                        if session_id in engine.session_ids():
-                            raise InvalidRequest(f"draft session {session_id!r} already exists")
-                        created = True  # from here on the session is ours to release, even if propose fails
-                        self.session(session_id, context)
-                    response = self._run(engine, session_id, step, features, clock, create)
-                    if timed:
-                        response.timing.CopyFrom(clock.to_pb())
-                    yield response
-            finally:
-                if created:
-                    self.session_ended(session_id)
+    def Step(self, request_iterator, context) -> Iterator[draft_pb2.DraftBatchResult]:
+        """The scheduler's stream: each DraftBatch (proposes, trees, aheads, releases) as one batch."""
+        return self.steps(request_iterator, context, self._parse, self._answer)
 
-    def _features(self, engine: DraftEngine, request: draft_pb2.DraftRequest, step: draft_pb2.DraftRequest,
-                  assembler: FeatureAssembler) -> torch.Tensor | None:
-        """The step's new features [m, 3Ht], or None while chunks are still to come."""
-        m = len(step.next_tokens)
-        if step.HasField("ahead") and not m:  # no new pairs: no features follow
+    def _parse(self, step: draft_pb2.DraftSessionStep) -> tuple[Propose | Ahead, bool]:
+        engine, request = self.loaded(), _check_step(step.request)
+        if step.open and request.HasField("ahead"):
+            raise InvalidRequest("a draft session opens with a propose, not an ahead")
+        if step.open and step.session_id in engine.session_ids():
+            raise InvalidRequest(f"draft session {step.session_id!r} already exists")
+        features = self._features(engine, request)
+        tokens, k = list(request.next_tokens), request.num_draft_tokens
+        if request.HasField("ahead"):
+            return Ahead(step.session_id, features, tokens, list(request.ahead.assumed), k, request.ahead.branches), False
+        if step.open and request.want_timing:
+            self.timed.add(step.session_id)
+        # a sampled request's settings come with its first step: its drafts are drawn from q
+        sampling = sampling_from_pb(request.sampling) if step.open and request.HasField("sampling") else None
+        tree = tree_from_pb(request.tree) if request.HasField("tree") else None
+        return Propose(step.session_id, features, tokens, k, step.open, sampling, tree), step.open
+
+    def _features(self, engine: DraftEngine, request: draft_pb2.DraftRequest) -> torch.Tensor:
+        """The step's new features [m, 3Ht]: a fast path's, or inline in the message."""
+        m = len(request.next_tokens)
+        if not m:  # an ahead with no new pairs
             return torch.empty(0, engine.feature_size)
-        if request.features.WhichOneof("payload") == "ref":  # a fast path: the whole step
+        chunk = request.features
+        if chunk.WhichOneof("payload") == "ref":
             if self.transport is None:
                 raise NoChannel("a feature descriptor, but this draft has no fast path")
-            return self.transport.recv(request.features.ref, m, engine.feature_size)
-        return assembler.add(request.features, m, engine.feature_size)  # inline, once the last chunk is in
+            return self.transport.recv(chunk.ref, m, engine.feature_size)
+        if chunk.row_offset or not is_last_chunk(chunk):
+            raise InvalidRequest("a draft step carries its features in one piece")
+        return FeatureAssembler().add(chunk, m, engine.feature_size)
 
-    def _run(self, engine: DraftEngine, session_id: str, step: draft_pb2.DraftRequest, features: torch.Tensor,
-             clock: StepClock, create: bool) -> draft_pb2.DraftResponse:
-        k, tokens = step.num_draft_tokens, list(step.next_tokens)
-        if step.HasField("ahead"):
-            with clock.compute():
-                branches = engine.prepare(session_id, features, tokens, list(step.ahead.assumed), k, step.ahead.branches)
-            self.metrics.observe("ahead", clock)
-            return draft_pb2.DraftResponse(branches=branches_to_pb(branches))
-        # a sampled request's settings come with the stream's first message: its drafts are drawn from q
-        sampling = sampling_from_pb(step.sampling) if create and step.HasField("sampling") else None
-        tree = tree_from_pb(step.tree) if step.HasField("tree") else None
-        with clock.compute():
-            drafts = engine.propose(session_id, features, tokens, k, create=create, sampling=sampling, tree=tree)
-        return self._proposed(drafts, clock)
+    def _answer(self, done: list) -> draft_pb2.DraftBatchResult:
+        answer = draft_pb2.DraftBatchResult()
+        for step, clock, result in done:
+            item = answer.results.add()
+            if isinstance(result, BaseException):
+                self.step_error(item.error, result)
+                continue
+            if isinstance(result, Drafts):
+                self.metrics.observe("propose", clock)
+                item.response.CopyFrom(draft_pb2.DraftResponse(drafts=result, q=draft_probs_to_pb(result.q),
+                                                               parents=parents_to_pb(result.parents)))
+            else:
+                self.metrics.observe("ahead", clock)
+                item.response.branches.extend(branches_to_pb(result))
+            if step.session_id in self.timed:
+                item.response.timing.CopyFrom(clock.to_pb())
+        return answer
 
-    def _proposed(self, drafts: Drafts, clock: StepClock) -> draft_pb2.DraftResponse:
-        self.metrics.observe("propose", clock)
-        response = draft_pb2.DraftResponse(drafts=drafts, q=draft_probs_to_pb(drafts.q), parents=parents_to_pb(drafts.parents))
-        if clock.batch is not None:
-            response.batch.id, response.batch.size = clock.batch
-        return response
-
-    def Cohort(self, request_iterator, context) -> Iterator[draft_pb2.DraftCohortResults]:
-        """The cohort relay: each message's chain proposes, of sessions open on their Session streams, in
-        one engine call (tandem.batching.Batcher.submit_many), answered in one message."""
-        engine = self.loaded()  # open while draining too: its steps are of sessions in flight
-
-        def parse(step: draft_pb2.DraftSessionStep) -> tuple:
-            request = _check_step(step.request)
-            if request.HasField("ahead") or request.HasField("tree") or request.session_id:
-                raise InvalidRequest("the cohort relay takes chain proposes of open sessions only")
-            chunk = request.features
-            if chunk.WhichOneof("payload") != "ref" and (chunk.row_offset or not is_last_chunk(chunk)):
-                raise InvalidRequest("a propose on the cohort relay carries its features in one chunk")
-            features = self._features(engine, request, request, FeatureAssembler())
-            return step.session_id, features, list(request.next_tokens), request.num_draft_tokens
-
-        for message in request_iterator:
-            answer = draft_pb2.DraftCohortResults()
-            for result, clock in self.cohort(message.steps, parse, engine.propose_many):
-                item = answer.results.add()
-                if isinstance(result, BaseException):
-                    self.step_error(item.error, result)
-                else:
-                    item.response.CopyFrom(self._proposed(result, clock))
-            yield answer
+    def _end(self, session_id: str) -> None:
+        super()._end(session_id)
+        self.timed.discard(session_id)
 
 
 def _check_step(request: draft_pb2.DraftRequest) -> draft_pb2.DraftRequest:
@@ -185,13 +147,12 @@ def load(settings: DraftSettings, service: Service, servicer: DraftServicer):
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     engine = DraftEngine(settings.model, settings.target, device=settings.device, dtype=settings.dtype,
-                         max_batch_size=settings.max_batch_size, max_batch_tokens=settings.max_batch_tokens,
                          q_top_n=settings.q_top_n,
                          aux_layer_convention=settings.aux_layer_convention)
     transport = DraftTransport(settings.transport, settings.device, settings.dtype, engine.feature_size,
                                traffic=service.traffic)
     servicer.model_dir = str(settings.model)
-    servicer.attach(engine, settings.session_ttl, transport)
+    servicer.attach(engine, transport)
     log.info("draft %s (%s layout) on %s (%s)", settings.model, engine.layout, settings.device, settings.dtype)
     return transport.close
 

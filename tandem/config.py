@@ -47,10 +47,6 @@ BURST_CPUS_HELP = ("a CPU target: these CPUs too (a list as --cpus) for the forw
 TARGET_BURST_HELP = ("on: with the CPUs split, the target's forwards borrow the draft's CPUs where that measures "
                      "faster (default on)")
 
-# A session lives as long as its stream; this evicts the ones whose client hangs with the stream open.
-# Long enough for any step of a slow model under full load, short enough not to hold KV for hours.
-DEFAULT_SESSION_TTL = 600.0
-SESSION_TTL_HELP = "seconds a session may sit idle before it is evicted (default 600)"
 
 
 METRICS_PORT_HELP = "serve Prometheus /metrics on this port (default: off; 0 = any free port)"
@@ -179,7 +175,7 @@ OVERLAP_BRANCHES = 8
 # --peer vllm`): Tandem EAGLE-3 200.0 tokens/s (69% of verifies hit, 3.97 tokens a round) against vLLM's 173.1,
 # target-only 118.2 against 116.8; overlap off ran 0.89x vLLM's EAGLE-3 in the run before (212.8 against
 # 239.6). Sampled generations stay off (OVERLAP_SAMPLED_HELP), and above one running generation the coordinator
-# overlaps none (overlap_max_running).
+# overlaps none (tandem/policy.py: OVERLAP_MAX_RUNNING).
 OVERLAP_HELP = "on: the draft prepares a lone greedy generation's next round while the target verifies"
 # Sampled: at temperature 0.7 / 1, K=3, through the services, overlap on ran 0.91x / 0.93x target-only against
 # 1.05x / 1.01x off (47% / 27% of the aheads hit: a sampled outcome is harder to guess).
@@ -194,6 +190,12 @@ OVERLAP_SAMPLED_HELP = "on: sampled generations overlap too (default off: greedy
 DRAFT_Q_TOP_N = 256
 Q_TOP_N_HELP = ("sampled requests: the draft samples from its N likeliest tokens, renormalised, and sends that "
                 "support with each draft (default 256; 0 = the whole draft vocabulary, 1 = its argmax)")
+
+
+# The scheduler's batches carry their steps' features inline on the grpc transport, one message a step: a
+# 4096-token prefill of an 8B target in bf16 is 96 MiB, a batch of them more. The target's and the draft's
+# limit, and the coordinator's to them; the coordinator's own clients keep max_message_mib.
+BATCH_MESSAGE_MIB = 1024
 
 
 class ServiceSettings(BaseSettings):
@@ -249,12 +251,7 @@ class EngineSettings(ServiceSettings):
     device: Device = "cpu"
     dtype: Dtype = "float32"
     threads: int | None = Field(None, ge=1, description=THREADS_HELP)
-    session_ttl: float = Field(DEFAULT_SESSION_TTL, gt=0, description=SESSION_TTL_HELP)
     transport: Transport = Field("auto", description=TRANSPORT_HELP)
-    # Continuous batching: at most this many sessions' steps, and tokens (new ones, + K on the
-    # draft), per batch.
-    max_batch_size: int = Field(32, ge=1, le=1024)
-    max_batch_tokens: int = Field(4096, ge=1)
 
     @field_validator("device")
     @classmethod
@@ -266,12 +263,15 @@ class TargetSettings(EngineSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_TARGET_", extra="ignore")
 
     port: int = Field(DEFAULT_TARGET_PORT, ge=0, le=65535)
+    max_message_mib: int = Field(BATCH_MESSAGE_MIB, ge=1, le=2047)
     model: TargetCheckpoint
     # Only the draft's config.json is read, for eagle_aux_hidden_state_layer_ids: the target must
     # capture the layers the head was trained on.
     draft: DraftCheckpoint | None = None
     aux_layer_convention: AuxLayerConvention | None = Field(None, description=CONVENTION_HELP)
-    feature_chunk_mib: float = Field(2.0, gt=0)
+    # The largest batch a forward is sized for (the GPU's KV budget counts one forward of it).
+    max_batch_size: int = Field(32, ge=1, le=1024)
+    max_batch_tokens: int = Field(4096, ge=1)
     # The shm / cuda-ipc ring: a 4096-token prefill of an 8B target in bf16 is 96 MiB; a step that
     # does not fit (or finds the ring full) goes inline over gRPC instead of waiting.
     transport_ring_mib: float = Field(256.0, gt=0)
@@ -283,10 +283,9 @@ class TargetSettings(EngineSettings):
     # The KV cache of all sessions together (unset: on a GPU what is free after loading less a margin, the
     # feature ring, a forward of the largest batch and the gather (target_server/engine.py), or half
     # the host's available memory on a CPU). A prefill reserves its generation's
-    # share (prompt + max_new_tokens); while the budget is taken it queues for queue_timeout seconds,
-    # then gets RESOURCE_EXHAUSTED.
+    # share (prompt + max_new_tokens); while the budget is taken it is refused, and the coordinator's
+    # scheduler keeps the request waiting.
     kv_cache_gib: float | None = Field(None, gt=0)
-    queue_timeout: float = Field(30.0, ge=0)
     # The model code: native (target_server/native.py, the Llama family over the paged pool in place),
     # hf (transformers'), auto (native where the architecture is supported).
     engine: Literal["auto", "native", "hf"] = "auto"
@@ -297,19 +296,11 @@ class TargetSettings(EngineSettings):
     def _burst_cpus(cls, v: str | None) -> str | None:  # checked where they are used (the process is pinned by then)
         return format_cpus(parse_cpus(v, available=False)) if v is not None else None
 
-    @model_validator(mode="after")
-    def _chunk_fits(self) -> TargetSettings:
-        if self.feature_chunk_mib >= self.max_message_mib:
-            raise ValueError(
-                f"feature_chunk_mib ({self.feature_chunk_mib}) must be below max_message_mib ({self.max_message_mib})"
-            )
-        return self
-
-
 class DraftSettings(EngineSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_DRAFT_", extra="ignore")
 
     port: int = Field(DEFAULT_DRAFT_PORT, ge=0, le=65535)
+    max_message_mib: int = Field(BATCH_MESSAGE_MIB, ge=1, le=2047)
     model: DraftCheckpoint
     target: TargetCheckpoint  # the draft reads the target's embed_tokens (that one tensor)
     q_top_n: int = Field(DRAFT_Q_TOP_N, ge=0, description=Q_TOP_N_HELP)
@@ -318,12 +309,10 @@ class DraftSettings(EngineSettings):
 
 TREE_HELP = ("EAGLE-2 draft trees for requests that name none: NODES[,DEPTH[,TOP_K]] (depth and top-k default "
              "to the EAGLE-3 reference's 7 and 10); unset: chains of K")
-COHORT_RELAY_HELP = ("on: the verifies of all generations go to the target on one stream, one message per batch; "
-                     "off: each on its generation's own stream (default on)")
 DECODE_STEPS = 16
-DECODE_STEPS_HELP = ("tokens a target-only round decodes on the target before answering (or what it has after 50 ms): "
-                     f"the round trip through the coordinator is paid once per that many (default {DECODE_STEPS}; 1: a "
-                     "token a round)")
+DECODE_STEPS_HELP = ("tokens a target-only request decodes in one step of the target while nothing drafts and "
+                     f"nobody waits: the round trip is paid once per that many (default {DECODE_STEPS}; 1: a token a step)")
+MAX_WAITING_HELP = "requests that may wait for a place beyond max_sessions before RESOURCE_EXHAUSTED (default 1024)"
 TREE_POLICY_HELP = "on: each round runs the tree or the chain, whichever has measured faster here (default on)"
 
 
@@ -363,15 +352,9 @@ class CoordinatorSettings(ServiceSettings):
     # Overlapped drafting (on/off): see OVERLAP_BRANCHES.
     overlap: bool = Field(True, description=OVERLAP_HELP)
     overlap_sampled: bool = Field(False, description=OVERLAP_SAMPLED_HELP)
-    overlap_branches: int = Field(OVERLAP_BRANCHES, ge=1, le=64)
-    # Overlap only while at most this many generations run: the ahead steps are not batched across
-    # sessions, and under load the draft has no spare time to give (demo pair, K=3, 2 cores, tokens/s
-    # with overlap over without: 1.12x and 1.09x at 1 request, 0.78x at 2, 0.86x at 4, 0.58x at 16).
-    overlap_max_running: int = Field(1, ge=1)
-    # The verifies of all generations to the target on one stream, one message per batch (coordinator/relay.py);
-    # off: each on its generation's Session stream.
-    cohort_relay: bool = Field(True, description=COHORT_RELAY_HELP)
-    # Tokens a target-only round decodes on the target before it answers (Verify.decode; 1: one a round).
+    # Requests beyond max_sessions wait for a place (FCFS); past this many waiting, RESOURCE_EXHAUSTED.
+    max_waiting: int = Field(1024, ge=0, le=65536, description=MAX_WAITING_HELP)
+    # Tokens a target-only request decodes in one step while nothing drafts (Verify.decode; 1: one a step).
     decode_steps: int = Field(DECODE_STEPS, ge=1, le=64, description=DECODE_STEPS_HELP)
     # EAGLE-2 draft trees: the tree of requests that name none, NODES[,DEPTH[,TOP_K]] (none: chains), and
     # whether the tree gate (tandem/gates.py) chooses tree or chain each round by their measured speed.
@@ -439,14 +422,11 @@ class ServeSettings(BaseSettings):
     port: int = Field(DEFAULT_COORDINATOR_PORT, ge=0, le=65535)
     startup_timeout: float = Field(600.0, gt=0)
     grace_period: float = Field(30.0, ge=0)
-    session_ttl: float | None = Field(None, gt=0, description=SESSION_TTL_HELP)
     spec_token_budget: int | None = Field(None, ge=0)  # none: the coordinator's default
     spec_draft_cost: float | None = Field(None, ge=0)  # none: the coordinator's default
     overlap: bool = Field(True, description=OVERLAP_HELP)
-    overlap_branches: int | None = Field(None, ge=1, le=64)  # none: the coordinator's default
     tree: TreeSpec | None = Field(None, description=TREE_HELP)
     tree_policy: bool = Field(True, description=TREE_POLICY_HELP)
-    cohort_relay: bool = Field(True, description=COHORT_RELAY_HELP)
     decode_steps: int | None = Field(None, ge=1, le=64, description=DECODE_STEPS_HELP)  # none: the coordinator's
     # Prometheus /metrics of each child (none: off, or the child's own TANDEM_<SERVICE>_METRICS_PORT)
     coordinator_metrics_port: int | None = Field(None, ge=0, le=65535)

@@ -11,7 +11,17 @@ from collections.abc import Callable
 from tandem.errors import InvalidRequest
 from tandem.pairing import DraftShape, TargetShape
 from tandem.params import GenerationRequest, SamplingParams, TreeParams
-from tandem.protocol import Branch, DraftProbs, TokenLogprob
+from tandem.protocol import (
+    Ahead,
+    Branch,
+    DraftProbs,
+    Prefill,
+    PrefillResult,
+    Propose,
+    TokenLogprob,
+    Verify,
+    VerifyResult,
+)
 from tandem.stats import GenerationStats
 from tandem.v1 import common_pb2, coordinator_pb2, draft_pb2, target_pb2
 
@@ -152,3 +162,48 @@ def draft_shape_from_pb(info: draft_pb2.DraftInfo) -> DraftShape:
         aux_layer_ids=list(info.aux_layer_ids) or None, dtype=info.dtype or None,
         target_max_context=info.target_max_context or None,
     )
+
+
+# -- the scheduler's batches (coordinator/scheduler.py): steps to the wire, answers back -------------
+# Features and a sampled draft's q stay as the wire has them: the coordinator relays them unread.
+
+
+def target_step_to_pb(step: Prefill | Verify) -> target_pb2.SessionStep:
+    if isinstance(step, Prefill):
+        request = target_pb2.TargetRequest(prefill=target_pb2.Prefill(
+            session_id=step.session_id, prompt_ids=step.prompt_ids, sampling=sampling_to_pb(step.sampling),
+            want_features=step.want_features, want_timing=step.want_timing, max_new_tokens=step.max_new_tokens,
+            verify_tokens=step.verify_tokens))
+    else:
+        request = target_pb2.TargetRequest(verify=target_pb2.Verify(
+            token=step.token, drafts=step.drafts, want_features=step.want_features, q=draft_probs_to_pb(step.q),
+            parents=step.parents, decode=step.decode if step.decode > 1 else 0,
+            stop_ids=step.stop_ids if step.decode > 1 else ()))
+    return target_pb2.SessionStep(session_id=step.session_id, request=request)
+
+
+def draft_step_to_pb(step: Propose | Ahead) -> draft_pb2.DraftSessionStep:
+    request = draft_pb2.DraftRequest(next_tokens=step.next_tokens, num_draft_tokens=step.k)
+    if step.features is not None and step.next_tokens:
+        request.features.CopyFrom(step.features)
+    if isinstance(step, Ahead):
+        request.ahead.CopyFrom(draft_pb2.Ahead(assumed=step.drafts, branches=step.branches))
+        return draft_pb2.DraftSessionStep(session_id=step.session_id, request=request)
+    request.want_timing = step.want_timing and step.open
+    if step.sampling is not None:
+        request.sampling.CopyFrom(sampling_to_pb(step.sampling))
+    if step.tree is not None:
+        request.tree.CopyFrom(tree_to_pb(step.tree))
+    return draft_pb2.DraftSessionStep(session_id=step.session_id, request=request, open=step.open)
+
+
+def prefilled_from_pb(msg: target_pb2.TargetResponse) -> PrefillResult:
+    return PrefillResult(token=msg.prefilled.token, features=msg.features if msg.HasField("features") else None,
+                         logprobs=logprobs_from_pb(msg.prefilled.logprobs))
+
+
+def verified_from_pb(msg: target_pb2.TargetResponse) -> VerifyResult:
+    v = msg.verified
+    return VerifyResult(accepted=list(v.accepted), bonus=v.bonus,
+                        features=msg.features if msg.HasField("features") else None,
+                        logprobs=logprobs_from_pb(v.logprobs), warming=v.warming)

@@ -21,6 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.config import OVERLAP_BRANCHES
+
+# Overlap only while at most this many generations run: ahead steps are per session, and under load the
+# draft has no spare time to give (the two waves keep it busy instead).
+OVERLAP_MAX_RUNNING = 1
 from tandem.gates import AcceptanceGate, TreeGate
 from tandem.params import GenerationRequest, TreeParams
 

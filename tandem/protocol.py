@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from tandem.params import SamplingParams, TreeParams
 
@@ -119,55 +119,86 @@ class Branch:
     q: list[DraftProbs] | None = None
 
 
-class Pending(Protocol):
-    """A draft call under way; result() waits for it (and may raise DraftUnavailable)."""
+# -- the steps of a batch ------------------------------------------------------------------------
+# What the round loop asks of each service, one step per session: the scheduler sends each service
+# its batch of these (one message each way), the in-process driver hands them to the engines' run().
 
-    def result(self) -> list[Branch]: ...
+
+@dataclass
+class Prefill:
+    """Opens the target session: forwards the prompt, samples t = x_n, returns F_0..F_{n-1} if asked."""
+
+    session_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    want_features: bool = True
+    max_new_tokens: int | None = None  # sizes the session's share of the target's KV budget
+    verify_tokens: int | None = None  # the widest verify it may send (a tree's); None: a chain's
+    want_timing: bool = False  # every answer of the session carries its StepTiming
+
+
+@dataclass
+class Verify:
+    """One forward over [t, d_1..d_K] (or a tree), or with `decode` > 1 and no drafts up to that many
+    target-only tokens in this one step (stopping after a stop id)."""
+
+    session_id: str
+    token: int
+    drafts: list[int]
+    want_features: bool = True
+    q: list[DraftProbs] | None = None  # what each draft was sampled from; None: the drafts are argmax
+    parents: list[int] | None = None  # a draft tree (Drafts.parents); None: a chain
+    decode: int = 1
+    stop_ids: Sequence[int] = ()
+
+
+@dataclass
+class Propose:
+    """The new committed pairs (F_i, x_{i+1}), then K drafts (or a tree). `open`: the session's first,
+    with a sampled request's settings: the draft then draws its drafts from q and returns q."""
+
+    session_id: str
+    features: Features  # [m, 3H] of the new pairs
+    next_tokens: list[int]  # [m]
+    k: int
+    open: bool = False
+    sampling: SamplingParams | None = None
+    tree: TreeParams | None = None
+    want_timing: bool = False
+
+
+@dataclass
+class Ahead:
+    """Overlap: sent beside the verify of `drafts`; appends the new pairs as a propose does, then prepares
+    the next round's K drafts for the `branches` likeliest outcomes of that verify."""
+
+    session_id: str
+    features: Features | None  # [m, 3H], None when m is 0
+    next_tokens: list[int]
+    drafts: list[int]
+    k: int
+    branches: int
+
+
+TargetStep = Prefill | Verify
+DraftStep = Propose | Ahead
 
 
 class TargetBackend(Protocol):
+    """`run(steps)`: one batch, a result (PrefillResult, VerifyResult) or the exception of a step that
+    failed (it fails alone) per step; `release`: the session ends, its KV is freed."""
+
     eos_token_ids: list[int]
 
-    def prefill(
-        self,
-        session_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        want_features: bool = True,
-        max_new_tokens: int | None = None,  # sizes the session's share of the target's KV budget
-        verify_tokens: int | None = None,  # the widest verify it may send (a tree's); None: a chain's
-    ) -> PrefillResult: ...
-
-    def verify(
-        self, session_id: str, token: int, drafts: list[int], want_features: bool = True,
-        q: list[DraftProbs] | None = None,  # what each draft was sampled from; None: the drafts are argmax
-        parents: list[int] | None = None,  # a draft tree (Drafts.parents); None: a chain
-    ) -> VerifyResult: ...
+    def run(self, steps: Sequence[TargetStep]) -> list[Any]: ...
 
     def release(self, session_id: str) -> bool: ...
 
 
-@runtime_checkable
 class DraftBackend(Protocol):
-    # may raise DraftUnavailable. `sampling` (with create, for a sampled request): the draft samples its
-    # drafts from its own distribution at these settings and returns Drafts with q; else its argmax.
-    # `tree`: a draft tree of that shape instead of a chain of num_draft_tokens (Drafts with parents).
-    def propose(
-        self, session_id: str, features: Features, next_tokens: list[int], num_draft_tokens: int,
-        create: bool = False, sampling: SamplingParams | None = None, tree: TreeParams | None = None,
-    ) -> list[int]: ...
+    """`run(steps)`: one batch, Drafts (a Propose's) or list[Branch] (an Ahead's) or the exception of a
+    step that failed, per step."""
+
+    def run(self, steps: Sequence[DraftStep]) -> list[Any]: ...
 
     def release(self, session_id: str) -> bool: ...
-
-
-@runtime_checkable
-class OverlapDraftBackend(DraftBackend, Protocol):
-    """A draft that can work while the target verifies: `ahead` appends the new committed pairs, as
-    propose does, then assumes `drafts` (ones this session proposed, now being verified) and prepares
-    the next round's drafts for the `branches` likeliest outcomes of that verify. It returns at once;
-    the work runs concurrently with the verify."""
-
-    def ahead(
-        self, session_id: str, features: Features | None, next_tokens: list[int], drafts: list[int],
-        num_draft_tokens: int, branches: int,
-    ) -> Pending: ...

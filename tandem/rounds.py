@@ -1,16 +1,18 @@
-"""The round loop (docs/architecture.md, "One request, round by round"), written once against the two
-backend contracts of tandem/protocol.py: the in-process generator plugs the engines in directly, the
-coordinator plugs in its gRPC streams. Features are opaque here (a tensor in-process, relayed wire
-chunks in the coordinator): the loop only moves them.
+"""The round loop (docs/architecture.md, "One request, round by round"), written once as a coroutine of
+steps: `rounds()` yields the steps it needs of the services (tandem/protocol.py: Prefill, Verify,
+Propose, Ahead) and is sent their results; it also yields the RoundEvents of committed tokens. Two
+drivers run it: the coordinator's scheduler (coordinator/scheduler.py), which puts the steps of every
+running request into one batch per service per step, and `run_rounds` below, a batch of one over the
+in-process engines. Features are opaque here (a tensor in-process, a wire message in the coordinator).
 
     prefill                       the target: t and the prompt's features
     repeat until a stop:
       k       = policy.k_for_round()          how many drafts this round (tandem/policy.py)
       tree    = policy.tree_for_round(k)      or a draft tree instead of the chain (EAGLE-2), where it pays
-      drafts  = draft.draft(k, tree)          the draft session: d_1..d_k (sampled: with their q), or a
+      drafts  = draft.propose(k, tree)        the draft session: d_1..d_k (sampled: with their q), or a
                                               tree's nodes with their parents
       verdict = target.verify(t, drafts)      accepted d_1..d_a (a tree's: its accepted path), bonus b,
-                                              features of t, d_1..d_a
+                                              features of t, d_1..d_a (beside it, with overlap: an ahead)
       commit                                  count, feed the draft the new pairs, t := b, emit
 """
 
@@ -19,27 +21,32 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tandem.params import GenerationRequest, SamplingParams, TreeParams
 from tandem.policy import KPolicy, Speculation
 from tandem.protocol import (
+    Ahead,
     Branch,
     DraftBackend,
     Drafts,
-    DraftUnavailable,
+    DraftStep,
     Features,
-    OverlapDraftBackend,
-    Pending,
+    Prefill,
+    Propose,
     TargetBackend,
     TokenLogprob,
+    Verify,
 )
 from tandem.stats import GenerationStats
 
 log = logging.getLogger("tandem.rounds")
 
 FIXED_K = Speculation()  # the request's own K, every round: no load, no gate, no overlap
+
+Steps = list  # of TargetStep / DraftStep: what the loop needs done at once, answered in the same order
 
 
 @dataclass
@@ -50,6 +57,18 @@ class RoundEvent:
     stats: GenerationStats
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the sampling asked for them
+
+
+@dataclass
+class Sessions:
+    """What a generation holds on the services, for its driver to release: the target session once its
+    prefill went out, the draft session once its first propose did (until it is lost or released)."""
+
+    session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    target: bool = False
+    draft: bool = False
+    draft_alive: bool = True  # false once lost or shed: the driver releases a draft session still open
+    want_timing: bool = False  # a profiled request: the services time its steps
 
 
 @dataclass
@@ -75,115 +94,103 @@ class DraftSession:
     """One generation's session on the draft: opened by its first propose, lost or released once.
 
     It keeps the committed pairs (F_i, x_{i+1}) the draft has not seen yet and sends them with the
-    next propose or ahead step. With overlap it also holds the ahead step under way (`pending`) and
-    the drafts it prepared for this round (`ready`). A sampled request's session is opened with its
-    sampling parameters: the draft draws its drafts from its own distribution and returns each one's q.
+    next propose or ahead step. With overlap it also holds the drafts an ahead step prepared for this
+    round (`ready`). A sampled request's session is opened with its sampling parameters: the draft draws
+    its drafts from its own distribution and returns each one's q.
     """
 
-    def __init__(self, backend: DraftBackend, session_id: str, overlap: bool,
-                 sampling: SamplingParams | None = None):
-        self.backend = backend
-        self.session_id = session_id
+    def __init__(self, sessions: Sessions, overlap: bool, sampling: SamplingParams | None = None):
+        self.sessions = sessions
         self.sampling = sampling if sampling is not None and not sampling.greedy else None
-        self.alive = True  # until lost or released
-        self.overlap = overlap and isinstance(backend, OverlapDraftBackend)
-        self._open = False  # the draft holds the session: release it
+        self.overlap = overlap
         self._features: Features = None  # not yet sent, with the tokens after them
         self._tokens: list[int] = []
-        self._pending: Pending | None = None  # an ahead under way
         self._ready: Drafts | None = None  # this round's drafts, prepared during the last verify
+
+    @property
+    def alive(self) -> bool:
+        return self.sessions.draft_alive
 
     def feed(self, features: Features, tokens: list[int]) -> None:
         """Newly committed pairs: `tokens[i]` follows the position of `features[i]`."""
         self._features, self._tokens = features, tokens
 
-    def draft(self, k: int, ahead_branches: int = 0, tree: TreeParams | None = None) -> Drafts:
-        """This round's k drafts: prepared during the last verify when there are some, else a propose.
-        With `ahead_branches`, the draft then starts preparing the next round (answered in `settle`).
+    def draft(self, k: int, ahead_branches: int = 0, tree: TreeParams | None = None
+              ) -> Generator[Steps, list, tuple[Drafts, Ahead | None]]:
+        """This round's k drafts: prepared during the last verify when there are some, else a propose;
+        and with `ahead_branches`, the ahead step to send beside the verify (answered in `settle`).
         With `tree`, a draft tree of that shape instead (never with overlap: ahead steps draft chains)."""
         ready, self._ready = self._ready, None
         if ready and ahead_branches and tree is None:
             drafts = ready.head(k)
         else:
-            create, self._open = not self._open, True  # released even if this first call fails
-            extra = {"sampling": self.sampling} if create and self.sampling is not None else {}
-            if tree is not None:
-                extra["tree"] = tree
-            drafts = self._call(self.backend.propose, self.session_id, self._features, self._tokens, k,
-                                create=create, **extra)
+            first = not self.sessions.draft
+            self.sessions.draft = True  # released even if this first step fails
+            step = Propose(self.sessions.session_id, self._features, self._tokens, k, open=first,
+                           sampling=self.sampling if first else None, tree=tree,
+                           want_timing=self.sessions.want_timing)
+            (result,) = yield [step]
+            drafts = self._take(result)
             self._features, self._tokens = None, []
+        ahead = None
         if self.alive and self.overlap and ahead_branches and drafts:
-            self._pending = self._call(self.backend.ahead, self.session_id, self._features, self._tokens,
-                                       drafts, k, ahead_branches)
+            ahead = Ahead(self.sessions.session_id, self._features, self._tokens, list(drafts), k, ahead_branches)
             self._features, self._tokens = None, []
-        return drafts if isinstance(drafts, Drafts) else Drafts(drafts or [])  # a plain list: argmax drafts
+        if not isinstance(drafts, Drafts):
+            drafts = Drafts(drafts or [])  # a plain list: argmax drafts
+        return drafts, ahead
 
-    def settle(self, accepted: int, bonus: int) -> bool | None:
-        """After a verify: whether the ahead step had prepared its outcome (None: there was none under way)."""
-        if self._pending is None:
-            return None
-        branches = self._wait()
+    def settle(self, accepted: int, bonus: int, branches: list[Branch] | BaseException) -> bool | None:
+        """After a verify with an ahead beside it: whether the ahead had prepared its outcome."""
+        branches = self._take(branches)
         if branches is None:
-            self.lose("its ahead step failed")
             return None
         self._ready = next((Drafts(b.drafts, b.q) for b in branches if (b.accepted, b.bonus) == (accepted, bonus)),
                            None)
         return self._ready is not None
 
+    def _take(self, result):
+        """A draft step's result, or None once it failed: the draft is lost, the rest runs target-only."""
+        if isinstance(result, BaseException):
+            self.lose(result)
+            return None
+        return result
+
     def lose(self, reason: object) -> None:
-        """The draft failed (DraftUnavailable): the rest of the generation runs target-only."""
-        log.warning("session %s: the draft is lost (%s); going on target-only", self.session_id, reason)
+        if self.alive:
+            log.warning("session %s: the draft is lost (%s); going on target-only", self.sessions.session_id, reason)
         self.release()
 
     def release(self) -> None:
-        self.alive = self.overlap = False
-        if self._pending is not None:  # an ahead still in flight is the draft session's until it ends
-            self._wait()
-        if self._open:
-            self._open = False
-            self.backend.release(self.session_id)
-
-    def _call(self, method, *args, **kwargs):
-        try:
-            return method(*args, **kwargs)
-        except DraftUnavailable as exc:
-            self.lose(exc)
-            return None
-
-    def _wait(self) -> list[Branch] | None:
-        pending, self._pending = self._pending, None
-        try:
-            return pending.result()
-        except DraftUnavailable:
-            return None
-        except Exception as exc:  # noqa: BLE001 - an in-process draft's own error: the same as a lost draft
-            log.warning("an ahead failed: %r", exc)
-            return None
+        self.sessions.draft_alive = self.overlap = False
+        self._ready = None
 
 
-def run_rounds(
-    target: TargetBackend,
-    draft: DraftBackend | None,
+def rounds(
     request: GenerationRequest,
+    eos_token_ids: list[int],
+    has_draft: bool,
+    sessions: Sessions,
     max_context: int | None = None,
     speculation: Speculation = FIXED_K,
-) -> Iterator[RoundEvent]:
-    """Prefill, then verify rounds until a stop condition; yields committed tokens as they commit.
+) -> Generator[Steps | RoundEvent, list | None, None]:
+    """One generation: yields the steps it needs (a list, answered with a list of results, an exception
+    instance for a step that failed) and its RoundEvents (answered with None), until a stop condition.
 
-    Closing the iterator early (a client went away, a stop string matched) releases both sessions.
-    A draft that fails is released and the rest of the request runs with k=0: the target alone
-    decides every token, so only the speed-up is lost. With overlap, drafts only choose what the
-    target checks, so the output is the same either way.
+    A target step that failed raises here. A draft that fails is lost and the rest of the request runs
+    with k=0: the target alone decides every token, so only the speed-up is lost. With overlap, drafts
+    only choose what the target checks, so the output is the same either way.
     """
-    session = uuid.uuid4().hex
-    stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(target.eos_token_ids))
+    session = sessions.session_id
+    stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(eos_token_ids))
     limit = request.max_new_tokens
     if max_context is not None:
         limit = min(limit, max_context - len(request.prompt_ids))
     stopper = Stopper(limit, stop_ids)
-    policy = KPolicy(request, speculation, limit, has_draft=draft is not None)
-    drafter = (DraftSession(draft, session, speculation.overlaps(request), request.sampling)
-               if draft is not None and policy.drafting else None)
+    policy = KPolicy(request, speculation, limit, has_draft=has_draft)
+    drafter = DraftSession(sessions, speculation.overlaps(request), request.sampling) if has_draft and policy.drafting \
+        else None
+    sessions.draft_alive = drafter is not None
     stats = GenerationStats(accepted_per_position=[0] * (request.num_draft_tokens if drafter else 0))
 
     def alive() -> bool:
@@ -191,8 +198,10 @@ def run_rounds(
 
     try:
         widest = 1 + policy.tree.nodes if alive() and policy.tree is not None else None  # a tree's verify
-        prefill = target.prefill(session, request.prompt_ids, request.sampling, alive(), max_new_tokens=limit,
-                                 verify_tokens=widest)
+        sessions.target = True
+        (prefill,) = yield [Prefill(session, request.prompt_ids, request.sampling, alive(), max_new_tokens=limit,
+                                    verify_tokens=widest, want_timing=sessions.want_timing)]
+        prefill = _raised(prefill)
         token = prefill.token
         new_tokens, finish = stopper.take([token])
         yield RoundEvent(new_tokens, stats, finish, _cut(prefill.logprobs, new_tokens))
@@ -206,27 +215,30 @@ def run_rounds(
                 stats.num_rounds_load_shed += 1
                 if drafter is not None:
                     drafter.release()
-            drafts = Drafts()
+            drafts, ahead = Drafts(), None
             if k > 0 and alive():
                 tree = policy.tree_for_round(k, stopper.produced)
                 branches = _ahead_branches(speculation, drafter, k, limit - stopper.produced) if tree is None else 0
-                drafts = drafter.draft(k, branches, tree)
+                drafts, ahead = yield from drafter.draft(k, branches, tree)
             if k > 0 and not alive():
                 stats.num_rounds_without_draft += 1
-            # verify (target-only: up to decode_steps tokens in the target's own batches, target_server/decode.py)
+            # verify (target-only: up to decode_steps tokens in one step of the target)
             decode = min(speculation.decode_steps, limit - stopper.produced) if not alive() else 1
-            extra = {"decode": decode, "stop_ids": sorted(stop_ids)} if decode > 1 else {}
-            verdict = target.verify(session, token, drafts, alive(), drafts.q, drafts.parents, **extra)
+            verify = Verify(session, token, list(drafts), alive(), drafts.q, drafts.parents,
+                            decode, sorted(stop_ids) if decode > 1 else ())
+            answers = yield [verify] if ahead is None else [verify, ahead]
+            verdict = _raised(answers[0])
             # commit
             accepted = len(verdict.accepted)
             stats.count_round(len(drafts), accepted if drafts else 0, drafts.parents is not None)
             now = time.perf_counter()
             policy.record(len(drafts), accepted, now - started, drafts.parents is not None, verdict.warming)
             started = now
-            hit = drafter.settle(accepted, verdict.bonus) if drafter is not None else None
-            if hit is not None:
-                stats.num_overlap_rounds += 1
-                stats.num_overlap_hits += hit
+            if ahead is not None:
+                hit = drafter.settle(accepted, verdict.bonus, answers[1])
+                if hit is not None:
+                    stats.num_overlap_rounds += 1
+                    stats.num_overlap_hits += hit
             committed = [*verdict.accepted, verdict.bonus]
             if alive():
                 drafter.feed(verdict.features, committed)
@@ -235,9 +247,12 @@ def run_rounds(
             yield RoundEvent(new_tokens, stats, finish, _cut(verdict.logprobs, new_tokens))
     finally:
         policy.close()
-        target.release(session)
-        if drafter is not None:
-            drafter.release()
+
+
+def _raised(result):
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def _cut(logprobs: list[TokenLogprob] | None, kept: list[int]) -> list[TokenLogprob] | None:
@@ -253,3 +268,64 @@ def _ahead_branches(speculation: Speculation, drafter: DraftSession, k: int, rem
     if speculation.overlap_while is not None and not speculation.overlap_while():
         return 0
     return speculation.branches
+
+
+def is_draft_step(step) -> bool:
+    return isinstance(step, (Propose, Ahead))
+
+
+def run_rounds(
+    target: TargetBackend,
+    draft: DraftBackend | None,
+    request: GenerationRequest,
+    max_context: int | None = None,
+    speculation: Speculation = FIXED_K,
+) -> Iterator[RoundEvent]:
+    """The round loop over in-process engines, a batch of one: each step list goes to the engines as it
+    comes (a draft step beside a verify, an ahead, on a worker thread). Closing the iterator early (a
+    client went away, a stop string matched) releases both sessions."""
+    sessions = Sessions()
+    loop = rounds(request, target.eos_token_ids, draft is not None, sessions, max_context, speculation)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-draft") if draft is not None else None
+    try:
+        item = next(loop)
+        while True:
+            if isinstance(item, RoundEvent):
+                yield item
+                item = loop.send(None)
+            else:
+                item = loop.send(_run(target, draft, pool, item))
+            if sessions.draft and not sessions.draft_alive:
+                draft.release(sessions.session_id)
+                sessions.draft = False
+    except StopIteration:
+        return
+    finally:
+        loop.close()
+        if sessions.target:
+            target.release(sessions.session_id)
+        if sessions.draft:
+            draft.release(sessions.session_id)
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+def _run(target: TargetBackend, draft: DraftBackend | None, pool: ThreadPoolExecutor | None, steps: Steps) -> list:
+    """One list of steps: a draft step beside a verify (an ahead) on the worker thread, else on this one (a
+    thread of its own may sum in another order: the same draft gives the same drafts on the same thread)."""
+    drafting: list[DraftStep] = [s for s in steps if is_draft_step(s)]
+    verifying = [s for s in steps if not is_draft_step(s)]
+    pending = pool.submit(_each, draft, drafting) if drafting and verifying else None
+    results = dict(zip(map(id, verifying), _each(target, verifying), strict=True)) if verifying else {}
+    if drafting:
+        done = pending.result() if pending is not None else _each(draft, drafting)
+        results.update(zip(map(id, drafting), done, strict=True))
+    return [results[id(s)] for s in steps]
+
+
+def _each(backend, steps: list) -> list:
+    """backend.run(steps); an engine that fails the whole batch fails each of its steps."""
+    try:
+        return backend.run(steps)
+    except Exception as exc:  # noqa: BLE001 - handed to each step
+        return [exc] * len(steps)

@@ -49,6 +49,7 @@ class Admission:
 
     def __init__(self, limit: int, what: str):
         self.limit = limit
+        self.named = "max_sessions"  # what sets the limit, for the refusal
         self.what = what
         self.ready = False
         self.draining = False
@@ -61,6 +62,14 @@ class Admission:
 
     @contextmanager
     def admit(self) -> Iterator[None]:
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
+    def enter(self) -> None:
+        """One more in flight (a request; on the target and the draft, a session), or the reason it is refused."""
         with self._changed:
             if self.draining:
                 raise Abort(grpc.StatusCode.UNAVAILABLE, f"the {self.what} is draining (shutting down)")
@@ -69,15 +78,14 @@ class Admission:
             if self._active >= self.limit:
                 raise Abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"the {self.what} has {self._active} requests in flight (max_sessions={self.limit})",
+                    f"the {self.what} has {self._active} requests in flight ({self.named}={self.limit})",
                 )
             self._active += 1
-        try:
-            yield
-        finally:
-            with self._changed:
-                self._active -= 1
-                self._changed.notify_all()
+
+    def leave(self) -> None:
+        with self._changed:
+            self._active -= 1
+            self._changed.notify_all()
 
     def wait_idle(self, timeout: float, stop: threading.Event | None = None) -> bool:
         deadline = time.monotonic() + timeout

@@ -1,5 +1,5 @@
-"""What the target and draft servicers share: the engine they wrap (attached once it has loaded),
-its step metrics, its feature transport, and the reaper of sessions whose client hangs.
+"""What the target and draft servicers share: the engine they wrap (attached once it has loaded), its step
+metrics, its feature transport, and the scheduler's stream (TargetService.Step, DraftService.Step).
 
 A servicer method unpacks the request (tandem/convert.py), calls the engine, packs the answer; it
 raises typed errors and never maps them (tandem/errors.py does, for every method).
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from typing import Any, Generic, TypeVar
 
@@ -26,7 +26,7 @@ E = TypeVar("E")
 
 
 class EngineServicer(Generic[E]):
-    """The base of the target's and the draft's servicers: `engine()` is the loaded engine or UNAVAILABLE."""
+    """The base of the target's and the draft's servicers: `loaded()` is the loaded engine or UNAVAILABLE."""
 
     WHAT = "engine"  # "target", "draft": for messages
 
@@ -34,15 +34,14 @@ class EngineServicer(Generic[E]):
         self.service = service
         self.metrics = StepMetrics(service.registry)
         self._engine: E | None = None
-        self.reaper: SessionReaper | None = None
         self.transport = None  # the feature path between target and draft; None: inline only
+        self._stepper: str | None = None  # who steps this service (one coordinator per pair), and on how many
+        self._streams = 0  # streams: its next one may open while its last is ending
+        self._stepper_lock = threading.Lock()
 
-    def attach(self, engine: E, session_ttl: float | None = None, transport=None) -> None:
+    def attach(self, engine: E, transport=None) -> None:
         self._engine, self.transport = engine, transport
         self.metrics.count_sessions(lambda: engine.num_sessions)
-        if session_ttl is not None:
-            self.reaper = SessionReaper(self.WHAT, session_ttl, engine.evict_idle)
-            self.reaper.start()
 
     @property
     def engine(self) -> E | None:
@@ -57,97 +56,73 @@ class EngineServicer(Generic[E]):
             raise Abort(grpc.StatusCode.UNAVAILABLE, f"the {self.WHAT} service is still loading")
         return self._engine
 
-    def session(self, session_id: str, context: grpc.ServicerContext) -> None:
-        """A session now belongs to this stream: the reaper may end it when it idles too long."""
-        if self.reaper is not None:
-            self.reaper.register(session_id, context)
+    def steps(self, batches: Iterator, context: grpc.ServicerContext, parse: Callable[[Any], tuple[Any, bool]],
+              answer: Callable[[Sequence[tuple[Any, StepClock, Any]]], Any]) -> Iterator:
+        """The scheduler's stream: each batch message runs at once, as one engine batch, answered by one
+        message. `parse(step)` -> (the engine's step, whether it opens its session), or a typed error (that
+        step fails alone); `answer([(step message, clock, result or error)])` -> the answer. Sessions opened
+        on the stream end when a batch releases them or the stream ends (the coordinator is gone)."""
+        engine = self.loaded()
+        if self.service.admission.draining:  # the sessions in flight finish on the stream already open
+            raise Abort(grpc.StatusCode.UNAVAILABLE, f"the {self.WHAT} service is draining (shutting down)")
+        peer = dict(context.invocation_metadata()).get("tandem-coordinator") or context.peer()
+        with self._stepper_lock:
+            if self._stepper is not None and self._stepper != peer:  # the same one's new stream: its last is ending
+                raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"this {self.WHAT} is stepped by another coordinator ({self._stepper}); one coordinator "
+                            "per target/draft pair")
+            self._stepper = peer
+            self._streams += 1
+        owned: set[str] = set()
+        try:
+            for batch in batches:
+                for session_id in batch.release:
+                    if session_id in owned:
+                        owned.discard(session_id)
+                        self._end(session_id)
+                yield answer(self._run(engine, batch.steps, owned, parse))
+        finally:
+            for session_id in owned:
+                self._end(session_id)
+            with self._stepper_lock:
+                self._streams -= 1
+                if not self._streams:
+                    self._stepper = None
 
-    def cohort(self, steps: Sequence, parse: Callable[[Any], tuple], run_many: Callable[[list], list]) -> list[tuple]:
-        """The steps of one cohort relay message (TargetService.Cohort, DraftService.Cohort) in one engine call:
-        `parse(step)` gives the engine's arguments for a step, `run_many` runs them all. A (result or error,
-        clock) per step: a step that fails, in parse or in the engine, fails alone."""
-        device = getattr(self.loaded(), "device", None)
-        calls, placed, answers = [], [], [None] * len(steps)
-        for i, step in enumerate(steps):
-            clock = StepClock(device)
+    def _run(self, engine, messages: Sequence, owned: set[str], parse) -> list[tuple[Any, StepClock, Any]]:
+        device = getattr(engine, "device", None)
+        clocks = [StepClock(device) for _ in messages]
+        parsed: list[tuple[int, Any]] = []
+        results: list[Any] = [None] * len(messages)
+        for i, message in enumerate(messages):
             try:
-                calls.append((parse(step), clock))
-                placed.append(i)
+                step, opens = parse(message)
+                if opens:  # counted while open: a drain waits for it, and max_sessions bounds them
+                    self.service.admission.enter()
+                    owned.add(step.session_id)
+                parsed.append((i, step))
             except Exception as exc:  # noqa: BLE001 - this step fails alone, with its status
-                answers[i] = (exc, clock)
+                results[i] = exc
         with ExitStack() as stack:
-            for _, clock in calls:
+            for clock in clocks:
                 stack.enter_context(clock.compute())
-            results = run_many(calls)
-        for i, result, (_, clock) in zip(placed, results, calls, strict=True):
-            answers[i] = (result, clock)
-        return answers
+            try:
+                outs = engine.run([step for _, step in parsed]) if parsed else []
+            except Exception as exc:  # noqa: BLE001 - the whole batch failed: every step gets the error
+                outs = [exc] * len(parsed)
+        for (i, _), out in zip(parsed, outs, strict=True):
+            results[i] = out
+        return list(zip(messages, clocks, results, strict=True))
+
+    def _end(self, session_id: str) -> None:
+        self.loaded().release(session_id)
+        if self.transport is not None and hasattr(self.transport, "release"):
+            self.transport.release(session_id)
+        self.service.admission.leave()
 
     def step_error(self, error, exc: BaseException) -> None:
-        """A failed step's StepError: its status, as the step's own stream would have ended with it."""
+        """A failed step's StepError: its status, as a stream of its own would have ended with it."""
         code, message = status_of(exc) or (grpc.StatusCode.INTERNAL, f"the {self.WHAT} failed this step")
         if code == grpc.StatusCode.INTERNAL:
-            log.error("a step of the %s's cohort relay failed", self.WHAT, exc_info=exc)
+            log.error("a step on the %s failed", self.WHAT, exc_info=exc)
         error.code, error.message = code.value[0], message
-
-    def session_ended(self, session_id: str) -> None:
-        self.loaded().release(session_id)
-        if self.reaper is not None:
-            self.reaper.unregister(session_id)
-
-
-def end_call(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-    """End an RPC with this status from outside its handler's thread (abort() only works inside it).
-
-    grpc's Python API can only cancel a call from another thread (the client then sees CANCELLED);
-    its core call can cancel with a status, which the client receives as is. Fall back to the plain
-    cancel where that is not there.
-    """
-    try:
-        context._rpc_event.call.cancel(code.value[0], message)
-    except (AttributeError, TypeError, ValueError):
-        context.cancel()
-
-
-class SessionReaper:
-    """Evicts sessions idle for longer than `ttl` seconds, and ends their streams with NOT_FOUND.
-
-    A session lives as long as its stream, and a client that closes, cancels or loses its connection
-    frees it at once; this catches the rest: a client that hangs with the stream open. The engine
-    frees the KV (`evict(ttl)` returns the ids it dropped), the reaper ends the streams.
-    """
-
-    def __init__(self, what: str, ttl: float, evict: Callable[[float], list[str]]):
-        self.what = what
-        self.ttl = ttl
-        self._evict = evict
-        self._streams: dict[str, grpc.ServicerContext] = {}
-        self._stop = threading.Event()
-
-    def register(self, session_id: str, context: grpc.ServicerContext) -> None:
-        self._streams[session_id] = context
-
-    def unregister(self, session_id: str) -> None:
-        self._streams.pop(session_id, None)
-
-    def start(self) -> None:
-        threading.Thread(target=self._run, name=f"tandem-{self.what}-reaper", daemon=True).start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.wait(min(max(self.ttl / 4, 0.05), 10.0)):
-            self.sweep()
-
-    def sweep(self) -> list[str]:
-        evicted = self._evict(self.ttl)
-        for session_id in evicted:
-            log.warning("%s session %s idle for over %gs: evicted (--session-ttl)", self.what, session_id, self.ttl)
-            context = self._streams.pop(session_id, None)
-            if context is not None:
-                end_call(context, grpc.StatusCode.NOT_FOUND,
-                         f"{self.what} session {session_id!r} was evicted after {self.ttl:g}s idle (--session-ttl)")
-        return evicted
-
-

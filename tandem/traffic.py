@@ -168,7 +168,7 @@ def _generate_response(msg: coordinator_pb2.GenerateResponse, parts: Parts) -> N
 
 
 def _each_step(classify: Callable) -> Callable:
-    """A cohort relay's message of steps: each step's payload (session ids and framing are control)."""
+    """A scheduler's batch of steps: each step's payload (session ids and framing are control)."""
 
     def count(msg, parts: Parts) -> None:
         for step in msg.steps:
@@ -178,7 +178,7 @@ def _each_step(classify: Callable) -> Callable:
 
 
 def _each_result(classify: Callable) -> Callable:
-    """A cohort relay's message of results: each answered step's payload."""
+    """A batch's answer: each answered step's payload."""
 
     def count(msg, parts: Parts) -> None:
         for result in msg.results:
@@ -195,10 +195,10 @@ _CLASSIFIERS: dict[type, Callable] = {
     draft_pb2.DraftResponse: _draft_response,
     coordinator_pb2.GenerateRequest: _generate_request,
     coordinator_pb2.GenerateResponse: _generate_response,
-    target_pb2.CohortSteps: _each_step(_target_request),
-    target_pb2.CohortResults: _each_result(_target_response),
-    draft_pb2.DraftCohortSteps: _each_step(_draft_request),
-    draft_pb2.DraftCohortResults: _each_result(_draft_response),
+    target_pb2.TargetBatch: _each_step(_target_request),
+    target_pb2.TargetBatchResult: _each_result(_target_response),
+    draft_pb2.DraftBatch: _each_step(_draft_request),
+    draft_pb2.DraftBatchResult: _each_result(_draft_response),
 }
 
 

@@ -12,9 +12,8 @@ from tandem.config import (
     API_KEY_FILE_HELP,
     API_KEY_HELP,
     BURST_CPUS_HELP,
-    COHORT_RELAY_HELP,
     DECODE_STEPS_HELP,
-    OVERLAP_BRANCHES,
+    MAX_WAITING_HELP,
     OVERLAP_HELP,
     OVERLAP_SAMPLED_HELP,
     SPEC_DRAFT_COST,
@@ -97,10 +96,7 @@ def add_engine_args(p: argparse.ArgumentParser, batch_tokens: str) -> None:
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--dtype", help=DTYPE_HELP)
     p.add_argument("--transport", help=TRANSPORT_HELP)
-    p.add_argument("--max-batch-size", type=int, help="sessions' steps per batched forward (default 32)")
-    p.add_argument("--max-batch-tokens", type=int, help=f"{batch_tokens} per batched forward (default 4096)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
-    p.add_argument("--session-ttl", type=float, help="seconds a session may sit idle before eviction (default 600)")
 
 
 def add_service_args(p: argparse.ArgumentParser, port_help: str) -> None:
@@ -152,11 +148,8 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="acceptance gate: a draft token's cost as a share of a verify round; K only as far as "
                         f"accepted drafts pay for it (default {SPEC_DRAFT_COST}; 0 = off)")
     p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP + " (default on)")
-    p.add_argument("--overlap-branches", type=int,
-                   help=f"overlap: verify outcomes the draft prepares for (default {OVERLAP_BRANCHES})")
     p.add_argument("--tree", metavar="NODES[,DEPTH[,TOP_K]]", help=TREE_HELP)
     p.add_argument("--tree-policy", choices=["on", "off"], help=TREE_POLICY_HELP)
-    p.add_argument("--cohort-relay", choices=["on", "off"], help=COHORT_RELAY_HELP)
     p.add_argument("--decode-steps", type=int, help=DECODE_STEPS_HELP)
 
 
@@ -218,7 +211,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="the coordinator's port (default 50050; 0 = any free port)")
     p.add_argument("--grace-period", type=float, help="seconds in-flight requests get on SIGTERM (default 30)")
     p.add_argument("--startup-timeout", type=float, help="seconds to wait for the services (default 600)")
-    p.add_argument("--session-ttl", type=float, help="target and draft: evict sessions idle this long (default 600)")
     add_speculation_args(p)
     add_http_args(p)
     p.add_argument("--split-cpus", choices=["on", "off"],
@@ -236,15 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="target checkpoint directory (TANDEM_TARGET_MODEL)")
     p.add_argument("--draft", help="draft directory: only its config.json is read, for the capture layer ids")
     add_engine_args(p, "new tokens")
-    p.add_argument("--feature-chunk-mib", type=float, help="size of feature chunks on the wire (default 2)")
+    p.add_argument("--max-batch-size", type=int, help="sessions' steps the largest forward is sized for (default 32)")
+    p.add_argument("--max-batch-tokens", type=int, help="new tokens the largest forward is sized for (default 4096)")
     p.add_argument("--transport-ring-mib", type=float, help="shm / cuda-ipc feature ring size (default 256)")
     p.add_argument("--transport-max-inflight", type=int, help="steps outstanding on a fast path (default 128)")
     p.add_argument("--transport-timeout", type=float, help="seconds any fast-path wait may take (default 10)")
     p.add_argument("--kv-cache-gib", type=float,
                    help="KV cache of all sessions (default: the GPU memory left after a forward, the ring and a "
                         "margin; half the RAM on a CPU)")
-    p.add_argument("--queue-timeout", type=float,
-                   help="seconds a prefill waits for KV budget before RESOURCE_EXHAUSTED (default 30)")
     p.add_argument("--engine", choices=["auto", "native", "hf"],
                    help="the target's model code: native (ours, the Llama family, over the paged KV pool in place; "
                         "compiled once per token bucket on a GPU, on a CPU with TANDEM_COMPILE=1), hf (transformers'), auto (native "
@@ -271,9 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float,
                    help="seconds between health checks of the target and draft (default 1)")
     add_speculation_args(p)
-    p.add_argument("--overlap-max-running", type=int,
-                   help="overlap only while at most this many generations run (default 1)")
     p.add_argument("--overlap-sampled", choices=["on", "off"], help=OVERLAP_SAMPLED_HELP)
+    p.add_argument("--max-waiting", type=int, help=MAX_WAITING_HELP)
     add_http_args(p)
     add_key_args(p)
     add_service_args(p, "port (default 50050; 0 = any free port)")

@@ -147,7 +147,8 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
             round_bytes = {}
             for t in r.traffic:
                 link = links.setdefault(t.link, {"bytes": 0, "messages": 0, "by_kind": dict.fromkeys(KINDS, 0),
-                                                 "token_ids": 0, "feature_rows": 0, "transport": t.transport})
+                                                 "token_ids": 0, "feature_rows": 0})
+                link["transport"] = t.transport
                 link["messages"] += t.messages
                 for kind, n in t.bytes.items():
                     link["by_kind"][kind] = link["by_kind"].get(kind, 0) + n
@@ -229,7 +230,9 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
         },
         "transport": {
             "name": profile0.transport if profile0 else "grpc",
-            "features": "target -> coordinator -> draft, relayed in chunks over gRPC",
+            "features": ("target -> coordinator -> draft, inline in the scheduler's batches over gRPC"
+                         if not profile0 or profile0.transport == "grpc"
+                         else f"target -> draft by {profile0.transport}; the coordinator relays a descriptor"),
             "target_hidden_size": hidden, "target_dtype": dtype,
             "feature_row_bytes": 3 * hidden * ITEMSIZE.get(dtype, 0),
             "target_device": profile0.target_device if profile0 else "",

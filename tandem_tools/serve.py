@@ -108,8 +108,6 @@ def serve(settings: ServeSettings) -> int:
         if cpus:
             log.info("CPUs: the target on %s, the draft and the coordinator on %s", format_cpus(cpus["target"]),
                      format_cpus(cpus["draft"]))
-        if settings.session_ttl is not None:
-            common += ["--session-ttl", str(settings.session_ttl)]
         ca = security.make_throwaway_ca(run, [settings.host]) if settings.tls else None
         tls_args = ["--tls-cert", str(ca.cert), "--tls-key", str(ca.key), "--tls-ca", str(ca.ca)] if ca else []
         common += tls_args
@@ -144,14 +142,11 @@ def serve(settings: ServeSettings) -> int:
             if settings.spec_draft_cost is not None:
                 coordinator_args += ["--spec-draft-cost", str(settings.spec_draft_cost)]
             coordinator_args += ["--overlap", "on" if settings.overlap else "off"]
-            if settings.overlap_branches is not None:
-                coordinator_args += ["--overlap-branches", str(settings.overlap_branches)]
             if settings.decode_steps is not None:
                 coordinator_args += ["--decode-steps", str(settings.decode_steps)]
             if settings.tree is not None:
                 coordinator_args += ["--tree", settings.tree]
             coordinator_args += ["--tree-policy", "on" if settings.tree_policy else "off"]
-            coordinator_args += ["--cohort-relay", "on" if settings.cohort_relay else "off"]
             if settings.http_port is not None:
                 coordinator_args += ["--http-port", str(settings.http_port)]
             if settings.served_model_name is not None:

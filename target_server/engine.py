@@ -8,15 +8,14 @@ The protocol per session (docs/architecture.md, 0-indexed positions):
   verify(t, tree d_1..d_N)     -> one forward, each node at n + its depth seeing its own path only; accept
                                   a path of a nodes, bonus b, KV of t and the path at n..n+a, their features
 
-Concurrent sessions are batched (tandem/batching.py): the steps queued while a forward runs share the
-next one. Every session's KV lives in one paged pool. A Llama-family target runs our own model
-(target_server/native.py): one forward over the batch's new tokens flattened, reading and writing the pool
-in place, compiled once per token bucket. Any other runs transformers' model over a padded batch, the pasts
-gathered out of the pool and the committed rows scattered back (target_server/runners.py). On a CPU a
-forward may borrow the draft's CPUs where that measures faster (target_server/threads.py).
-The acceptance rule reads the batch's argmax in one host sync (greedy); KV memory is bounded: a prefill
-reserves its whole generation's KV (prompt + max_new_tokens) and waits, then fails with
-ResourceExhausted, while the budget is taken.
+The coordinator's scheduler sends one batch a step (`run`), run at once. Every session's KV lives in one
+paged pool. A Llama-family target runs our own model (target_server/native.py): one forward over the
+batch's new tokens flattened, reading and writing the pool in place, compiled once per token bucket. Any
+other runs transformers' model over a padded batch, the pasts gathered out of the pool and the committed
+rows scattered back (target_server/runners.py). On a CPU a forward may borrow the draft's CPUs where that
+measures faster (target_server/threads.py). The acceptance rule reads the batch's argmax in one host sync
+(greedy); KV memory is bounded: a prefill reserves its whole generation's KV (prompt + max_new_tokens), and
+is refused with ResourceExhausted while the budget is taken (the scheduler keeps it waiting).
 """
 
 from __future__ import annotations
@@ -33,12 +32,10 @@ import torch
 from transformers import AutoConfig
 
 from tandem.aux_layers import capture_ids
-from tandem.batching import Batcher
 from tandem.dtypes import TORCH_DTYPES
 from tandem.params import MAX_DRAFT_TOKENS, MAX_TREE_NODES, SamplingParams
-from tandem.protocol import DraftProbs, PrefillResult, VerifyResult
+from tandem.protocol import Prefill, PrefillResult, TargetStep, Verify, VerifyResult
 from tandem.sessions import InvalidRequest, ResourceExhausted, SessionNotFound, SessionOwner, SessionTable
-from tandem.timing import StepClock
 from target_server.acceptance import (
     accept,
     accept_argmax,
@@ -50,7 +47,7 @@ from target_server.acceptance import (
     tree_problem,
     tree_q,
 )
-from target_server.decode import DecodeLoop, check_decode
+from target_server.decode import check_decode, decode_rest
 from target_server.kv import VERIFY_TOKENS, KVBudget, KVLayer, KVPool, kv_budget_tokens  # noqa: F401
 from target_server.loading import eos_token_ids, load_target
 from target_server.native import load_native, unsupported
@@ -85,7 +82,6 @@ class TargetEngine(SessionOwner):
         max_batch_size: int = 32,
         max_batch_tokens: int = 4096,
         kv_cache_tokens: int | None = None,
-        queue_timeout: float = 30.0,
         engine: Literal["auto", "native", "hf"] = "auto",
         compile: bool | str | None = None,
     ):
@@ -121,14 +117,10 @@ class TargetEngine(SessionOwner):
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.max_context = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
         self.sessions: SessionTable[Session] = SessionTable("target")
-        self.kv_budget = KVBudget(kv_cache_tokens, queue_timeout)
+        self.kv_budget = KVBudget(kv_cache_tokens, 0.0)  # full: refused at once, the scheduler's queue waits
         self.kv_pool = self._pool(kv_cache_tokens)
         self._forwarding = threading.RLock()  # a batch's forwards, or a session's release (_free)
-        # One forward at a time (the model and the capture hooks are shared), batched across sessions.
-        self.batcher: Batcher[Step] = Batcher(self._run_batch, max_batch_size, max_batch_tokens)
-        self.decodes = DecodeLoop(lambda going: self.batcher.submit_many(
-            [((session_id, token, [], False, None, None), None) for session_id, token in going], self._verify_step,
-            "verify"))
+        self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
 
     @property
     def buckets_compiling(self) -> int:
@@ -162,21 +154,14 @@ class TargetEngine(SessionOwner):
 
     def measure_forward_bytes(self) -> int:
         """GPU memory one forward of the largest batch takes beyond the weights and the KV (runners.py)."""
-        return self.runner.measure_forward_bytes(self.kv_pool, self.batcher.max_tokens, self.batcher.max_batch, self.max_context)
+        return self.runner.measure_forward_bytes(self.kv_pool, self.max_batch_tokens, self.max_batch_size, self.max_context)
 
     def release(self, session_id: str) -> bool:
         session = self.sessions.pop(session_id)
-        self.batcher.forget(session_id)
         if session is None:
             return False
         self._free(session)
         return True
-
-    def evict_idle(self, ttl: float) -> list[str]:
-        evicted = self.sessions.evict_idle_items(ttl)
-        for session in evicted.values():
-            self._free(session)
-        return list(evicted)
 
     def _free(self, session: Session) -> None:
         """Not mid-batch (a deadline's release emptied a block table the batch's plan read, failing every step);
@@ -208,90 +193,91 @@ class TargetEngine(SessionOwner):
 
     # -- the protocol -----------------------------------------------------------------------
 
-    def prefill(
-        self,
-        session_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        want_features: bool = True,
-        max_new_tokens: int | None = None,
-        verify_tokens: int | None = None,
-    ) -> PrefillResult:
+    def run(self, steps: Sequence[TargetStep]) -> list[PrefillResult | VerifyResult | Exception]:
+        """One batch, run at once: a result, or the error of a step that failed (it fails alone), per step.
+        A decode of more than one token (Verify.decode) takes further forwards of this batch's decodes."""
+        results: list = [None] * len(steps)
+        built: list[tuple[int, Step]] = []
+        with self._forwarding:  # one batch at a time: in-process callers may come from several threads
+            seen: set[str] = set()
+            for i, step in enumerate(steps):
+                try:
+                    if step.session_id in seen:
+                        raise InvalidRequest(f"two steps of session {step.session_id!r} in one batch")
+                    seen.add(step.session_id)
+                    built.append((i, self._prefill_step(step) if isinstance(step, Prefill) else self._verify_step(step)))
+                except (InvalidRequest, SessionNotFound, ResourceExhausted) as exc:
+                    results[i] = exc
+            for (i, step), out in zip(built, self._run_batch([step for _, step in built]), strict=True):
+                if step.kind == "prefill":
+                    if isinstance(out, BaseException):
+                        self._free(step.session)
+                    else:
+                        self.sessions.add(steps[i].session_id, step.session)
+                results[i] = out
+            decodes = [i for i, step in enumerate(steps) if isinstance(step, Verify) and step.decode > 1
+                       and isinstance(results[i], VerifyResult)]
+            if decodes:
+                decode_rest(self, [steps[i] for i in decodes], [results[i] for i in decodes])
+        return results
+
+    def prefill(self, session_id: str, prompt_ids: list[int], params: SamplingParams, want_features: bool = True,
+                max_new_tokens: int | None = None, verify_tokens: int | None = None) -> PrefillResult:
+        """One prefill alone (run() with a batch of one), raising its error."""
+        return _raised(self.run([Prefill(session_id, prompt_ids, params, want_features, max_new_tokens,
+                                         verify_tokens)])[0])
+
+    def verify(self, session_id: str, token: int, drafts: list[int], want_features: bool = True,
+               q=None, parents: list[int] | None = None, decode: int = 1, stop_ids: Sequence[int] = ()) -> VerifyResult:
+        """One verify alone (run() with a batch of one), raising its error."""
+        return _raised(self.run([Verify(session_id, token, drafts, want_features, q, parents, decode, stop_ids)])[0])
+
+    def _prefill_step(self, p: Prefill) -> Step:
         """`max_new_tokens` (None: up to the context) sizes the session's share of the KV budget, with room for
         a verify of `verify_tokens` (t and a tree's nodes; None: t and a chain's MAX_DRAFT_TOKENS drafts)."""
+        prompt_ids = list(p.prompt_ids)
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
         self._check_ids(prompt_ids, "the prompt")
         if len(prompt_ids) >= self.max_context:
             raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; the context is {self.max_context}")
-        if session_id in self.sessions:
-            raise InvalidRequest(f"target session {session_id!r} already exists")
+        if p.session_id in self.sessions:
+            raise InvalidRequest(f"target session {p.session_id!r} already exists")
         generator = None
-        if not params.greedy:
+        if not p.sampling.greedy:
             generator = torch.Generator(device=self.device)
             # a fresh seed from the OS when none is given: torch.seed() would reseed the global RNG
-            seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+            seed = p.sampling.seed if p.sampling.seed is not None else int.from_bytes(os.urandom(7), "little")
             generator.manual_seed(seed)
         # the whole generation; a verify holds up to K+1 uncommitted tokens (a tree's nodes + 1) for a moment
         reserve = self.max_context
-        if max_new_tokens is not None:
-            width = min(max(verify_tokens or 0, MAX_DRAFT_TOKENS + 1), VERIFY_TOKENS)
-            reserve = min(reserve, len(prompt_ids) + max_new_tokens + width)
-        reserve = self.kv_budget.reserve(reserve)
+        if p.max_new_tokens is not None:
+            width = min(max(p.verify_tokens or 0, MAX_DRAFT_TOKENS + 1), VERIFY_TOKENS)
+            reserve = min(reserve, len(prompt_ids) + p.max_new_tokens + width)
         # Every layer keeps its full KV, so verify can always roll back (a config-built cache trims
         # sliding-window layers, Mistral's, and then cannot crop); blocks are taken as it grows.
-        session = Session(params=params, generator=generator, reserved=reserve)
-        try:
-            step = Step("prefill", session, list(prompt_ids), want_features)
-            # the native forward pads nothing: a prefill joins the verifies and decodes (one forward where it is
-            # compiled: NativeRunner.parts); transformers' pads every sequence to the longest
-            group = "verify" if self.engine == "native" else "prefill"
-            result = self.batcher.submit(step, len(prompt_ids), key=session_id, group=group)
-            self.sessions.add(session_id, session)
-        except BaseException:
-            self._free(session)
-            raise
-        return result
+        session = Session(params=p.sampling, generator=generator, reserved=self.kv_budget.reserve(reserve))
+        return Step("prefill", session, prompt_ids, p.want_features)
 
-    def verify(self, session_id: str, token: int, drafts: list[int], want_features: bool = True,
-               q: list[DraftProbs] | None = None, parents: list[int] | None = None, decode: int = 1,
-               stop_ids: Sequence[int] = (), answer_within_ms: int = 0) -> VerifyResult:
-        """`q`: for a sampled session, the distribution the draft sampled each draft from (speculative
-        sampling, target_server/acceptance.py); None: the drafts are the draft's argmax. `parents`: the
-        drafts are a tree (Drafts.parents; its q: one per node, empty for one not sampled); None: a chain.
-        `decode` > 1: up to that many tokens target-only, ending after a stop id or `answer_within_ms` (decode.py)."""
-        step, tokens = self._verify_step(session_id, token, drafts, want_features, q, parents, decode, (),
-                                         answer_within_ms)
-        first = self.batcher.submit(step, tokens, key=session_id, group="verify")
-        if decode <= 1:
-            return first
-        return self.decodes.after([first], [(session_id, decode, stop_ids, answer_within_ms)])[0]
-
-    def verify_many(self, calls: list[tuple[tuple, StepClock | None]]) -> list[VerifyResult | Exception]:
-        """Verifies the coordinator's cohort relay gathered, `(verify's arguments, clock)` each, run as one
-        batch: a result, or the error of a step that failed (it fails alone), each. Decodes (arguments
-        ending in decode > 1, stop_ids, answer_within_ms) are the decode loop's from their first step."""
-        return self.decodes.cohort(calls, self._verify_step,
-                                   lambda plain: self.batcher.submit_many(plain, self._verify_step, "verify"))
-
-    def _verify_step(self, session_id: str, token: int, drafts: list[int], want_features: bool,
-                     q: list[DraftProbs] | None, parents: list[int] | None, decode: int = 1,
-                     stop_ids: Sequence[int] = (), answer_within_ms: int = 0) -> tuple[Step, int]:
-        """A verify's step and its tokens, or InvalidRequest; the session counts as used. A decode's first
-        step checks the decode (`stop_ids`: the caller's)."""
-        session = self.sessions.get(session_id)
+    def _verify_step(self, v: Verify) -> Step:
+        """A verify's step, or InvalidRequest; the session counts as used. `q`: for a sampled session, the
+        distribution the draft sampled each draft from (speculative sampling, target_server/acceptance.py);
+        None: the drafts are the draft's argmax. `parents`: the drafts are a tree (Drafts.parents; its q: one
+        per node, empty for one not sampled)."""
+        session = self.sessions.get(v.session_id)
         session.last_used = time.monotonic()
-        self._check_ids([token, *drafts], "the verify input")
-        check_decode(decode, drafts, want_features, parents, answer_within_ms)
+        drafts, parents, decode = list(v.drafts), v.parents, v.decode
+        self._check_ids([v.token, *drafts], "the verify input")
+        check_decode(decode, drafts, v.want_features, parents)
         if parents is not None and not self.supports_trees:
             raise InvalidRequest("draft trees need the native engine (the Llama family) or a full-attention "
                                  f"model; this target runs transformers' {type(self.model).__name__}")
         if parents is not None and (problem := tree_problem(drafts, parents, MAX_TREE_NODES)) is not None:
             raise InvalidRequest(problem)
         dense = None
-        if q and not session.params.greedy:
-            try:  # here, not in the batch: the batch is one thread
-                dense = (dense_q if parents is None else tree_q)(q, drafts, self.vocab_size)
+        if v.q and not session.params.greedy:
+            try:
+                dense = (dense_q if parents is None else tree_q)(v.q, drafts, self.vocab_size)
             except ValueError as exc:
                 raise InvalidRequest(str(exc)) from None
         grown = session.length + max(1 + len(drafts), decode)  # a decode's tokens, all of them
@@ -302,7 +288,7 @@ class TargetEngine(SessionOwner):
                 f"verify would grow the session to {grown} tokens, past the {session.reserved} its prefill "
                 "reserved (prompt + max_new_tokens)"
             )
-        return Step("verify", session, [token, *drafts], want_features, dense, parents), 1 + len(drafts)
+        return Step("verify", session, [v.token, *drafts], v.want_features, dense, parents)
 
     # -- one batched forward ------------------------------------------------------------------
 
@@ -404,6 +390,12 @@ class TargetEngine(SessionOwner):
             out.logprobs = token_logprobs(_rows(logits, keep), [*out.accepted, bonus], top)
         commit(keep)
         return out
+
+
+def _raised(result):
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def _rows(t: torch.Tensor, keep: range | list[int]) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The target gRPC service: a thin shell over TargetEngine (unpack, call the engine, pack).
 
-One bidirectional stream per generation (proto/tandem/v1/target.proto): the session lives as long
-as its stream, so a client that goes away (cancel, deadline, crash) frees its KV cache too.
+One stream from the coordinator's scheduler (proto/tandem/v1/target.proto, TargetService.Step): a batch
+of steps each way per step; the sessions it opened end with it, so a coordinator that goes away frees
+their KV cache too.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import uuid
 from collections.abc import Iterator
 from functools import lru_cache
 
@@ -20,10 +20,10 @@ from tandem.config import TargetSettings, parse_cpus
 from tandem.convert import draft_probs_from_pb, logprobs_to_pb, parents_from_pb, sampling_from_pb
 from tandem.dtypes import name_of
 from tandem.errors import Abort
+from tandem.protocol import Prefill, PrefillResult, Verify
 from tandem.service import Service, StartupError, run_service
 from tandem.servicer import EngineServicer
 from tandem.sessions import InvalidRequest
-from tandem.timing import StepClock
 from tandem.transports.endpoints import TargetTransport
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire import encode_features
@@ -72,12 +72,12 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
     WHAT = "target"
     SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
-    def __init__(self, service: Service, chunk_bytes: int):
+    def __init__(self, service: Service):
         super().__init__(service)
-        self.chunk_bytes = chunk_bytes
         self.tokenizer_json = b""
         self.chat_template, self.special_tokens = "", {}
         self.transport: TargetTransport | None = None
+        self.timed: set[str] = set()  # sessions whose answers carry their StepTiming (a profiled request)
 
     def add_to_server(self, server: grpc.Server) -> None:
         target_pb2_grpc.add_TargetServiceServicer_to_server(self, server)
@@ -122,118 +122,70 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
         for start in range(0, len(data), TOKENIZER_CHUNK_BYTES):
             yield target_pb2.FileChunk(data=data[start : start + TOKENIZER_CHUNK_BYTES])
 
-    def Session(self, request_iterator, context) -> Iterator[target_pb2.TargetResponse]:
-        """One generation: a prefill, then verifies, each answered with its features."""
-        session_id = None
-        with self.service.admission.admit():
-            engine = self.loaded()
-            timed = False  # the session asked for StepTiming in its answers
-            try:
-                for request in request_iterator:
-                    clock = StepClock(getattr(engine, "device", None), request)
-                    step = request.WhichOneof("step")
-                    if step == "prefill":
-                        if session_id is not None:
-                            raise InvalidRequest("a session stream takes one prefill, at the start")
-                        p = request.prefill
-                        sid = p.session_id or uuid.uuid4().hex
-                        with clock.compute():
-                            result = engine.prefill(sid, list(p.prompt_ids), sampling_from_pb(p.sampling), p.want_features,
-                                                    p.max_new_tokens if p.HasField("max_new_tokens") else None,
-                                                    p.verify_tokens if p.HasField("verify_tokens") else None)
-                        timed = p.want_timing
-                        session_id = sid  # only now is it ours to release
-                        self.session(session_id, context)
-                        head = target_pb2.TargetResponse(prefilled=target_pb2.Prefilled(token=result.token))
-                        if result.logprobs is not None:
-                            head.prefilled.logprobs.extend(logprobs_to_pb(result.logprobs))
-                    elif step == "verify":
-                        if session_id is None:
-                            raise InvalidRequest("verify before prefill: a session stream starts with a prefill")
-                        v = request.verify
-                        with clock.compute():
-                            result = engine.verify(session_id, v.token, list(v.drafts), v.want_features,
-                                                   draft_probs_from_pb(v.q), parents_from_pb(v.parents), v.decode,
-                                                   list(v.stop_ids), v.answer_within_ms)
-                        head = target_pb2.TargetResponse(
-                            verified=target_pb2.Verified(accepted=result.accepted, bonus=result.bonus,
-                                                         warming=result.warming)
-                        )
-                        if result.logprobs is not None:
-                            head.verified.logprobs.extend(logprobs_to_pb(result.logprobs))
-                    else:
-                        raise InvalidRequest("a TargetRequest needs a prefill or a verify")
-                    yield from self._with_features(head, result.features, step, clock, timed, session_id)
-            finally:
-                if session_id is not None:
-                    self.session_ended(session_id)
-                    if self.transport is not None:
-                        self.transport.release(session_id)
+    def Step(self, request_iterator, context) -> Iterator[target_pb2.TargetBatchResult]:
+        """The scheduler's stream: each TargetBatch (prefills, verifies, decodes, releases) as one batch."""
+        return self.steps(request_iterator, context, self._parse, self._answer)
 
-    def Cohort(self, request_iterator, context) -> Iterator[target_pb2.CohortResults]:
-        """The cohort relay: each message's verifies, of sessions open on their Session streams, in one
-        engine call (tandem.batching.Batcher.submit_many), answered in one message."""
-        engine = self.loaded()  # open while draining too: its steps are of sessions in flight
-        for message in request_iterator:
-            yield self._cohort(engine, message.steps)
-
-    def _cohort(self, engine: TargetEngine, steps) -> target_pb2.CohortResults:
-        def parse(step: target_pb2.SessionStep) -> tuple:
-            if step.request.WhichOneof("step") != "verify":
-                raise InvalidRequest("the cohort relay takes verifies only")
+    def _parse(self, step: target_pb2.SessionStep) -> tuple[Prefill | Verify, bool]:
+        kind = step.request.WhichOneof("step")
+        if kind == "prefill":
+            p = step.request.prefill
+            if p.want_timing:
+                self.timed.add(step.session_id)
+            return Prefill(step.session_id, list(p.prompt_ids), sampling_from_pb(p.sampling), p.want_features,
+                           p.max_new_tokens if p.HasField("max_new_tokens") else None,
+                           p.verify_tokens if p.HasField("verify_tokens") else None), True
+        if kind == "verify":
             v = step.request.verify
-            return (step.session_id, v.token, list(v.drafts), v.want_features, draft_probs_from_pb(v.q),
-                    parents_from_pb(v.parents), v.decode, list(v.stop_ids), v.answer_within_ms)
+            return Verify(step.session_id, v.token, list(v.drafts), v.want_features, draft_probs_from_pb(v.q),
+                          parents_from_pb(v.parents), v.decode, list(v.stop_ids)), False
+        raise InvalidRequest("a target step needs a prefill or a verify")
 
-        answer = target_pb2.CohortResults()
-        for step, (result, clock) in zip(steps, self.cohort(steps, parse, engine.verify_many), strict=True):
+    def _answer(self, done: list) -> target_pb2.TargetBatchResult:
+        answer = target_pb2.TargetBatchResult()
+        for step, clock, result in done:
             item = answer.results.add()
             if isinstance(result, BaseException):
                 self.step_error(item.error, result)
                 continue
-            verified = item.response.verified
-            verified.accepted.extend(result.accepted)
-            verified.bonus, verified.warming = result.bonus, result.warming
-            if result.logprobs is not None:
-                verified.logprobs.extend(logprobs_to_pb(result.logprobs))
-            chunks = self._feature_chunks(result.features, clock, step.session_id, one=True)
-            self._stamp(item.response, chunks, "verify", clock, False)
+            response = item.response
+            if isinstance(result, PrefillResult):
+                response.prefilled.token = result.token
+                if result.logprobs is not None:
+                    response.prefilled.logprobs.extend(logprobs_to_pb(result.logprobs))
+                kind = "prefill"
+            else:
+                verified = response.verified
+                verified.accepted.extend(result.accepted)
+                verified.bonus, verified.warming = result.bonus, result.warming
+                if result.logprobs is not None:
+                    verified.logprobs.extend(logprobs_to_pb(result.logprobs))
+                kind = "verify"
+            with clock.codec():
+                features = self._features(result.features, step.session_id)
+            if features is not None:
+                response.features.CopyFrom(features)
+            self.metrics.observe(kind, clock)
+            if step.session_id in self.timed:
+                response.timing.CopyFrom(clock.to_pb())
         return answer
 
-    def _with_features(
-        self, head: target_pb2.TargetResponse, features, step: str, clock: StepClock, timed: bool, session_id: str
-    ) -> Iterator[target_pb2.TargetResponse]:
-        """The step's answer: the result with a fast path's descriptor, or with the first feature chunk
-        and then one message per further chunk (inline)."""
-        chunks = self._feature_chunks(features, clock, session_id)
-        yield self._stamp(head, chunks, step, clock, timed)
-        for chunk in chunks[1:]:
-            yield target_pb2.TargetResponse(features=chunk)
-
-    def _feature_chunks(self, features, clock: StepClock, session_id: str, one: bool = False) -> list:
-        """A step's features: a fast path's descriptor, else inline chunks (`one`: all in one chunk)."""
+    def _features(self, features, session_id: str) -> common_pb2.Features | None:
+        """A step's features: a fast path's descriptor, else inline, in the one answer."""
         if features is None:
-            return []
-        with clock.codec():
-            ref = None
-            if self.transport is not None:
-                ref = self.transport.send(session_id, features, self.loaded().features_ready(session_id))
-            if ref is not None:
-                n = features.shape[0]
-                return [common_pb2.Features(ref=ref, row_offset=0, num_rows=n, total_rows=n)]
-            return encode_features(features, features.numel() * features.element_size() if one else self.chunk_bytes)
+            return None
+        ref = None
+        if self.transport is not None:
+            ref = self.transport.send(session_id, features, self.loaded().features_ready(session_id))
+        n = features.shape[0]
+        if ref is not None:
+            return common_pb2.Features(ref=ref, row_offset=0, num_rows=n, total_rows=n)
+        (chunk,) = encode_features(features, max(1, features.numel() * features.element_size()))
+        return chunk
 
-    def _stamp(self, head: target_pb2.TargetResponse, chunks: list, step: str, clock: StepClock,
-               timed: bool) -> target_pb2.TargetResponse:
-        """The first message of a step's answer: its first feature chunk, its timing and its batch."""
-        if chunks:
-            head.features.CopyFrom(chunks[0])
-        self.metrics.observe(step, clock)
-        if timed:
-            head.timing.CopyFrom(clock.to_pb())
-        if clock.batch is not None:
-            head.batch.id, head.batch.size = clock.batch
-        return head
+    def _end(self, session_id: str) -> None:
+        super()._end(session_id)
+        self.timed.discard(session_id)
 
 
 def kv_tokens(settings: TargetSettings, engine: TargetEngine) -> int | None:
@@ -280,7 +232,7 @@ def load(settings: TargetSettings, service: Service, servicer: TargetServicer):
     engine = TargetEngine(
         settings.model, device=settings.device, dtype=settings.dtype, aux_layer_ids=layer_ids,
         max_batch_size=settings.max_batch_size, max_batch_tokens=settings.max_batch_tokens,
-        queue_timeout=settings.queue_timeout, engine=settings.engine,
+        engine=settings.engine,
     )
     if settings.burst_cpus and engine.device.type == "cpu":
         if (varies := thread_invariant(engine.model)) is None:
@@ -298,7 +250,7 @@ def load(settings: TargetSettings, service: Service, servicer: TargetServicer):
         timeout=settings.transport_timeout, traffic=service.traffic,
     )
     servicer.tokenizer_json, servicer.chat_template, servicer.special_tokens = load_tokenizer_json(settings.model)
-    servicer.attach(engine, settings.session_ttl, transport)
+    servicer.attach(engine, transport)
     log.info(
         "target %s on %s (%s, %s engine): vocab %d, hidden %d, capture layers %s; batches of <= %d steps, KV budget "
         "%s tokens", settings.model, settings.device, settings.dtype, engine.engine, engine.vocab_size,
@@ -309,9 +261,7 @@ def load(settings: TargetSettings, service: Service, servicer: TargetServicer):
 
 
 def serve(settings: TargetSettings) -> int:
-    chunk_bytes = int(settings.feature_chunk_mib * (1 << 20))
-    return run_service("target", settings, TargetServicer, lambda service, servicer: load(settings, service, servicer),
-                       chunk_bytes)
+    return run_service("target", settings, TargetServicer, lambda service, servicer: load(settings, service, servicer))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from concurrent.futures import Future
 import torch
 
 from draft_server.sampling import DraftSampler, draft_q, draw
-from tandem.protocol import Branch, DraftProbs, Drafts
+from tandem.protocol import Branch, DraftProbs, Drafts, Propose
 
 
 def compile_eagerly(monkeypatch) -> None:
@@ -27,7 +27,27 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(df, stat / 2))
 
 
-class OracleDraft:
+class StepByStep:
+    """A test draft written a call per step: `run(steps)` (the DraftBackend batch) calls its propose() or
+    ahead() for each step, an exception standing for a step that failed."""
+
+    def run(self, steps):
+        out = []
+        for s in steps:
+            try:
+                if isinstance(s, Propose):
+                    extra = {"tree": s.tree} if s.tree is not None else {}
+                    if s.sampling is not None:
+                        extra["sampling"] = s.sampling
+                    out.append(self.propose(s.session_id, s.features, s.next_tokens, s.k, s.open, **extra))
+                else:
+                    out.append(self.ahead(s.session_id, s.features, s.next_tokens, s.drafts, s.k, s.branches).result())
+            except Exception as exc:  # noqa: BLE001 - a step that fails fails alone
+                out.append(exc)
+        return out
+
+
+class OracleDraft(StepByStep):
     """A DraftBackend that proposes the target's own greedy continuation, each token replaced with
     probability `corrupt` by one of the target's other top-5 choices. High, varied acceptance
     exercises every accepted length in verify; the target model stands in for a perfect head."""
@@ -111,7 +131,7 @@ class OracleDraft:
         return True
 
 
-class SamplingOracleDraft:
+class SamplingOracleDraft(StepByStep):
     """A draft that samples its drafts from a q of its own, as the draft engine does (draft_server.sampling:
     the request's temperature, top-k and top-p, cut to `top_n`, drawn with position-keyed uniforms), and
     sends that q. Its logits are the target's, tempered and biased by a fixed random vector, so q is near
@@ -210,7 +230,7 @@ class SamplingOracleDraft:
         return True
 
 
-class RecordingDraft:
+class RecordingDraft(StepByStep):
     """Wraps a DraftEngine and keeps every propose() call's inputs and outputs."""
 
     def __init__(self, engine):

@@ -19,8 +19,10 @@ from tandem.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 class Proc:
     """One `tandem <service>` process; restart() brings it back on the same port."""
 
-    def __init__(self, name: str, args: list[str], run: Path):
+    def __init__(self, name: str, args: list[str], run: Path, defaults: bool = False):
+        """`defaults`: without the suite's TANDEM_* settings (tests/conftest.py), as users run it."""
         self.name, self.args, self.run = name, args, run
+        self.env = {k: v for k, v in os.environ.items() if not (defaults and k.startswith("TANDEM_"))}
         self.port = 0
         self.starts = 0
         self.proc: subprocess.Popen | None = None
@@ -42,7 +44,7 @@ class Proc:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem_tools.cli", self.name, *self.args, "--port", str(self.port),
              "--announce-file", str(self.announce)],
-            stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stderr=log, env={**self.env, "OMP_NUM_THREADS": "1"},
         )
 
     def wait_address(self, timeout: float = 120) -> str:
@@ -84,16 +86,19 @@ class Proc:
         return self.proc.wait()
 
 
-def start_stack(tiny_dir: Path, run: Path, target_args=(), draft_args=(), coordinator_args=()) -> dict[str, Proc]:
-    """target and draft, then a coordinator on them; all SERVING."""
-    target = Proc("target", ["--model", str(tiny_dir / "target"), "--draft", str(tiny_dir / "draft"),
-                             "--threads", "1", *target_args], run)
-    draft = Proc("draft", ["--model", str(tiny_dir / "draft"), "--target", str(tiny_dir / "target"),
-                           "--threads", "1", *draft_args], run)
+def start_stack(tiny_dir: Path, run: Path, target_args=(), draft_args=(), coordinator_args=(), draft: Path | None = None,
+                defaults: bool = False) -> dict[str, Proc]:
+    """target and draft (tiny_dir's, or `draft`), then a coordinator on them; all SERVING. `defaults`: every
+    setting at its default, as users run it (the suite's own, tests/conftest.py, turn the gate off)."""
+    head = draft or tiny_dir / "draft"
+    target = Proc("target", ["--model", str(tiny_dir / "target"), "--draft", str(head),
+                             "--threads", "1", *target_args], run, defaults)
+    draft = Proc("draft", ["--model", str(head), "--target", str(tiny_dir / "target"),
+                           "--threads", "1", *draft_args], run, defaults)
     target.wait_address()
     draft.wait_address()
     coordinator = Proc("coordinator", ["--target-addr", target.address, "--draft-addr", draft.address,
-                                       *coordinator_args], run)
+                                       *coordinator_args], run, defaults)
     for proc in (target, draft, coordinator):
         proc.wait_serving()
     return {"target": target, "draft": draft, "coordinator": coordinator}

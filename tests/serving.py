@@ -49,15 +49,17 @@ def serve(tiny_dir: Path, log: Path, args: list[str], env: dict[str, str] | None
 
 
 # The target's whole KV budget for the modules that count blocks: TANDEM_TARGET_KV_CACHE_GIB at the tiny
-# pair's 2 KiB a token (8 layers x 2 KV heads x 16 x K and V x 4 bytes), and a short queue.
+# pair's 2 KiB a token (8 layers x 2 KV heads x 16 x K and V x 4 bytes), and a short queue of waiting requests.
 KV_TOKENS = 4096
-KV_ENV = {"TANDEM_TARGET_KV_CACHE_GIB": repr(KV_TOKENS * 2048 / (1 << 30)), "TANDEM_TARGET_QUEUE_TIMEOUT": "1"}
+MAX_WAITING = 8
+KV_ENV = {"TANDEM_TARGET_KV_CACHE_GIB": repr(KV_TOKENS * 2048 / (1 << 30)),
+          "TANDEM_COORDINATOR_MAX_WAITING": str(MAX_WAITING)}
 VERIFY_WIDTH = 17  # what a prefill reserves beyond prompt + max_new_tokens: a chain's verify, t + 16
 
 
 def assert_whole_kv_budget_free(served: Served, api_key: str | None = None) -> None:
-    """No session on either service, and a generation reserving the whole budget starts (it would wait,
-    then fail, behind a single leaked block); the one a token larger is refused as past the budget."""
+    """No session on either service, and a generation reserving the whole budget starts (it would be
+    refused behind a single leaked block); the one a token larger is refused as past the budget."""
     import pytest
 
     from coordinator.client import TandemClient, TandemError

@@ -4,21 +4,17 @@ output changes because of it; the KV budget queues and then refuses instead of r
 from __future__ import annotations
 
 import threading
-import time
 import types
 import warnings
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from test_core import assert_same_or_tie, hf_greedy, make_prompts
 
-from coordinator.cohorts import CohortLink, Cohorts
-from tandem.batching import Batcher
 from tandem.params import GenerationRequest, SamplingParams
+from tandem.protocol import Prefill, Verify
 from tandem.sessions import ResourceExhausted, SessionNotFound
-from tandem.timing import StepClock
 from tandem_tools.inprocess import InProcessGenerator
 from target_server.engine import TargetEngine
 from target_server.paged import bucket
@@ -36,11 +32,6 @@ def run_concurrently(generator: InProcessGenerator, requests: list[GenerationReq
         return list(pool.map(one, requests))
 
 
-def batch_counts(generator: InProcessGenerator) -> tuple[int, int, int, int]:
-    t, d = generator.target.batcher, generator.draft.batcher
-    return t.batches, t.steps, d.batches, d.steps
-
-
 def test_concurrent_greedy_sessions_match_target_only(generator, hf_target):
     """Mixed prompt lengths, mixed K (0 = target-only), different lengths so sessions leave the batch
     at different times; every output equals transformers' greedy generate on its own."""
@@ -50,17 +41,10 @@ def test_concurrent_greedy_sessions_match_target_only(generator, hf_target):
                           speculate=i % 5 != 0, ignore_eos=True)
         for i, p in enumerate(prompts)
     ]
-    before = batch_counts(generator)
     outputs = run_concurrently(generator, requests)
-    after = batch_counts(generator)
     for request, ours in zip(requests, outputs, strict=True):
         assert len(ours) == request.max_new_tokens
         assert_same_or_tie(hf_target, request.prompt_ids, ours, hf_greedy(hf_target, request.prompt_ids, len(ours)))
-    target_batches, target_steps = after[0] - before[0], after[1] - before[1]
-    draft_batches, draft_steps = after[2] - before[2], after[3] - before[3]
-    # the steps really shared forward passes (how many depends on the machine's load: any is enough)
-    assert target_steps > target_batches and draft_steps > draft_batches, (target_steps, target_batches,
-                                                                          draft_steps, draft_batches)
     assert generator.target.num_sessions == 0 and generator.draft.num_sessions == 0
     assert generator.target.kv_budget.used == 0
 
@@ -100,18 +84,16 @@ def test_sampled_sessions_give_the_same_tokens_batched_as_alone(generator):
     assert run_concurrently(generator, requests) == alone
 
 
-def test_the_kv_budget_queues_then_refuses(tiny_dir):
-    engine = TargetEngine(tiny_dir / "target", kv_cache_tokens=100, queue_timeout=0.5)
+def test_the_kv_budget_refuses_at_once_while_taken(tiny_dir):
+    """A full budget refuses a prefill at once (the coordinator's scheduler keeps the request waiting)."""
+    engine = TargetEngine(tiny_dir / "target", kv_cache_tokens=100)
     greedy = SamplingParams()
     with pytest.raises(ResourceExhausted, match="whole KV budget is 100"):
         engine.prefill("huge", [5] * 10, greedy, max_new_tokens=200)
     engine.prefill("a", [5] * 10, greedy, max_new_tokens=40)  # reserves 10 + 40 + 17 = 67: 80 in whole blocks
-    started = time.monotonic()
     with pytest.raises(ResourceExhausted, match="budget is taken"):
         engine.prefill("b", [6] * 10, greedy, max_new_tokens=40)
-    assert time.monotonic() - started >= 0.5  # it queued first
-    # a queued request gets in as soon as a session finishes
-    threading.Timer(0.2, engine.release, args=("a",)).start()
+    engine.release("a")  # once a session finishes, it gets in
     engine.prefill("b", [6] * 10, greedy, max_new_tokens=40)
     assert engine.num_sessions == 1 and engine.kv_budget.used == 80
     engine.verify("b", 7, [8] * 3)
@@ -119,84 +101,16 @@ def test_the_kv_budget_queues_then_refuses(tiny_dir):
     assert engine.kv_budget.used == 0
 
 
-def test_a_failing_step_fails_alone():
-    def run(items):
-        return [ValueError(f"bad {i}") if i < 0 else i * 10 for i in items]
-
-    batcher = Batcher(run, max_batch=8, max_tokens=100)
-    with ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(batcher.submit, i, 1) for i in (1, -1, 2, 3, -2, 4)]
-    for i, future in zip((1, -1, 2, 3, -2, 4), futures, strict=True):
-        if i < 0:
-            with pytest.raises(ValueError, match=f"bad {i}"):
-                future.result()
-        else:
-            assert future.result() == i * 10
-
-
-def held_batches() -> tuple[Callable[[list], list], list[list], threading.Event]:
-    """A batch function that records its batches and holds each until the event is set."""
-    seen: list[list] = []
-    gate = threading.Event()
-
-    def run(items):
-        gate.wait(5)
-        seen.append(list(items))
-        return items
-
-    return run, seen, gate
-
-
-def test_batches_respect_the_size_and_token_bounds():
-    run, seen, gate = held_batches()
-    batcher = Batcher(run, max_batch=3, max_tokens=10)
-    with ThreadPoolExecutor(8) as pool:
-        first = pool.submit(batcher.submit, 0, 1)
-        time.sleep(0.1)  # the first runs alone; the rest queue behind it
-        rest = [pool.submit(batcher.submit, i, 4) for i in range(1, 8)]
-        time.sleep(0.2)
-        gate.set()
-        assert first.result() == 0 and [f.result() for f in rest] == list(range(1, 8))
-    assert seen[0] == [0]
-    assert all(len(batch) <= 3 and (len(batch) == 1 or 4 * len(batch) <= 10) for batch in seen[1:])
-    assert sorted(i for batch in seen for i in batch) == list(range(8))
-
-
-def test_steps_of_different_groups_never_share_a_batch():
-    """A long prefill is not padded among one-token verifies; the group left behind runs next."""
-    run, seen, gate = held_batches()
-    batcher = Batcher(run, max_batch=16, max_tokens=1000)
-    steps = [("verify", 1), ("prefill", 2), ("verify", 3), ("verify", 4), ("prefill", 5)]
-    with ThreadPoolExecutor(8) as pool:
-        first = pool.submit(batcher.submit, ("verify", 0), 1, "s0", "verify")
-        time.sleep(0.1)  # it runs alone; the rest queue behind it
-        rest = [pool.submit(batcher.submit, step, 48 if step[0] == "prefill" else 1, f"s{step[1]}", step[0])
-                for step in steps]
-        time.sleep(0.2)
-        gate.set()
-        assert first.result() == ("verify", 0) and [f.result() for f in rest] == steps
-    assert seen == [[("verify", 0)], [("verify", 1), ("verify", 3), ("verify", 4)], [("prefill", 2), ("prefill", 5)]]
-
 def test_a_native_targets_prefill_shares_the_batch_of_verifies(tiny_dir):
-    """The native forward pads nothing, so a prefill joins the batch of the verifies queued beside it (one
-    forward where the widths are compiled: NativeRunner.parts), and gives what it gives alone."""
+    """The native forward pads nothing, so a prefill in a batch of verifies runs with them (one forward where
+    the widths are compiled: NativeRunner.parts), and gives what it gives alone."""
     engine = TargetEngine(tiny_dir / "target", engine="native")
     greedy = SamplingParams(temperature=0.0)
     alone = engine.prefill("alone", [7, 8, 9, 10], greedy, max_new_tokens=8)
     a, c = (engine.prefill(s, [5, 6], greedy, max_new_tokens=8) for s in ("a", "c"))
-    run, seen, gate = held_batches()
-    steps = engine.batcher._run
-    engine.batcher._run = lambda batch: run([step.kind for step in batch]) and steps(batch)
-    with ThreadPoolExecutor(4) as pool:
-        held = pool.submit(engine.verify, "a", a.token, [])
-        time.sleep(0.1)  # it runs alone; the next two queue behind it
-        queued = [pool.submit(engine.verify, "c", c.token, []),
-                  pool.submit(engine.prefill, "b", [7, 8, 9, 10], greedy, max_new_tokens=8)]
-        time.sleep(0.2)
-        gate.set()
-        verify, prefill = (f.result() for f in queued)
-    assert seen == [["verify"], ["verify", "prefill"]]
-    assert prefill.token == alone.token and verify.bonus == held.result().bonus  # c is a's sequence
+    held = engine.verify("a", a.token, [])
+    verify, prefill = engine.run([Verify("c", c.token, []), Prefill("b", [7, 8, 9, 10], greedy, max_new_tokens=8)])
+    assert prefill.token == alone.token and verify.bonus == held.bonus  # c is a's sequence
     torch.testing.assert_close(prefill.features, alone.features, rtol=1e-4, atol=1e-4)
 
 
@@ -230,7 +144,7 @@ def test_a_session_released_while_its_step_is_queued_or_running_fails_that_step_
     firsts = {s: target.prefill(s, [5, 6, 7], greedy, max_new_tokens=16).token for s in ("a", "b", "c")}
     alone = target.verify("c", firsts["c"], [3, 4])  # b's step below, without a beside it
     target.release("c")
-    steps = {s: target._verify_step(s, firsts[s], [3, 4], True, None, None)[0] for s in ("a", "b")}
+    steps = {s: target._verify_step(Verify(s, firsts[s], [3, 4], True)) for s in ("a", "b")}
     target.release("a")  # queued, then released: its step fails alone
     gone, kept = target._run_batch([steps["a"], steps["b"]])
     assert isinstance(gone, SessionNotFound) and "ended before its verify ran" in str(gone)
@@ -248,113 +162,13 @@ def test_a_session_released_while_its_step_is_queued_or_running_fails_that_step_
         return forward(*args)
 
     target.runner.forward = releasing
-    results = target._run_batch([target._verify_step(s, late[s], [3, 4], True, None, None)[0] for s in ("d", "e")])
+    results = target._run_batch([target._verify_step(Verify(s, late[s], [3, 4], True)) for s in ("d", "e")])
     target.runner.forward = forward
     releases[0].join(5)
     assert not releases[0].is_alive() and "d" not in target.sessions
     assert [r.bonus for r in results] == [alone.bonus] * 2
     target.release("e")
     assert len(target.kv_pool._free) == free
-
-
-def test_a_batch_does_not_wait_for_a_session_that_ended():
-    """The runner waits for sessions due back soon, unless the engine said they are released."""
-    batcher = Batcher(lambda items: items, max_batch=8, max_tokens=100, max_wait=5.0, window=1000.0)
-    batcher.submit("a1", 1, key="a")
-    batcher.submit("b1", 1, key="b")
-    batcher._last_seconds = 1.0  # a window far longer than the test: only `forget` ends the wait
-    threading.Timer(0.3, batcher.forget, args=("a",)).start()
-    started = time.monotonic()
-    assert batcher.submit("b2", 1, key="b") == "b2"
-    assert 0.25 < time.monotonic() - started < 3.0
-
-
-def test_a_long_batch_lets_the_next_one_run_beside_it():
-    """`beside`: a batch the relay marks long (a target-only decode message) does not hold back the steps
-    queued after it; a plain batch does."""
-    release = threading.Event()
-    ran: list[list[str]] = []
-
-    def run(items: list[str]) -> list[str]:
-        ran.append(list(items))
-        if "long" in items:
-            release.wait(5)
-        return items
-
-    batcher = Batcher(run, max_batch=8, max_tokens=100, max_wait=0.0, beside=lambda items: "long" in items)
-    with ThreadPoolExecutor(2) as pool:
-        long = pool.submit(batcher.submit, "long", 1, "a")
-        while not ran:
-            time.sleep(0.001)
-        assert batcher.submit("short", 1, key="b") == "short"  # ran while the long one still runs
-        assert not long.done()
-        release.set()
-        assert long.result(5) == "long"
-    assert ran == [["long"], ["short"]]
-
-
-def cohort_step(batcher: Batcher, item, cohort: tuple[int, int] | None):
-    """Submit as a service does: the step's clock carries the cohort it came with; returns the result
-    and the batch (id, size) that computed it."""
-    clock = StepClock()
-    clock.cohort = cohort
-    with clock.compute():
-        result = batcher.submit(item, 1, key=item)
-    return result, clock.batch
-
-
-def test_a_cohort_arriving_in_pieces_runs_as_one_batch():
-    """The steps of one earlier batch come back spread out; the runner waits for the rest of them,
-    and tells each step the batch that computed it."""
-    seen: list[list] = []
-    batcher = Batcher(lambda items: seen.append(list(items)) or items, max_batch=8, max_tokens=100, max_wait=2.0)
-    with ThreadPoolExecutor(4) as pool:
-        futures = []
-        for item in ("a", "b", "c"):
-            futures.append(pool.submit(cohort_step, batcher, item, (7, 3)))
-            time.sleep(0.15)  # far past the due-back window: only the cohort keeps the runner waiting
-        results = [f.result() for f in futures]
-    assert seen == [["a", "b", "c"]]
-    assert [r for r, _ in results] == ["a", "b", "c"]
-    (batch_id, size), = {batch for _, batch in results}
-    assert size == 3
-    # a cohort whose last step never comes is waited for max_wait, no longer
-    batcher.max_wait = 0.2
-    started = time.monotonic()
-    assert cohort_step(batcher, "d", (8, 2))[0] == "d"
-    assert 0.15 < time.monotonic() - started < 2.0
-    assert cohort_step(batcher, "e", None)[1][0] != batch_id  # every batch has its own id
-
-
-def test_the_coordinator_counts_who_goes_on_to_the_draft():
-    """Members of a target batch that go on wait for the others to decide and all get the same count;
-    one that finished does not hold them up; a member that decides after the wait goes alone."""
-    cohorts = Cohorts(wait=5.0)
-    links = [CohortLink(cohorts) for _ in range(4)]
-    for link in links:
-        link.from_target(41, 4)
-    with ThreadPoolExecutor(4) as pool:
-        going = [pool.submit(link.to_draft) for link in links[:2]]
-        time.sleep(0.1)
-        assert not any(f.done() for f in going)  # two members have not said yet
-        links[2].leave()  # finished: its target session is released
-        links[3].to_target()
-        links[3].leave()  # a target-only round
-        hints = {f.result(timeout=2) for f in going}
-    assert len(hints) == 1 and next(iter(hints))[1] == 2
-    cohorts.wait = 0.1
-    late = [CohortLink(cohorts) for _ in range(3)]
-    for link in late:
-        link.from_target(42, 3)
-    started = time.monotonic()
-    assert late[0].to_draft()[1] == 1  # the others never said: the count is final after the wait
-    assert time.monotonic() - started < 2.0
-    assert late[1].to_draft() is None  # too late to join: it goes without a cohort
-    solo = CohortLink(cohorts)
-    solo.from_target(43, 1)
-    assert solo.to_draft() is None  # a batch of one is no cohort
-    solo.from_draft(9, 5)
-    assert solo.to_target() == (9, 5) and solo.to_target() is None  # a draft batch goes on as it is
 
 
 @torch.inference_mode()
@@ -406,34 +220,31 @@ def test_adaptive_k_shrinks_with_load_and_sheds_the_draft(generator, hf_target):
     assert_same_or_tie(hf_target, prompt, tokens, hf_greedy(hf_target, prompt, len(tokens)))
 
 
-def test_a_service_with_a_full_kv_budget_answers_resource_exhausted(tiny_dir, tmp_path):
-    """Through the three processes: one long generation holds most of the target's KV budget; the next
-    queues for --queue-timeout, then gets RESOURCE_EXHAUSTED naming the budget; the first carries on,
-    and once it is gone the budget is free again."""
+def test_a_request_waits_while_the_kv_budget_is_taken_and_runs_once_it_is_free(tiny_dir, tmp_path):
+    """Through the three processes: one long generation holds most of the target's KV budget; the next waits
+    in the coordinator's queue (the target refused its prefill: vLLM's admission, not a 429), the first carries
+    on untouched, and once it is gone the second runs to its end. One that could never fit is refused."""
     from processes import start_stack, stop_stack
 
     from coordinator.client import TandemClient, TandemError
 
     engine = TargetEngine(tiny_dir / "target")
     gib = 1100 * engine.kv_bytes_per_token / (1 << 30)  # 1100 tokens: one generation of 5 + 1000 (+17)
-    procs = start_stack(tiny_dir, tmp_path, target_args=["--kv-cache-gib", f"{gib:.12f}", "--queue-timeout", "0.5"])
+    procs = start_stack(tiny_dir, tmp_path, target_args=["--kv-cache-gib", f"{gib:.12f}"])
     try:
         with TandemClient(procs["coordinator"].address, timeout=120) as client:
+            with pytest.raises(TandemError) as refused:
+                client.generate(prompt_ids=[5, 6, 7, 8, 9], max_new_tokens=2000)
+            assert refused.value.code.name == "RESOURCE_EXHAUSTED" and "whole KV budget" in refused.value.details
             stream = client.generate_stream(prompt_ids=[5, 6, 7, 8, 9], max_new_tokens=1000, ignore_eos=True)
             next(stream)  # it holds 1022 of the 1100 tokens
-            with pytest.raises(TandemError) as refused:
-                client.generate(prompt_ids=[5, 6, 7, 8, 9], max_new_tokens=100)
-            assert refused.value.code.name == "RESOURCE_EXHAUSTED" and "KV budget" in refused.value.details
-            assert next(stream).token_ids  # the first one is untouched
-            stream.close()  # its sessions (and their reservation) are released
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    out = client.generate(prompt_ids=[5, 6, 7, 8, 9], max_new_tokens=100, ignore_eos=True)
-                    break
-                except TandemError:
-                    assert time.monotonic() < deadline, "the budget was not freed"
-            assert len(out.token_ids) == 100
+            with ThreadPoolExecutor(1) as pool:
+                second = pool.submit(client.generate, prompt_ids=[5, 6, 7, 8, 9], max_new_tokens=100, ignore_eos=True)
+                for _ in range(20):
+                    assert next(stream).token_ids  # the first one is untouched
+                assert not second.done()  # it waits for KV
+                stream.close()  # its sessions (and their reservation) are released
+                assert len(second.result(60).token_ids) == 100
     finally:
         stop_stack(procs)
 
@@ -765,42 +576,3 @@ def test_rounds_that_max_new_tokens_cuts_short_are_not_timed():
         shapes.append(policy.tree_for_round(k, produced) is not None)
         policy.record(k, 1, 0.010, tree=shapes[-1])
     assert shapes == [True, True, False] and trees._seen == {}
-
-
-def test_the_read_ahead_hands_over_in_order_raises_after_and_stops_when_asked():
-    """coordinator.generation.ReadAhead: the deltas of a request made in a thread of their own come in order,
-    an error of the rounds is raised after what came before it, and a reader that is done stops the thread
-    whether it is making the next item or waiting for room."""
-    import threading
-    import time
-
-    from coordinator.generation import ReadAhead
-
-    assert list(ReadAhead(iter(range(50)), depth=2)) == list(range(50))
-
-    def failing():
-        yield from (1, 2)
-        raise ValueError("the target refused")
-
-    got = iter(ReadAhead(failing()))
-    assert [next(got), next(got)] == [1, 2]
-    with pytest.raises(ValueError, match="refused"):
-        next(got)
-
-    release = threading.Event()
-
-    def slow():
-        yield 1
-        release.wait(5)  # a round waiting on a service
-        yield 2
-
-    ahead = ReadAhead(slow())
-    assert next(iter(ahead)) == 1
-    assert not ahead.stop(0.1) and ahead.running  # still in its round: the caller cancels the streams then
-    release.set()
-    assert ahead.stop(5) and not ahead.running
-
-    endless = ReadAhead(iter(range(10**9)), depth=1)  # the reader went away: the queue stays full
-    time.sleep(0.1)
-    started = time.monotonic()
-    assert endless.stop(5) and time.monotonic() - started < 1

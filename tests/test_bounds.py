@@ -71,8 +71,8 @@ CHAT = {"model": "target", "messages": [{"role": "user", "content": "hi"}], "max
 HTTP_CASES = [
     # (what, route, body, status)
     ("huge n (CVE-2026-34756)", "/v1/completions", {**COMPLETION, "n": 10 ** 9}, 400),
-    ("n past max_sessions", "/v1/completions", {**COMPLETION, "n": 128}, 429),
-    ("batch of prompts past max_sessions", "/v1/completions", {**COMPLETION, "prompt": ["a"] * 1000}, 429),
+    ("n past max_sessions + max_waiting", "/v1/completions", {**COMPLETION, "n": 128}, 429),
+    ("batch of prompts past max_sessions + max_waiting", "/v1/completions", {**COMPLETION, "prompt": ["a"] * 1000}, 429),
     ("malformed tools (CVE-2025-48944)", "/v1/chat/completions",
      {**CHAT, "tools": [{"type": "function", "function": {"name": 123, "parameters": "x"}}]}, 400),
     ("tools not a list", "/v1/chat/completions", {**CHAT, "tools": "x"}, 400),

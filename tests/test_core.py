@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from helpers import OracleDraft, RecordingDraft
+from helpers import OracleDraft, RecordingDraft, StepByStep
 
 from draft_server.checkpoint import REFERENCE, read_target_embedding, save_draft
 from draft_server.engine import DraftEngine
@@ -216,7 +216,7 @@ def test_cached_draft_matches_naive_recompute(tiny_dir, hf_target):
     # mostly-accepted rounds so that the committed pairs come from several verify results
     oracle = OracleDraft(hf_target, corrupt=0.3, seed=3)
 
-    class Mixed:
+    class Mixed(StepByStep):
         """Feed the real draft every committed pair; take the oracle's drafts for verification."""
 
         def propose(self, session_id, features, next_tokens, k, create=False):

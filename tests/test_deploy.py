@@ -447,7 +447,7 @@ def test_coordinator_image_recipe_runs_the_coordinator_without_torch(coordinator
     """The coordinator image installs tandem with --no-deps plus the light dependencies: that must be
     enough for `tandem coordinator`, `tandem generate --server` and the health probe."""
     code = (
-        "import sys, coordinator.server, coordinator.client, coordinator.backends\n"
+        "import sys, coordinator.server, coordinator.client, coordinator.scheduler\n"
         "import coordinator.http.app, coordinator.http.server\n"  # the OpenAI front: starlette, uvicorn, jinja2
         "import tandem_tools.cli, tandem.config\n"
         "heavy = [m for m in ('torch', 'transformers', 'numpy', 'safetensors') if m in sys.modules]\n"

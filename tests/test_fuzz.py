@@ -9,6 +9,7 @@ One stack for the module; the fuzzers' case counts go to the terminal (-s) and t
 from __future__ import annotations
 
 import json
+import time
 
 import grpc
 import pytest
@@ -192,10 +193,10 @@ def test_the_grpc_front_answers_every_generated_request_without_an_internal_erro
 
 
 def _target_steps():
-    """A Session stream as a client may send it: mostly a prefill, then verifies, every field now and then anything."""
+    """Batches of a Step stream as a coordinator may send them: mostly a prefill, then verifies, every field now
+    and then anything, a batch of one or several steps, some of one session."""
     prompt = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24)
-    prefill = st.builds(target_pb2.Prefill, session_id=st.text(min_size=1, max_size=12),
-                        prompt_ids=_mostly(prompt, _ids()), sampling=st.one_of(st.none(), _sampling()),
+    prefill = st.builds(target_pb2.Prefill, prompt_ids=_mostly(prompt, _ids()), sampling=st.one_of(st.none(), _sampling()),
                         want_features=st.booleans(), max_new_tokens=_mostly(st.integers(1, 32), st.integers(-3, 2 ** 31 - 1)),
                         verify_tokens=_mostly(st.just(17), st.integers(-3, 200)))
     probs = st.builds(common_pb2.DraftProbs, ids=_ids(), probs=st.lists(st.floats(width=32), max_size=24))
@@ -203,40 +204,74 @@ def _target_steps():
     anything = st.fixed_dictionaries({"drafts": _ids(), "q": st.lists(probs, max_size=4),
                                       "parents": st.lists(st.integers(0, 30), max_size=24)})
     verify = st.tuples(_mostly(chain, anything), st.fixed_dictionaries({}, optional={
-        "token": st.integers(-3, VOCAB + 3), "want_features": st.booleans(), "decode": _mostly(st.just(0), st.integers(-3, 20)),
-        "stop_ids": _ids(), "answer_within_ms": st.integers(0, 100)})).map(lambda t: target_pb2.Verify(**t[0], **t[1]))
+        "token": st.integers(-3, VOCAB + 3), "want_features": st.booleans(), "decode": _mostly(st.just(0), st.integers(-3, 70)),
+        "stop_ids": _ids()})).map(lambda t: target_pb2.Verify(**t[0], **t[1]))
     prefills = prefill.map(lambda p: target_pb2.TargetRequest(prefill=p))
     verifies = verify.map(lambda v: target_pb2.TargetRequest(verify=v))
-    first = _mostly(prefills, verifies)
-    rest = st.lists(_mostly(verifies, prefills), max_size=4)
-    return st.tuples(first, rest).map(lambda t: [t[0], *t[1]])
+    session = st.sampled_from(["a", "b", "c"])
+    step = st.builds(target_pb2.SessionStep, session_id=session, request=_mostly(verifies, prefills))
+    batch = st.builds(target_pb2.TargetBatch, steps=st.lists(step, max_size=4), release=st.lists(session, max_size=2))
+    first = st.builds(target_pb2.TargetBatch, steps=st.lists(st.builds(target_pb2.SessionStep, session_id=session,
+                                                                       request=prefills), min_size=1, max_size=3))
+    return st.tuples(first, st.lists(batch, max_size=4)).map(lambda t: [t[0], *t[1]])
 
 
 STEP_REFUSALS = REFUSALS | {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION}
 
 
+@pytest.fixture(scope="module")
+def lone_target(tiny_dir):
+    """A target service of its own, which no coordinator steps: the fuzzer is its coordinator."""
+    from tandem.config import TargetSettings
+    from tandem.service import Service
+    from target_server.engine import TargetEngine
+    from target_server.service import TargetServicer
+
+    service = Service("target", TargetSettings(model=tiny_dir / "target", port=0, kv_cache_gib=None),
+                      ["tandem.v1.TargetService"])
+    servicer = TargetServicer(service)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, service.server)
+    service.start()
+    engine = TargetEngine(tiny_dir / "target")
+    servicer.attach(engine)
+    service.ready()
+    yield service.address, engine
+    service.server.stop(None)
+
+
 @pytest.mark.slow
-def test_the_target_answers_every_generated_step_stream_without_an_internal_error(stack):
-    """The target's own stream, as a client holding a certificate of its CA could drive it (the fronts'
-    keys do not stand before it)."""
-    streams: list[str] = []
-    with grpc.insecure_channel(stack.target) as channel:
+def test_the_target_answers_every_generated_batch_without_an_internal_error(lone_target):
+    """The target's Step stream, as a coordinator holding a certificate of its CA could drive it (the fronts'
+    keys do not stand before it): every step gets a result or a refusal of its own, and the stream's end
+    leaves no session."""
+    address, engine = lone_target
+    outcomes: list[str] = []
+    refusals = {code.value[0] for code in STEP_REFUSALS}
+    with grpc.insecure_channel(address) as channel:
         stub = target_pb2_grpc.TargetServiceStub(channel)
 
         @FUZZ
-        @given(steps=_target_steps())
-        def call(steps):
+        @given(batches=_target_steps())
+        def call(batches):
             try:
-                for _ in stub.Session(iter(steps), timeout=60):
-                    pass
-                streams.append("OK")
+                for answer in stub.Step(iter(batches), timeout=60, metadata=[("tandem-coordinator", "fuzz")]):
+                    for result in answer.results:
+                        if result.HasField("error"):
+                            assert result.error.code in refusals, (batches, result.error)
+                            outcomes.append(grpc.StatusCode(next(c for c in grpc.StatusCode
+                                                                 if c.value[0] == result.error.code)).name)
+                        else:
+                            outcomes.append("OK")
             except grpc.RpcError as exc:
-                assert exc.code() in STEP_REFUSALS, (steps, exc.code(), exc.details())
-                streams.append(exc.code().name)
+                assert exc.code() in STEP_REFUSALS, (batches, exc.code(), exc.details())
+                outcomes.append(exc.code().name)
 
         call()
-    COUNTS["target Session streams"] = _tally(streams)
-    _still_serving(stack)
+    deadline = time.monotonic() + 10
+    while engine.num_sessions and time.monotonic() < deadline:  # each stream's end frees its sessions
+        time.sleep(0.05)
+    assert engine.num_sessions == 0 and engine.kv_budget.used == 0
+    COUNTS["target Step batches"] = _tally(outcomes)
 
 
 def test_fuzz_counts(stack, tmp_path_factory):

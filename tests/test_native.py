@@ -158,7 +158,6 @@ def test_greedy_equals_generate_alone_and_batched(family, checkpoints):
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         assert list(pool.map(one, range(len(prompts)))) == expected
-    assert target.batcher.steps > target.batcher.batches  # some steps did share a forward
     assert target.num_sessions == 0 and target.kv_budget.used == 0
 
 

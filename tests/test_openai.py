@@ -24,7 +24,8 @@ from coordinator.client import TandemClient
 from tests.processes import open_sessions, wait_for_no_sessions
 
 PROMPTS = ["def main(", "import os\n", "class Foo:\n    def __init__(self", "# héllo wörld ✓"]
-MAX_SESSIONS = 4  # the coordinator's: a request of more samples is refused with 429
+MAX_SESSIONS = 4  # the coordinator's: running; more wait, up to MAX_WAITING, then 429
+MAX_WAITING = 2
 
 
 @dataclass
@@ -70,7 +71,8 @@ def stop_stack(stack: Stack, log: Path) -> None:
 def stack(tiny_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     stack = start_stack(tiny_dir / "target", tiny_dir / "draft", log,
-                        {"TANDEM_COORDINATOR_MAX_SESSIONS": str(MAX_SESSIONS)})
+                        {"TANDEM_COORDINATOR_MAX_SESSIONS": str(MAX_SESSIONS),
+                         "TANDEM_COORDINATOR_MAX_WAITING": str(MAX_WAITING)})
     yield stack
     stop_stack(stack, log)
 
@@ -338,8 +340,9 @@ def test_error_classes_map_to_their_http_status(client, stack):
     with pytest.raises(openai.BadRequestError, match="only text"):
         client.chat.completions.create(model="target", max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
-    with pytest.raises(openai.RateLimitError, match="max_sessions"):  # RESOURCE_EXHAUSTED
-        client.completions.create(model="target", prompt="x", max_tokens=2, n=MAX_SESSIONS + 1)
+    assert len(client.completions.create(model="target", prompt="x", max_tokens=2, n=MAX_SESSIONS + 1).choices) == 5
+    with pytest.raises(openai.RateLimitError, match="in flight"):  # RESOURCE_EXHAUSTED: running and waiting full
+        client.completions.create(model="target", prompt="x", max_tokens=2, n=MAX_SESSIONS + MAX_WAITING + 1)
     assert httpx.post(f"{stack.url}/v1/completions", content=b"{not json").status_code == 400
 
 

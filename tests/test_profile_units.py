@@ -48,7 +48,7 @@ def messages(rng: random.Random) -> list:
                                   timing=profile_pb2.StepTiming(received_ns=1 << 40, sent_ns=(1 << 40) + 5,
                                                                 compute_ns=123_456)),
         target_pb2.TargetResponse(features=feature_chunk(3)),
-        draft_pb2.DraftRequest(session_id="x", next_tokens=ids(9), num_draft_tokens=4, features=feature_chunk(9)),
+        draft_pb2.DraftRequest(next_tokens=ids(9), num_draft_tokens=4, features=feature_chunk(9)),
         draft_pb2.DraftResponse(drafts=ids(4), timing=profile_pb2.StepTiming(compute_ns=99)),
         draft_pb2.DraftResponse(drafts=ids(3), q=[common_pb2.DraftProbs(ids=ids(8), probs=[0.125] * 8)
                                                   for _ in range(3)]),
@@ -90,17 +90,17 @@ def test_token_id_bytes_are_the_varints_of_the_ids():
     assert (parts_of(request).num_token_ids, parts_of(request).token_ids) == (3, 2)  # a zero id is not sent
 
 
-def test_a_cohort_relay_message_counts_the_payload_of_each_step():
+def test_a_batch_message_counts_the_payload_of_each_step():
     verify = target_pb2.TargetRequest(verify=target_pb2.Verify(token=5, drafts=[300, 7]))
-    steps = target_pb2.CohortSteps(steps=[target_pb2.SessionStep(session_id=f"s{i}", request=verify) for i in range(3)])
+    steps = target_pb2.TargetBatch(steps=[target_pb2.SessionStep(session_id=f"s{i}", request=verify) for i in range(3)])
     assert (parts_of(steps).num_token_ids, parts_of(steps).token_ids) == (9, 3 * (1 + 2 + 1))
     answer = target_pb2.TargetResponse(verified=target_pb2.Verified(accepted=[300], bonus=9))
-    results = target_pb2.CohortResults(results=[target_pb2.StepResult(response=answer),
+    results = target_pb2.TargetBatchResult(results=[target_pb2.StepResult(response=answer),
                                                 target_pb2.StepResult(error=common_pb2.StepError(code=5))])
     assert parts_of(results).num_token_ids == 2  # the failed step carries none
-    proposes = draft_pb2.DraftCohortSteps(steps=[draft_pb2.DraftSessionStep(
+    proposes = draft_pb2.DraftBatch(steps=[draft_pb2.DraftSessionStep(
         session_id="s", request=draft_pb2.DraftRequest(next_tokens=[1, 2]))])
-    drafted = draft_pb2.DraftCohortResults(results=[draft_pb2.DraftStepResult(
+    drafted = draft_pb2.DraftBatchResult(results=[draft_pb2.DraftStepResult(
         response=draft_pb2.DraftResponse(drafts=[3, 4, 5]))])
     assert (parts_of(proposes).num_token_ids, parts_of(drafted).num_token_ids) == (2, 3)
 
@@ -147,7 +147,7 @@ def test_the_grpc_wrappers_count_exactly_what_is_sent_on_both_ends(echo_server):
     call = channel.stream_stream("/tandem.v1.DraftService/Session",
                                  request_serializer=draft_pb2.DraftRequest.SerializeToString,
                                  response_deserializer=draft_pb2.DraftResponse.FromString)
-    requests = [draft_pb2.DraftRequest(session_id="s", next_tokens=[1, 300, 70_000, 5], num_draft_tokens=3,
+    requests = [draft_pb2.DraftRequest(next_tokens=[1, 300, 70_000, 5], num_draft_tokens=3,
                                        features=feature_chunk(4)) for _ in range(5)]
     responses = list(call(iter(requests)))
     assert len(responses) == 5

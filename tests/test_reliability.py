@@ -9,7 +9,6 @@ import math
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +18,6 @@ import pytest
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from processes import (
-    Proc,
     listening_addresses,
     open_sessions,
     rss_mib,
@@ -43,15 +41,13 @@ from tandem.v1 import (
 )
 from tandem.wire import encode_features
 
-SESSION_TTL = 5.0
 GOOD = {"prompt_ids": [5, 6, 7], "max_new_tokens": 6}
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_dir, tmp_path_factory):
     run = tmp_path_factory.mktemp("reliability")
-    ttl = ["--session-ttl", str(SESSION_TTL)]
-    procs = start_stack(tiny_dir, run, target_args=ttl, draft_args=ttl, coordinator_args=["--max-sessions", "32"])
+    procs = start_stack(tiny_dir, run, coordinator_args=["--max-sessions", "32"])
     yield procs
     stop_stack(procs)
 
@@ -149,20 +145,28 @@ def test_cli_prints_the_status_and_message_and_exits_non_zero(stack):
     assert "OUT_OF_RANGE" in out.stderr and "context of 8192 tokens" in out.stderr
 
 
-def test_more_sessions_than_configured_and_draining_are_refused(stack, tmp_path):
-    """A second coordinator with --max-sessions 1 on the same services: the second concurrent request
-    is RESOURCE_EXHAUSTED; once it drains, new requests are UNAVAILABLE."""
-    small = Proc("coordinator", ["--target-addr", stack["target"].address, "--draft-addr", stack["draft"].address,
-                                 "--max-sessions", "1", "--grace-period", "60"], tmp_path)
+def test_requests_past_max_sessions_wait_past_max_waiting_are_refused_and_draining_refuses(tiny_dir, tmp_path):
+    """A pair of its own with --max-sessions 1 --max-waiting 1: the second concurrent request waits for the
+    first (FCFS) and then runs; a third is RESOURCE_EXHAUSTED; once the coordinator drains, new requests are
+    UNAVAILABLE."""
+    procs = start_stack(tiny_dir, tmp_path, coordinator_args=["--max-sessions", "1", "--max-waiting", "1",
+                                                              "--grace-period", "60"])
+    small = procs["coordinator"]
     try:
-        small.wait_serving()
-        with TandemClient(small.address, timeout=60) as client:
+        with TandemClient(small.address, timeout=60) as client, ThreadPoolExecutor(1) as pool:
             held = client.generate_stream(prompt_ids=[5, 6, 7], max_new_tokens=5000, ignore_eos=True)
             next(held)
+            waiting = pool.submit(client.generate, **GOOD)
+            time.sleep(1.0)  # the second is in the queue: a third finds it full
             with pytest.raises(TandemError) as info:
                 client.generate(**GOOD)
             assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "max_sessions=1" in info.value.details
+            assert "max_sessions + max_waiting=2" in info.value.details
+            assert not waiting.done()
+            held.close()
+            assert len(waiting.result(60).token_ids) == GOOD["max_new_tokens"]
+            held = client.generate_stream(prompt_ids=[5, 6, 7], max_new_tokens=5000, ignore_eos=True)
+            next(held)
             small.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 10
             while health_status(small.address) != "NOT_SERVING":
@@ -174,7 +178,7 @@ def test_more_sessions_than_configured_and_draining_are_refused(stack, tmp_path)
             held.close()
         assert small.proc.wait(30) == 0
     finally:
-        small.kill()
+        stop_stack(procs)
 
 
 def test_cancelled_streams_leave_no_sessions_and_memory_returns_to_its_baseline(stack):
@@ -199,39 +203,27 @@ def test_cancelled_streams_leave_no_sessions_and_memory_returns_to_its_baseline(
         assert after[name] < baseline[name] + 50, f"{name}: {baseline[name]:.0f} MiB -> {after[name]:.0f} MiB"
 
 
-def test_sessions_left_behind_are_evicted_after_the_ttl_with_not_found(stack):
-    """A client that opens a session and then hangs with the stream open."""
-    with grpc.insecure_channel(stack["target"].address) as t, grpc.insecure_channel(stack["draft"].address) as d:
-        target = target_pb2_grpc.TargetServiceStub(t)
-        draft = draft_pb2_grpc.DraftServiceStub(d)
-        hang = threading.Event()
-
-        def target_steps():
-            yield target_pb2.TargetRequest(prefill=target_pb2.Prefill(
-                prompt_ids=[5, 6, 7], sampling=common_pb2.SamplingParams(), want_features=False))
-            hang.wait(60)
-
-        hidden = draft.ModelInfo(draft_pb2.DraftInfoRequest(), timeout=10).target_hidden_size
-        [features] = encode_features(torch.zeros(2, 3 * hidden))
-
-        def draft_steps():
-            yield draft_pb2.DraftRequest(session_id="hung", next_tokens=[6, 7], num_draft_tokens=2, features=features)
-            hang.wait(60)
-
-        t_stream, d_stream = target.Session(target_steps(), timeout=60), draft.Session(draft_steps(), timeout=60)
-        try:
-            assert next(t_stream).HasField("prefilled") and len(next(d_stream).drafts) == 2
-            assert open_sessions(stack["target"].address, stack["draft"].address) == (1, 1)
-            start = time.monotonic()
-            for stream in (t_stream, d_stream):
-                with pytest.raises(grpc.RpcError) as info:
-                    next(stream)
-                assert info.value.code() == grpc.StatusCode.NOT_FOUND
-                assert "evicted" in info.value.details() and "--session-ttl" in info.value.details()
-            assert time.monotonic() - start < 2 * SESSION_TTL + 2
-            assert open_sessions(stack["target"].address, stack["draft"].address) == (0, 0)
-        finally:
-            hang.set()
+def test_a_second_coordinator_is_refused_by_the_services_and_leaves_nothing(stack, good_output):
+    """One coordinator steps a pair: another's stream is refused, naming why, and opens no session (the first
+    coordinator's sessions end with its streams: tests/test_steps.py)."""
+    hidden = None
+    for name, stub_class in (("target", target_pb2_grpc.TargetServiceStub), ("draft", draft_pb2_grpc.DraftServiceStub)):
+        with grpc.insecure_channel(stack[name].address) as channel:
+            stub = stub_class(channel)
+            if name == "target":
+                step = target_pb2.SessionStep(session_id="rogue", request=target_pb2.TargetRequest(
+                    prefill=target_pb2.Prefill(prompt_ids=[5, 6, 7], sampling=common_pb2.SamplingParams())))
+                batch = target_pb2.TargetBatch(steps=[step])
+                hidden = stub.ModelInfo(target_pb2.TargetInfoRequest(), timeout=10).hidden_size
+            else:
+                [features] = encode_features(torch.zeros(2, 3 * hidden))
+                batch = draft_pb2.DraftBatch(steps=[draft_pb2.DraftSessionStep(session_id="rogue", open=True,
+                    request=draft_pb2.DraftRequest(next_tokens=[6, 7], num_draft_tokens=2, features=features))])
+            with pytest.raises(grpc.RpcError) as refused:
+                next(stub.Step(iter([batch]), timeout=30, metadata=[("tandem-coordinator", "rogue")]))
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "stepped by another coordinator" in refused.value.details()
+    assert open_sessions(stack["target"].address, stack["draft"].address) == (0, 0)
 
 
 def test_internal_services_listen_on_loopback_only_by_default(stack):

@@ -10,6 +10,7 @@ import time
 
 import grpc
 import pytest
+from helpers import StepByStep
 from processes import start_stack, stop_stack, wait_for_no_sessions
 
 from coordinator.client import TandemClient, TandemError
@@ -135,8 +136,8 @@ def test_a_killed_target_ends_the_generation_with_unavailable_and_the_coordinato
 # -- the round loop, in-process ---------------------------------------------------------------------
 
 
-class FailingDraft:
-    """The real draft engine until its `fail_at`-th propose, which raises DraftUnavailable."""
+class FailingDraft(StepByStep):
+    """The real draft engine until its `fail_at`-th propose, which fails with DraftUnavailable."""
 
     def __init__(self, engine, fail_at: int):
         self.engine, self.fail_at, self.calls, self.released = engine, fail_at, 0, []

@@ -348,7 +348,7 @@ def test_every_service_reports_serving_and_offers_reflection(stack):
 
 def test_the_coordinator_imports_no_torch():
     code = (
-        "import sys, coordinator.server, coordinator.client, coordinator.backends, tandem.text, "
+        "import sys, coordinator.server, coordinator.client, coordinator.scheduler, tandem.text, "
         "coordinator.http.app, coordinator.http.server, "
         "tandem_tools.serve, tandem.wire, tandem.config, tandem_tools.cli; "
         "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]; "

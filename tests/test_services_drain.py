@@ -76,7 +76,7 @@ def test_sigterm_drains_every_service_and_lets_the_in_flight_generation_finish(s
             client.generate(prompt_ids=[5, 6, 7], max_new_tokens=4)
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
         with grpc.insecure_channel(services["target"][1]) as channel:
-            session = target_pb2_grpc.TargetServiceStub(channel).Session(iter([target_pb2.TargetRequest()]), timeout=10)
+            session = target_pb2_grpc.TargetServiceStub(channel).Step(iter([target_pb2.TargetBatch()]), timeout=10)
             with pytest.raises(grpc.RpcError) as rpc:
                 list(session)
             assert rpc.value.code() == grpc.StatusCode.UNAVAILABLE

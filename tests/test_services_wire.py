@@ -1,4 +1,4 @@
-"""The tensor wire codec and the chunked relay of features target -> coordinator -> draft over real gRPC."""
+"""The tensor wire codec, and features target -> coordinator -> draft over real gRPC in the scheduler's batches."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import grpc
 import pytest
 import torch
 
-from coordinator.backends import GrpcDraft, GrpcTarget
+from coordinator.links import ServiceLink
+from coordinator.scheduler import pack_draft, pack_target
 from draft_server.service import DraftServicer
-from tandem.config import DraftSettings, TargetSettings
+from tandem.config import BATCH_MESSAGE_MIB, DraftSettings, TargetSettings
 from tandem.params import SamplingParams
-from tandem.protocol import Drafts, PrefillResult, VerifyResult
-from tandem.service import Service
+from tandem.protocol import Drafts, Prefill, PrefillResult, Propose, Verify, VerifyResult
+from tandem.service import Service, channel_options
 from tandem.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from tandem.wire import (
     DEFAULT_CHUNK_BYTES,
@@ -94,21 +95,25 @@ def test_malformed_chunks_are_refused():
 
 
 class BigFeaturesTarget:
-    """Answers a prefill with 8B-sized features (the transport is under test, not the model)."""
-
-    vocab_size, hidden_size, num_layers, max_context = 1000, 4096, 32, 8192
+    """A target engine whose prefill returns an 8B-sized 96 MiB of features."""
 
     def __init__(self):
         self.features = features_8b()
         self.sessions: set[str] = set()
+        self.device = torch.device("cpu")
 
-    def prefill(self, session_id, prompt_ids, params, want_features=True, max_new_tokens=None, verify_tokens=None):
-        self.sessions.add(session_id)
-        return PrefillResult(token=7, features=self.features[: len(prompt_ids)])
+    def run(self, steps):
+        out = []
+        for step in steps:
+            if isinstance(step, Prefill):
+                self.sessions.add(step.session_id)
+                out.append(PrefillResult(token=7, features=self.features[: len(step.prompt_ids)]))
+            else:
+                out.append(VerifyResult(accepted=step.drafts[:1], bonus=9, features=self.features[:2]))
+        return out
 
-    def verify(self, session_id, token, drafts, want_features=True, q=None, parents=None, decode=1, stop_ids=(),
-               answer_within_ms=0):
-        return VerifyResult(accepted=drafts[:1], bonus=9, features=self.features[:2])
+    def features_ready(self, session_id):
+        return None
 
     def release(self, session_id):
         return self.sessions.discard(session_id) is None
@@ -116,6 +121,7 @@ class BigFeaturesTarget:
 
 class RecordingDraftEngine:
     feature_size = 3 * 4096  # an 8B target's 3H
+    device = torch.device("cpu")
 
     def __init__(self):
         self.received: list[torch.Tensor] = []
@@ -124,11 +130,14 @@ class RecordingDraftEngine:
     def session_ids(self):
         return list(self.sessions)
 
-    def propose(self, session_id, features, next_tokens, num_draft_tokens, create=False, sampling=None, tree=None):
-        assert features.shape[0] == len(next_tokens)
-        self.sessions.add(session_id)
-        self.received.append(features)
-        return Drafts([len(self.received)] * num_draft_tokens)
+    def run(self, steps):
+        out = []
+        for step in steps:
+            assert step.features.shape[0] == len(step.next_tokens)
+            self.sessions.add(step.session_id)
+            self.received.append(step.features)
+            out.append(Drafts([len(self.received)] * step.k))
+        return out
 
     def release(self, session_id):
         self.sessions.discard(session_id)
@@ -137,10 +146,10 @@ class RecordingDraftEngine:
 
 @pytest.fixture
 def relay_pair(tmp_path):
-    """A target and a draft servicer on loopback, each with the services' 16 MiB message limit."""
+    """A target and a draft servicer on loopback, with the limits the coordinator's links have to them."""
     (tmp_path / "config.json").write_text("{}")
     target_service = Service("target", TargetSettings(model=tmp_path, port=0), ["tandem.v1.TargetService"])
-    target = TargetServicer(target_service, chunk_bytes=DEFAULT_CHUNK_BYTES)
+    target = TargetServicer(target_service)
     target_pb2_grpc.add_TargetServiceServicer_to_server(target, target_service.server)
     draft_service = Service("draft", DraftSettings(model=tmp_path, target=tmp_path, port=0), ["tandem.v1.DraftService"])
     draft = DraftServicer(draft_service)
@@ -151,8 +160,7 @@ def relay_pair(tmp_path):
         service.start()
         servicer.engine = engine
         service.ready()
-        channels.append(grpc.insecure_channel(service.address, options=[
-            ("grpc.max_send_message_length", 16 << 20), ("grpc.max_receive_message_length", 16 << 20)]))
+        channels.append(grpc.insecure_channel(service.address, options=channel_options(BATCH_MESSAGE_MIB)))
     yield (target_pb2_grpc.TargetServiceStub(channels[0]), target.engine,
            draft_pb2_grpc.DraftServiceStub(channels[1]), draft.engine)
     for channel in channels:
@@ -161,36 +169,26 @@ def relay_pair(tmp_path):
         service.server.stop(None)
 
 
-def test_a_96_mib_prefill_is_relayed_to_the_draft_in_chunks(relay_pair):
+def test_a_96_mib_prefill_crosses_to_the_draft_in_one_message_each_way(relay_pair):
     target_stub, target_engine, draft_stub, draft_engine = relay_pair
-    target, draft = GrpcTarget(target_stub, [], timeout=60), GrpcDraft(draft_stub, timeout=60)
+    target = ServiceLink("target", target_stub.Step, pack_target)
+    draft = ServiceLink("draft", draft_stub.Step, pack_draft)
     prompt = list(range(PREFILL_8B[0]))
-    prefill = target.prefill("s1", prompt, SamplingParams(), want_features=True)
-    assert prefill.token == 7
-    chunks = []
-
-    def counted():
-        for chunk in prefill.features:
-            chunks.append(chunk.num_rows)
-            yield chunk
-
-    assert draft.propose("s1", counted(), prompt[1:] + [7], 3, create=True) == [1, 1, 1]
-    assert len(chunks) >= 48 and sum(chunks) == PREFILL_8B[0]
+    target.send([Prefill("s1", prompt, SamplingParams())])
+    (prefilled,) = target.receive()
+    assert prefilled.prefilled.token == 7 and prefilled.features.num_rows == PREFILL_8B[0]
+    draft.send([Propose("s1", prefilled.features, prompt[1:] + [7], 3, open=True)])
+    assert list(draft.receive()[0].drafts) == [1, 1, 1]
     assert torch.equal(draft_engine.received[0], target_engine.features)
-
-    result = target.verify("s1", 7, [1, 1, 1])  # features of t, d_1: one small chunk
-    assert (result.accepted, result.bonus) == ([1], 9)
-    assert draft.propose("s1", result.features, [1, 9], 2) == [2, 2]
+    target.send([Verify("s1", 7, [1, 1, 1])])  # features of t, d_1
+    (verified,) = target.receive()
+    assert (list(verified.verified.accepted), verified.verified.bonus) == ([1], 9)
+    draft.send([Propose("s1", verified.features, [1, 9], 2)])
+    assert list(draft.receive()[0].drafts) == [2, 2]
     assert torch.equal(draft_engine.received[1], target_engine.features[:2])
-    target.release("s1")
-    draft.release("s1")
+    target.send([], ["s1"])
+    draft.send([], ["s1"])
+    assert target.receive() == [] and draft.receive() == []
     assert target_engine.sessions == set() and draft_engine.sessions == set()
-
-
-def test_unread_feature_chunks_are_skipped_before_the_next_step(relay_pair):
-    target_stub, _, _, _ = relay_pair
-    target = GrpcTarget(target_stub, [], timeout=60)
-    target.prefill("s2", list(range(1000)), SamplingParams(), want_features=True)  # 1000 rows: 12 chunks, unread
-    result = target.verify("s2", 7, [4, 5])
-    assert (result.accepted, result.bonus) == ([4], 9)
-    target.release("s2")
+    target.close()
+    draft.close()

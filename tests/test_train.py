@@ -215,3 +215,34 @@ def test_train_draft_command_on_chats(tmp_path, pair):
                               str(tmp_path / "x")])
     with pytest.raises(ValueError, match="bad.jsonl:1: expected"):
         args.func(args)
+
+
+def test_a_trained_head_through_the_services_as_users_run_them_gives_the_targets_tokens(pair, tmp_path):
+    """The three processes with a trained head and every setting at its default (gate, adaptive K, overlap,
+    the scheduler's two waves): drafts are accepted across the processes (features relayed, KV cropped, the
+    bonus token), and greedy output is the target's alone, one request and several at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from processes import start_stack, stop_stack
+
+    from coordinator.client import TandemClient
+
+    reference = InProcessGenerator(pair.target, pair.trained, draft_cost=0)
+    want = [reference.generate(GenerationRequest(prompt_ids=p, max_new_tokens=40, speculate=False,
+                                                 ignore_eos=True)).token_ids for p in pair.prompts]
+    procs = start_stack(pair.target.parent, tmp_path, draft=pair.trained, defaults=True)
+    try:
+        with TandemClient(procs["coordinator"].address, timeout=120) as client:
+            def run(p):
+                return client.generate(prompt_ids=p, max_new_tokens=40, num_draft_tokens=5, ignore_eos=True)
+
+            alone = [run(p) for p in pair.prompts]
+            with ThreadPoolExecutor(len(pair.prompts)) as pool:
+                together = list(pool.map(run, pair.prompts))
+        for got in (alone, together):
+            assert [r.token_ids for r in got] == want
+        accepted = sum(r.stats["num_accepted_tokens"] for r in alone)
+        rounds = sum(r.stats["num_rounds"] for r in alone)
+        assert accepted > rounds, f"{accepted} drafts accepted in {rounds} rounds"  # a mean length above 2
+    finally:
+        stop_stack(procs)

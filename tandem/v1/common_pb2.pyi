@@ -62,14 +62,6 @@ class TreeParams(_message.Message):
     top_k: int
     def __init__(self, nodes: _Optional[int] = ..., depth: _Optional[int] = ..., top_k: _Optional[int] = ...) -> None: ...
 
-class Cohort(_message.Message):
-    __slots__ = ("id", "size")
-    ID_FIELD_NUMBER: _ClassVar[int]
-    SIZE_FIELD_NUMBER: _ClassVar[int]
-    id: int
-    size: int
-    def __init__(self, id: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
-
 class FeatureRef(_message.Message):
     __slots__ = ("transport", "channel", "sequence", "offset", "rows", "width", "dtype", "event")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]

@@ -43,26 +43,22 @@ class DraftInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_hidden_size: _Optional[int] = ..., max_target_id: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., target_max_context: _Optional[int] = ..., transport: _Optional[_Union[_common_pb2.TransportCaps, _Mapping]] = ..., compiling: _Optional[bool] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "next_tokens", "num_draft_tokens", "features", "want_timing", "ahead", "cohort", "sampling", "tree")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("next_tokens", "num_draft_tokens", "features", "want_timing", "ahead", "sampling", "tree")
     NEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     WANT_TIMING_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
-    COHORT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
     next_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
     features: _common_pb2.Features
     want_timing: bool
     ahead: Ahead
-    cohort: _common_pb2.Cohort
     sampling: _common_pb2.SamplingParams
     tree: _common_pb2.TreeParams
-    def __init__(self, session_id: _Optional[str] = ..., next_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., want_timing: _Optional[bool] = ..., ahead: _Optional[_Union[Ahead, _Mapping]] = ..., cohort: _Optional[_Union[_common_pb2.Cohort, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
+    def __init__(self, next_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., want_timing: _Optional[bool] = ..., ahead: _Optional[_Union[Ahead, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
 
 class Ahead(_message.Message):
     __slots__ = ("assumed", "branches")
@@ -85,36 +81,38 @@ class Branch(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.DraftProbs, _Mapping]]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("drafts", "timing", "branches", "batch", "q", "parents")
+    __slots__ = ("drafts", "timing", "branches", "q", "parents")
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
-    BATCH_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     drafts: _containers.RepeatedScalarFieldContainer[int]
     timing: _profile_pb2.StepTiming
     branches: _containers.RepeatedCompositeFieldContainer[Branch]
-    batch: _common_pb2.Cohort
     q: _containers.RepeatedCompositeFieldContainer[_common_pb2.DraftProbs]
     parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, drafts: _Optional[_Iterable[int]] = ..., timing: _Optional[_Union[_profile_pb2.StepTiming, _Mapping]] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ..., batch: _Optional[_Union[_common_pb2.Cohort, _Mapping]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.DraftProbs, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, drafts: _Optional[_Iterable[int]] = ..., timing: _Optional[_Union[_profile_pb2.StepTiming, _Mapping]] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.DraftProbs, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class DraftCohortSteps(_message.Message):
-    __slots__ = ("steps",)
+class DraftBatch(_message.Message):
+    __slots__ = ("steps", "release")
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     steps: _containers.RepeatedCompositeFieldContainer[DraftSessionStep]
-    def __init__(self, steps: _Optional[_Iterable[_Union[DraftSessionStep, _Mapping]]] = ...) -> None: ...
+    release: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, steps: _Optional[_Iterable[_Union[DraftSessionStep, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DraftSessionStep(_message.Message):
-    __slots__ = ("session_id", "request")
+    __slots__ = ("session_id", "request", "open")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     request: DraftRequest
-    def __init__(self, session_id: _Optional[str] = ..., request: _Optional[_Union[DraftRequest, _Mapping]] = ...) -> None: ...
+    open: bool
+    def __init__(self, session_id: _Optional[str] = ..., request: _Optional[_Union[DraftRequest, _Mapping]] = ..., open: _Optional[bool] = ...) -> None: ...
 
-class DraftCohortResults(_message.Message):
+class DraftBatchResult(_message.Message):
     __slots__ = ("results",)
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[DraftStepResult]

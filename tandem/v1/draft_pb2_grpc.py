@@ -40,15 +40,10 @@ class DraftServiceStub:
                 request_serializer=tandem_dot_v1_dot_draft__pb2.DraftInfoRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_draft__pb2.DraftInfo.FromString,
                 _registered_method=True)
-        self.Session = channel.stream_stream(
-                '/tandem.v1.DraftService/Session',
-                request_serializer=tandem_dot_v1_dot_draft__pb2.DraftRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_draft__pb2.DraftResponse.FromString,
-                _registered_method=True)
-        self.Cohort = channel.stream_stream(
-                '/tandem.v1.DraftService/Cohort',
-                request_serializer=tandem_dot_v1_dot_draft__pb2.DraftCohortSteps.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_draft__pb2.DraftCohortResults.FromString,
+        self.Step = channel.stream_stream(
+                '/tandem.v1.DraftService/Step',
+                request_serializer=tandem_dot_v1_dot_draft__pb2.DraftBatch.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_draft__pb2.DraftBatchResult.FromString,
                 _registered_method=True)
         self.OpenTransport = channel.unary_unary(
                 '/tandem.v1.DraftService/OpenTransport',
@@ -66,19 +61,10 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Session(self, request_iterator, context):
-        """One stream per generation. Each step sends the new committed pairs (F_i, x_{i+1}) in one or
-        more DraftRequest messages (more when the features are chunked) and gets one DraftResponse
-        with K draft tokens. Closing or cancelling the stream releases the session.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Cohort(self, request_iterator, context):
-        """The cohort relay, as TargetService.Cohort: the chain proposes of many sessions open on their Session
-        streams (not a session's first), one message each way per batch; each step's features in one chunk or
-        a fast path's descriptor. A step that fails fails alone (DraftStepResult.error).
+    def Step(self, request_iterator, context):
+        """The scheduler's stream, as TargetService.Step: one DraftBatch a step, run at once as one batch and
+        answered by one DraftBatchResult; a step that fails fails alone (DraftStepResult.error). A step
+        with `open` opens its session, which lives until a batch releases it or the stream ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -100,15 +86,10 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     request_deserializer=tandem_dot_v1_dot_draft__pb2.DraftInfoRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_draft__pb2.DraftInfo.SerializeToString,
             ),
-            'Session': grpc.stream_stream_rpc_method_handler(
-                    servicer.Session,
-                    request_deserializer=tandem_dot_v1_dot_draft__pb2.DraftRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_draft__pb2.DraftResponse.SerializeToString,
-            ),
-            'Cohort': grpc.stream_stream_rpc_method_handler(
-                    servicer.Cohort,
-                    request_deserializer=tandem_dot_v1_dot_draft__pb2.DraftCohortSteps.FromString,
-                    response_serializer=tandem_dot_v1_dot_draft__pb2.DraftCohortResults.SerializeToString,
+            'Step': grpc.stream_stream_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=tandem_dot_v1_dot_draft__pb2.DraftBatch.FromString,
+                    response_serializer=tandem_dot_v1_dot_draft__pb2.DraftBatchResult.SerializeToString,
             ),
             'OpenTransport': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenTransport,
@@ -154,7 +135,7 @@ class DraftService:
             _registered_method=True)
 
     @staticmethod
-    def Session(request_iterator,
+    def Step(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -167,36 +148,9 @@ class DraftService:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/tandem.v1.DraftService/Session',
-            tandem_dot_v1_dot_draft__pb2.DraftRequest.SerializeToString,
-            tandem_dot_v1_dot_draft__pb2.DraftResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Cohort(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/tandem.v1.DraftService/Cohort',
-            tandem_dot_v1_dot_draft__pb2.DraftCohortSteps.SerializeToString,
-            tandem_dot_v1_dot_draft__pb2.DraftCohortResults.FromString,
+            '/tandem.v1.DraftService/Step',
+            tandem_dot_v1_dot_draft__pb2.DraftBatch.SerializeToString,
+            tandem_dot_v1_dot_draft__pb2.DraftBatchResult.FromString,
             options,
             channel_credentials,
             insecure,

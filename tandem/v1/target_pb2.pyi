@@ -66,14 +66,12 @@ class FileChunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class TargetRequest(_message.Message):
-    __slots__ = ("prefill", "verify", "cohort")
+    __slots__ = ("prefill", "verify")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
-    COHORT_FIELD_NUMBER: _ClassVar[int]
     prefill: Prefill
     verify: Verify
-    cohort: _common_pb2.Cohort
-    def __init__(self, prefill: _Optional[_Union[Prefill, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., cohort: _Optional[_Union[_common_pb2.Cohort, _Mapping]] = ...) -> None: ...
+    def __init__(self, prefill: _Optional[_Union[Prefill, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ...) -> None: ...
 
 class Prefill(_message.Message):
     __slots__ = ("session_id", "prompt_ids", "sampling", "want_features", "want_timing", "max_new_tokens", "verify_tokens")
@@ -94,7 +92,7 @@ class Prefill(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., want_features: _Optional[bool] = ..., want_timing: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., verify_tokens: _Optional[int] = ...) -> None: ...
 
 class Verify(_message.Message):
-    __slots__ = ("token", "drafts", "want_features", "q", "parents", "decode", "stop_ids", "answer_within_ms")
+    __slots__ = ("token", "drafts", "want_features", "q", "parents", "decode", "stop_ids")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -102,7 +100,6 @@ class Verify(_message.Message):
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
-    ANSWER_WITHIN_MS_FIELD_NUMBER: _ClassVar[int]
     token: int
     drafts: _containers.RepeatedScalarFieldContainer[int]
     want_features: bool
@@ -110,14 +107,15 @@ class Verify(_message.Message):
     parents: _containers.RepeatedScalarFieldContainer[int]
     decode: int
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
-    answer_within_ms: int
-    def __init__(self, token: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., want_features: _Optional[bool] = ..., q: _Optional[_Iterable[_Union[_common_pb2.DraftProbs, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ..., decode: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., answer_within_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, token: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., want_features: _Optional[bool] = ..., q: _Optional[_Iterable[_Union[_common_pb2.DraftProbs, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ..., decode: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class CohortSteps(_message.Message):
-    __slots__ = ("steps",)
+class TargetBatch(_message.Message):
+    __slots__ = ("steps", "release")
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     steps: _containers.RepeatedCompositeFieldContainer[SessionStep]
-    def __init__(self, steps: _Optional[_Iterable[_Union[SessionStep, _Mapping]]] = ...) -> None: ...
+    release: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, steps: _Optional[_Iterable[_Union[SessionStep, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SessionStep(_message.Message):
     __slots__ = ("session_id", "request")
@@ -127,7 +125,7 @@ class SessionStep(_message.Message):
     request: TargetRequest
     def __init__(self, session_id: _Optional[str] = ..., request: _Optional[_Union[TargetRequest, _Mapping]] = ...) -> None: ...
 
-class CohortResults(_message.Message):
+class TargetBatchResult(_message.Message):
     __slots__ = ("results",)
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[StepResult]
@@ -142,18 +140,16 @@ class StepResult(_message.Message):
     def __init__(self, response: _Optional[_Union[TargetResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.StepError, _Mapping]] = ...) -> None: ...
 
 class TargetResponse(_message.Message):
-    __slots__ = ("prefilled", "verified", "features", "timing", "batch")
+    __slots__ = ("prefilled", "verified", "features", "timing")
     PREFILLED_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
-    BATCH_FIELD_NUMBER: _ClassVar[int]
     prefilled: Prefilled
     verified: Verified
     features: _common_pb2.Features
     timing: _profile_pb2.StepTiming
-    batch: _common_pb2.Cohort
-    def __init__(self, prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., timing: _Optional[_Union[_profile_pb2.StepTiming, _Mapping]] = ..., batch: _Optional[_Union[_common_pb2.Cohort, _Mapping]] = ...) -> None: ...
+    def __init__(self, prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., timing: _Optional[_Union[_profile_pb2.StepTiming, _Mapping]] = ...) -> None: ...
 
 class Prefilled(_message.Message):
     __slots__ = ("token", "logprobs")

@@ -45,15 +45,10 @@ class TargetServiceStub:
                 request_serializer=tandem_dot_v1_dot_target__pb2.GetTokenizerRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_target__pb2.FileChunk.FromString,
                 _registered_method=True)
-        self.Session = channel.stream_stream(
-                '/tandem.v1.TargetService/Session',
-                request_serializer=tandem_dot_v1_dot_target__pb2.TargetRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_target__pb2.TargetResponse.FromString,
-                _registered_method=True)
-        self.Cohort = channel.stream_stream(
-                '/tandem.v1.TargetService/Cohort',
-                request_serializer=tandem_dot_v1_dot_target__pb2.CohortSteps.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_target__pb2.CohortResults.FromString,
+        self.Step = channel.stream_stream(
+                '/tandem.v1.TargetService/Step',
+                request_serializer=tandem_dot_v1_dot_target__pb2.TargetBatch.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_target__pb2.TargetBatchResult.FromString,
                 _registered_method=True)
         self.OpenTransport = channel.unary_unary(
                 '/tandem.v1.TargetService/OpenTransport',
@@ -85,21 +80,12 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Session(self, request_iterator, context):
-        """One stream per generation: a Prefill first, then Verify steps. Each step is answered by one
-        or more TargetResponse messages (more when the features are chunked). Closing the stream, or
-        cancelling it, releases the session and its KV cache.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Cohort(self, request_iterator, context):
-        """The cohort relay: the verifies of many sessions, one message each way per batch (at 16 sessions,
-        one message per session each way cost the target's core more than its forward). Each session keeps
-        its Session stream (its prefill, its lifetime); a verify may come here instead, naming its session.
-        Every CohortSteps is answered by one CohortResults, its results in the steps' order; a step that
-        fails fails alone (StepResult.error). Features come in one chunk (a verify's rows fit one).
+    def Step(self, request_iterator, context):
+        """The scheduler's stream (one per coordinator; a second is refused while one is open): each
+        TargetBatch is one step of the coordinator's batch, run at once as one batch and answered by one
+        TargetBatchResult, its results in the steps' order; a step that fails fails alone
+        (StepResult.error). Sessions opened by a prefill on the stream live until a batch releases them or
+        the stream ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,15 +119,10 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     request_deserializer=tandem_dot_v1_dot_target__pb2.GetTokenizerRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_target__pb2.FileChunk.SerializeToString,
             ),
-            'Session': grpc.stream_stream_rpc_method_handler(
-                    servicer.Session,
-                    request_deserializer=tandem_dot_v1_dot_target__pb2.TargetRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_target__pb2.TargetResponse.SerializeToString,
-            ),
-            'Cohort': grpc.stream_stream_rpc_method_handler(
-                    servicer.Cohort,
-                    request_deserializer=tandem_dot_v1_dot_target__pb2.CohortSteps.FromString,
-                    response_serializer=tandem_dot_v1_dot_target__pb2.CohortResults.SerializeToString,
+            'Step': grpc.stream_stream_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=tandem_dot_v1_dot_target__pb2.TargetBatch.FromString,
+                    response_serializer=tandem_dot_v1_dot_target__pb2.TargetBatchResult.SerializeToString,
             ),
             'OpenTransport': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenTransport,
@@ -219,7 +200,7 @@ class TargetService:
             _registered_method=True)
 
     @staticmethod
-    def Session(request_iterator,
+    def Step(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -232,36 +213,9 @@ class TargetService:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/tandem.v1.TargetService/Session',
-            tandem_dot_v1_dot_target__pb2.TargetRequest.SerializeToString,
-            tandem_dot_v1_dot_target__pb2.TargetResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Cohort(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/tandem.v1.TargetService/Cohort',
-            tandem_dot_v1_dot_target__pb2.CohortSteps.SerializeToString,
-            tandem_dot_v1_dot_target__pb2.CohortResults.FromString,
+            '/tandem.v1.TargetService/Step',
+            tandem_dot_v1_dot_target__pb2.TargetBatch.SerializeToString,
+            tandem_dot_v1_dot_target__pb2.TargetBatchResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,199 @@
+"""The scheduler's streams (TargetService.Step, DraftService.Step): a batch of steps each way per message,
+over real gRPC to real engines; and the coordinator's link that sends them (coordinator/links.py)."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+
+from coordinator.links import BackendError, ServiceLink
+from coordinator.scheduler import pack_draft, pack_target
+from draft_server.engine import DraftEngine
+from draft_server.service import DraftServicer
+from tandem.config import DraftSettings, TargetSettings
+from tandem.convert import verified_from_pb
+from tandem.params import SamplingParams
+from tandem.protocol import Prefill, Propose, Verify
+from tandem.service import Service
+from tandem.v1 import draft_pb2_grpc, target_pb2_grpc
+from tandem.wire import encode_features
+from target_server.engine import TargetEngine
+from target_server.service import TargetServicer
+from tests.test_services import id_prompts
+
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    """The tiny target's servicer on loopback; (stub, engine)."""
+    service = Service("target", TargetSettings(model=tiny_dir / "target", port=0), ["tandem.v1.TargetService"])
+    servicer = TargetServicer(service)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, service.server)
+    service.start()
+    engine = TargetEngine(tiny_dir / "target")
+    servicer.attach(engine)
+    service.ready()
+    channel = grpc.insecure_channel(service.address)
+    yield target_pb2_grpc.TargetServiceStub(channel), engine, service.address
+    channel.close()
+    service.server.stop(None)
+
+
+def step(link: ServiceLink, steps, releases=()) -> list:
+    link.send(steps, releases)
+    return link.receive()
+
+
+def decode(link: ServiceLink, sid: str, prompt: list[int], n: int, per_step: int, stop_ids=()) -> list[int]:
+    """A prefill, then target-only verifies of `per_step` tokens each (Verify.decode) until n tokens."""
+    (prefilled,) = step(link, [Prefill(sid, prompt, GREEDY, False, max_new_tokens=n + 1)])
+    out = [prefilled.prefilled.token]
+    while len(out) < n and out[-1] not in stop_ids:
+        k = min(per_step, n - len(out))
+        (answer,) = step(link, [Verify(sid, out[-1], [], False, decode=k, stop_ids=stop_ids if k > 1 else ())])
+        result = verified_from_pb(answer)
+        assert result.features is None
+        out += [*result.accepted, result.bonus]
+    step(link, [], [sid])
+    return out
+
+
+def test_a_batch_of_verifies_gives_what_each_gives_alone(target):
+    stub, engine, _ = target
+    link = ServiceLink("target", stub.Step, pack_target)
+    prompts = id_prompts(6, engine.vocab_size, seed=3)
+
+    def run(sids: list[str]) -> list[list]:
+        answers = step(link, [Prefill(s, p, GREEDY, True) for s, p in zip(sids, prompts, strict=True)])
+        tokens = [a.prefilled.token for a in answers]
+        out: list[list] = [[] for _ in sids]
+        for i in range(4):
+            verifies = [Verify(s, t, [t, (t + i) % 50, 3], True) for s, t in zip(sids, tokens, strict=True)]
+            for j, answer in enumerate(step(link, verifies)):
+                result = verified_from_pb(answer)
+                assert result.features.num_rows == len(result.accepted) + 1  # features of t, d_1..d_a, inline
+                out[j].append((result.accepted, result.bonus))
+                tokens[j] = result.bonus
+        step(link, [], sids)
+        return out
+
+    together = run([f"b{i}" for i in range(len(prompts))])
+    alone = []
+    for i, prompt in enumerate(prompts):
+        answers = step(link, [Prefill(f"a{i}", prompt, GREEDY, True)])
+        t, mine = answers[0].prefilled.token, []
+        for r in range(4):
+            result = verified_from_pb(step(link, [Verify(f"a{i}", t, [t, (t + r) % 50, 3], True)])[0])
+            mine.append((result.accepted, result.bonus))
+            t = result.bonus
+        step(link, [], [f"a{i}"])
+        alone.append(mine)
+    assert together == alone
+    assert engine.num_sessions == 0
+    link.close()
+
+
+def test_a_bad_step_fails_alone_and_the_others_go_on(target):
+    stub, engine, _ = target
+    link = ServiceLink("target", stub.Step, pack_target)
+    (good,) = step(link, [Prefill("good", [5, 6, 7, 8], GREEDY, False)])
+    t = good.prefilled.token
+    answers = step(link, [Verify("good", t, [t], False), Verify("nobody", t, [t], False),
+                          Verify("good", t, [t], False), Prefill("bad", [engine.vocab_size + 5], GREEDY, False),
+                          Prefill("empty", [], GREEDY, False)])
+    assert not isinstance(answers[0], BackendError) and answers[0].verified.bonus >= 0
+    codes = [a.code for a in answers[1:]]
+    assert codes == [grpc.StatusCode.NOT_FOUND] + [grpc.StatusCode.INVALID_ARGUMENT] * 3
+    assert "two steps of session 'good' in one batch" in answers[2].details
+    assert "outside the vocabulary" in answers[3].details and "empty" in answers[4].details
+    assert not isinstance(step(link, [Verify("good", answers[0].verified.bonus, [], False)])[0], BackendError)
+    step(link, [], ["good"])
+    assert engine.num_sessions == 0
+    link.close()
+
+
+def test_the_streams_end_frees_its_sessions_and_a_second_coordinator_is_refused(target):
+    stub, engine, address = target
+    link = ServiceLink("target", stub.Step, pack_target)
+    step(link, [Prefill("kept", [5, 6, 7], GREEDY, False), Prefill("kept2", [8, 9], GREEDY, False)])
+    assert engine.num_sessions == 2
+    with grpc.insecure_channel(address) as other:  # another connection: another coordinator
+        intruder = ServiceLink("target", target_pb2_grpc.TargetServiceStub(other).Step, pack_target, owner="other")
+        (refused,) = step(intruder, [Prefill("x", [5], GREEDY, False)])
+        assert refused.code == grpc.StatusCode.FAILED_PRECONDITION and "another coordinator" in refused.details
+    link.close()
+    deadline = time.monotonic() + 10
+    while engine.num_sessions and time.monotonic() < deadline:  # the service sees the stream end
+        time.sleep(0.05)
+    assert engine.num_sessions == 0
+
+
+def test_a_target_only_decode_of_many_tokens_gives_what_single_tokens_give(target):
+    stub, engine, _ = target
+    link = ServiceLink("target", stub.Step, pack_target)
+    prompts = id_prompts(4, engine.vocab_size, seed=5)
+    single = [decode(link, f"one{i}", p, 12, 1) for i, p in enumerate(prompts)]
+    assert [decode(link, f"many{i}", p, 12, 5) for i, p in enumerate(prompts)] == single
+    stop = single[0][4]  # a decode ends after a stop id: the first one it makes
+    assert decode(link, "stop", prompts[0], 12, 8, stop_ids=[stop]) == single[0][: single[0].index(stop) + 1]
+    # the decodes of several sessions in one step: each its own tokens
+    answers = step(link, [Prefill(f"m{i}", p, GREEDY, False, max_new_tokens=13) for i, p in enumerate(prompts)])
+    firsts = [a.prefilled.token for a in answers]
+    results = step(link, [Verify(f"m{i}", t, [], False, decode=11) for i, t in enumerate(firsts)])
+    assert [[t, *verified_from_pb(r).accepted, verified_from_pb(r).bonus] for t, r in zip(firsts, results, strict=True)] \
+        == single
+    step(link, [], [f"m{i}" for i in range(len(prompts))])
+    assert engine.num_sessions == 0
+    link.close()
+
+
+def test_a_decode_with_drafts_or_features_is_refused_naming_why(target):
+    stub, _, _ = target
+    link = ServiceLink("target", stub.Step, pack_target)
+    (prefilled,) = step(link, [Prefill("bad-decode", [5, 6, 7], GREEDY, False, max_new_tokens=8)])
+    t = prefilled.prefilled.token
+    for kwargs, words in (({"drafts": [5]}, "takes no drafts"), ({"want_features": True}, "returns no features"),
+                          ({"decode": 65}, "at most 64"), ({"decode": 30}, "past the")):
+        call = {"drafts": [], "want_features": False, "decode": 4, **kwargs}
+        (refused,) = step(link, [Verify("bad-decode", t, call["drafts"], call["want_features"], decode=call["decode"])])
+        assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and words in refused.details
+    (ok,) = step(link, [Verify("bad-decode", t, [], False, decode=4)])
+    assert len(ok.verified.accepted) == 3
+    step(link, [], ["bad-decode"])
+    link.close()
+
+
+def test_proposes_share_a_batch_and_a_bad_one_fails_alone(tiny_dir):
+    service = Service("draft", DraftSettings(model=tiny_dir / "draft", target=tiny_dir / "target", port=0),
+                      ["tandem.v1.DraftService"])
+    servicer = DraftServicer(service)
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, service.server)
+    service.start()
+    engine = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
+    servicer.attach(engine)
+    service.ready()
+    width = engine.feature_size
+
+    def features(n: int):
+        return encode_features(torch.randn(n, width))[0]
+
+    try:
+        with grpc.insecure_channel(service.address) as channel:
+            link = ServiceLink("draft", draft_pb2_grpc.DraftServiceStub(channel).Step, pack_draft, step_timeout=30)
+            opened = step(link, [Propose(s, features(3), [3, 4, 5], 2, open=True) for s in ("a", "b")])
+            assert [len(a.drafts) for a in opened] == [2, 2]
+            answers = step(link, [Propose("a", features(2), [6, 7], 3), Propose("b", features(2), [6, 7], 4),
+                                  Propose("nobody", features(2), [6, 7], 3), Propose("a", features(2), [6, 7], 3),
+                                  Propose("b", features(1), [6, 7], 3)])
+            assert [len(a.drafts) for a in answers[:2]] == [3, 4]
+            assert [a.code for a in answers[2:]] == [grpc.StatusCode.NOT_FOUND] + [grpc.StatusCode.INVALID_ARGUMENT] * 2
+            assert "do not fit a step of 2 tokens" in answers[4].details
+            step(link, [], ["a", "b"])
+            assert engine.num_sessions == 0
+            link.close()
+    finally:
+        service.server.stop(None)
