@@ -144,7 +144,8 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._changed:
-                while not (self._running or self._waiting or self._release_target or self._closed):
+                while not (self._running or self._waiting or self._release_target or self._release_draft
+                       or self._closed):
                     self._changed.wait()
                 if self._closed:
                     break

@@ -197,3 +197,51 @@ def test_proposes_share_a_batch_and_a_bad_one_fails_alone(tiny_dir):
             link.close()
     finally:
         service.server.stop(None)
+
+
+def test_the_scheduler_never_waits_while_a_request_is_there(target, tiny_dir):
+    """Greedy requests through a Scheduler over real streams: their tokens are the target's alone, and the
+    step loop sleeps only while it holds no request at all (a step runs what is ready: no timed wait for a
+    request that is not coming, as the batchers' due-back windows did)."""
+    from coordinator.scheduler import Scheduler
+    from tandem.params import GenerationRequest
+    from tandem.policy import Speculation
+    from tandem_tools.inprocess import InProcessGenerator
+
+    stub, engine, _ = target
+    service = Service("draft", DraftSettings(model=tiny_dir / "draft", target=tiny_dir / "target", port=0),
+                      ["tandem.v1.DraftService"])
+    servicer = DraftServicer(service)
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, service.server)
+    service.start()
+    servicer.attach(DraftEngine(tiny_dir / "draft", tiny_dir / "target"))
+    service.ready()
+    channel = grpc.insecure_channel(service.address)
+    scheduler = Scheduler(ServiceLink("target", stub.Step, pack_target),
+                          ServiceLink("draft", draft_pb2_grpc.DraftServiceStub(channel).Step, pack_draft, 30),
+                          engine.eos_token_ids, engine.max_context, Speculation(), max_running=8, max_waiting=8)
+    waits: list[tuple[int, int]] = []
+    wait = scheduler._changed.wait
+
+    def recorded(timeout=None):
+        waits.append((len(scheduler._running), len(scheduler._waiting), timeout))
+        return wait(timeout)
+
+    scheduler._changed.wait = recorded
+    try:
+        prompts = id_prompts(5, engine.vocab_size, seed=11)
+        requests = [GenerationRequest(prompt_ids=p, max_new_tokens=12 + 3 * i, num_draft_tokens=1 + i % 4,
+                                      ignore_eos=True) for i, p in enumerate(prompts)]
+        handles = [scheduler.submit(r) for r in requests]
+        got = [[t for event in h.events() for t in event.new_tokens] for h in handles]
+        reference = InProcessGenerator(tiny_dir / "target", None)
+        assert got == [reference.generate(r.model_copy(update={"speculate": False})).token_ids for r in requests]
+        assert scheduler.steps > 0 and all(w == (0, 0, None) for w in waits), waits
+    finally:
+        scheduler.close()
+        channel.close()
+        service.server.stop(None)
+    deadline = time.monotonic() + 10
+    while engine.num_sessions and time.monotonic() < deadline:  # the last releases, or the streams' end
+        time.sleep(0.05)
+    assert engine.num_sessions == 0
