@@ -28,8 +28,9 @@ from tokenizers import Tokenizer
 from coordinator.handshake import connect_transport
 from coordinator.links import BackendError, last_answer
 from tandem import security
-from tandem.config import BATCH_MESSAGE_MIB, CoordinatorSettings
+from tandem.config import CoordinatorSettings
 from tandem.convert import draft_shape_from_pb, target_shape_from_pb
+from tandem.defaults import BATCH_MESSAGE_MIB
 from tandem.errors import Abort
 from tandem.pairing import PairMismatch, check_pair
 from tandem.service import channel_options, wait_for_serving

@@ -18,7 +18,7 @@ import torch
 from draft_server.model import DraftKV, Eagle3Draft
 from draft_server.rollout import Draws, plain, rollout, warm_inputs
 from tandem.compiling import compile_graphs
-from tandem.config import OVERLAP_BRANCHES
+from tandem.defaults import OVERLAP_BRANCHES
 
 log = logging.getLogger("tandem.draft")
 

@@ -47,7 +47,7 @@ from draft_server.rollout import GreedyPropose, GreedyStep, SampledPropose, draw
 from draft_server.sampling import DraftSampler
 from draft_server.steps import Outcomes, _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
 from draft_server.tree import SiblingRates, grow_tree
-from tandem.config import DRAFT_Q_TOP_N
+from tandem.defaults import DRAFT_Q_TOP_N
 from tandem.dtypes import TORCH_DTYPES
 from tandem.packed import can_pack, pack_linears
 from tandem.pairing import DraftShape, check_pair

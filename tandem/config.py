@@ -16,6 +16,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from tandem import defaults
 from tandem.aux_layers import CONVENTION_HELP
 from tandem.dtypes import DTYPE_NAMES
 from tandem.params import parse_tree
@@ -36,33 +37,6 @@ DEFAULT_TARGET_PORT = 50051
 DEFAULT_DRAFT_PORT = 50052
 
 
-# Two model processes on one CPU must not both spin a thread per core: oversubscribed, a round on
-# a busy 2-core machine took 100x longer than with one thread each. `serve` splits the cores.
-THREADS_HELP = "torch CPU threads (default: torch's choice, one per core)"
-SPLIT_CPUS_HELP = ("on: with the models on the CPU, the target runs on half the CPUs and the draft and the "
-                   "coordinator on the rest (default on)")
-CPUS_HELP = "run on these CPUs only, every thread (Linux): e.g. 0 or 2-3,6 (default: all)"
-BURST_CPUS_HELP = ("a CPU target: these CPUs too (a list as --cpus) for the forwards that measure faster on them, "
-                   "a thread each (target_server/threads.py; default: none)")
-TARGET_BURST_HELP = ("on: with the CPUs split, the target's forwards borrow the draft's CPUs where that measures "
-                     "faster (default on)")
-
-
-
-METRICS_PORT_HELP = "serve Prometheus /metrics on this port (default: off; 0 = any free port)"
-HTTP_PORT_HELP = ("serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
-                  "/metrics) on this port of --host (default: off; 0 = any free port)")
-SERVED_MODEL_NAME_HELP = "the model name of the HTTP API (default: the target's directory name)"
-CHAT_TEMPLATE_HELP = ("the HTTP API's chat template, a jinja2 file or the template itself (default: the target "
-                      "checkpoint's)")
-
-
-TLS_CERT_HELP = "serve this port over TLS with this certificate (PEM; with --tls-key)"
-TLS_KEY_HELP = "the private key of --tls-cert (PEM)"
-TLS_CA_HELP = ("target, draft: take only clients holding a certificate of this CA (mutual TLS); coordinator: check "
-               "the target's and the draft's certificates against it and present its own")
-API_KEY_HELP = "clients must send one of these keys (Bearer / authorization metadata); repeat it or separate by commas"
-API_KEY_FILE_HELP = "more API keys, one a line"
 
 
 class ConfigError(ValueError):
@@ -149,53 +123,6 @@ def check_address(v: str) -> str:
     return v
 
 
-# Measured on the 2-core CPU with the demo pair, compiled (TANDEM_COMPILE=background; services, K=5, the
-# budget and the gate off, one run): EAGLE-3 over target-only 1.15x at 2 requests, 0.89x at 4, 0.84x at 8,
-# 0.77x at 16 (an eager target had drafts paying up to 64). 24 keeps K=5 up to 4 running (K = 24 // n - 1,
-# the gate sheds what does not pay), K=2 at 8, and no drafting from 12 on, and a one-request tree of 16
-# nodes fits. A GPU's knee is elsewhere: measure it with `tandem bench --concurrency ...` and
-# TANDEM_COORDINATOR_SPEC_TOKEN_BUDGET=0, then set the budget.
-SPEC_TOKEN_BUDGET = 24
-# Acceptance gate (tandem.gates.AcceptanceGate): one draft token's cost as a share of a verify
-# round, drafting and moving the features included. Measured on the 2-core CPU: a K=3 round of the
-# demo pair takes about twice a target-only round (1 + 0.3 * 3 = 1.9), as does one of the tiny pair.
-# On GPUs, where a one-layer head is far cheaper than the target, it is smaller: measure it as
-# (round time at K / target-only step time - 1) / K with `tandem bench`.
-SPEC_DRAFT_COST = 0.3
-# Overlap: outcomes of a verify the draft prepares the next round for while it runs. On the demo pair
-# (K=3) 4, 8, 16, 32 branches hit about 63%, 73%, 82%, 90% of verifies; their rollouts are one batch,
-# cheap on a GPU, but on a CPU core the ahead step grows past the verify it hides behind beyond 16
-# (tokens/s over overlap off, 2 cores: 1.12x, 1.15x, 1.18x, 1.07x; 64: 0.81x). Compiled (TANDEM_COMPILE,
-# draft_server/ahead.py), a K=5 ahead of the demo head takes 2.4-2.8 ms with 4 branches, 3.3-3.9 with 8 and
-# 6.7-7.9 with 16, where the verify it hides behind takes ~4.5 ms; through the services (one request) 8 hit
-# 59% of verifies and 4 45%: 8, the branches the draft compiles for.
-OVERLAP_BRANCHES = 8
-# On by default, for this measurement: greedy, one request, K=5, the demo pair through the services beside vLLM's CPU
-# backend in one run (`tandem bench --demo --stack services -k 5 --concurrency 1 --temperature 0 --overlap on
-# --peer vllm`): Tandem EAGLE-3 200.0 tokens/s (69% of verifies hit, 3.97 tokens a round) against vLLM's 173.1,
-# target-only 118.2 against 116.8; overlap off ran 0.89x vLLM's EAGLE-3 in the run before (212.8 against
-# 239.6). Sampled generations stay off (OVERLAP_SAMPLED_HELP), and above one running generation the coordinator
-# overlaps none (tandem/policy.py: OVERLAP_MAX_RUNNING).
-OVERLAP_HELP = "on: the draft prepares a lone greedy generation's next round while the target verifies"
-# Sampled: at temperature 0.7 / 1, K=3, through the services, overlap on ran 0.91x / 0.93x target-only against
-# 1.05x / 1.01x off (47% / 27% of the aheads hit: a sampled outcome is harder to guess).
-OVERLAP_SAMPLED_HELP = "on: sampled generations overlap too (default off: greedy ones only)"
-# Speculative sampling: a sampled request's drafts are drawn from the draft's q cut to its N likeliest
-# tokens (renormalised), and q's support crosses to the target with each draft. Measured on the demo pair
-# (bench/q_truncation.py, K=3, 32 prompts; a draft's chance of acceptance at temperature 0.7 / 1, and q's
-# bytes per draft): N=32 0.63 / 0.50, 183 B; 64 0.67 / 0.56, 367 B; 128 0.71 / 0.63, 743 B; 256 0.73 / 0.68,
-# 1.5 KB; 512 0.73 / 0.70, 3 KB; the whole 1024-token vocabulary 0.73 / 0.72, 6 KB. 256 keeps 99% of the
-# whole q's acceptance at 0.7 and 94% at 1, in bytes that do not grow with the vocabulary (a whole 32k
-# head's q is 190 KB a draft; a feature row of an 8B target in bf16 is 24 KB).
-DRAFT_Q_TOP_N = 256
-Q_TOP_N_HELP = ("sampled requests: the draft samples from its N likeliest tokens, renormalised, and sends that "
-                "support with each draft (default 256; 0 = the whole draft vocabulary, 1 = its argmax)")
-
-
-# The scheduler's batches carry their steps' features inline on the grpc transport, one message a step: a
-# 4096-token prefill of an 8B target in bf16 is 96 MiB, a batch of them more. The target's and the draft's
-# limit, and the coordinator's to them; the coordinator's own clients keep max_message_mib.
-BATCH_MESSAGE_MIB = 1024
 
 
 class ServiceSettings(BaseSettings):
@@ -214,12 +141,12 @@ class ServiceSettings(BaseSettings):
     announce_file: Path | None = Field(None, description="write HOST:PORT here once listening (used by serve)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # Prometheus /metrics over HTTP on the same interface as the service; off unless a port is given.
-    metrics_port: int | None = Field(None, ge=0, le=65535, description=METRICS_PORT_HELP)
-    cpus: str | None = Field(None, description=CPUS_HELP)
+    metrics_port: int | None = Field(None, ge=0, le=65535, description=defaults.METRICS_PORT_HELP)
+    cpus: str | None = Field(None, description=defaults.CPUS_HELP)
     # TLS on this service's port (tandem/security.py); without it only loopback is safe to bind.
-    tls_cert: Path | None = Field(None, description=TLS_CERT_HELP)
-    tls_key: Path | None = Field(None, description=TLS_KEY_HELP)
-    tls_ca: Path | None = Field(None, description=TLS_CA_HELP)
+    tls_cert: Path | None = Field(None, description=defaults.TLS_CERT_HELP)
+    tls_key: Path | None = Field(None, description=defaults.TLS_KEY_HELP)
+    tls_ca: Path | None = Field(None, description=defaults.TLS_CA_HELP)
     verifies_clients: ClassVar[bool] = False  # the target and the draft: tls_ca is the CA of their clients
 
     model_config = SettingsConfigDict(extra="ignore")
@@ -250,7 +177,7 @@ class EngineSettings(ServiceSettings):
 
     device: Device = "cpu"
     dtype: Dtype = "float32"
-    threads: int | None = Field(None, ge=1, description=THREADS_HELP)
+    threads: int | None = Field(None, ge=1, description=defaults.THREADS_HELP)
     transport: Transport = Field("auto", description=TRANSPORT_HELP)
 
     @field_validator("device")
@@ -263,7 +190,7 @@ class TargetSettings(EngineSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_TARGET_", extra="ignore")
 
     port: int = Field(DEFAULT_TARGET_PORT, ge=0, le=65535)
-    max_message_mib: int = Field(BATCH_MESSAGE_MIB, ge=1, le=2047)
+    max_message_mib: int = Field(defaults.BATCH_MESSAGE_MIB, ge=1, le=2047)
     model: TargetCheckpoint
     # Only the draft's config.json is read, for eagle_aux_hidden_state_layer_ids: the target must
     # capture the layers the head was trained on.
@@ -289,7 +216,7 @@ class TargetSettings(EngineSettings):
     # The model code: native (target_server/native.py, the Llama family over the paged pool in place),
     # hf (transformers'), auto (native where the architecture is supported).
     engine: Literal["auto", "native", "hf"] = "auto"
-    burst_cpus: str | None = Field(None, description=BURST_CPUS_HELP)
+    burst_cpus: str | None = Field(None, description=defaults.BURST_CPUS_HELP)
 
     @field_validator("burst_cpus")
     @classmethod
@@ -300,20 +227,13 @@ class DraftSettings(EngineSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_DRAFT_", extra="ignore")
 
     port: int = Field(DEFAULT_DRAFT_PORT, ge=0, le=65535)
-    max_message_mib: int = Field(BATCH_MESSAGE_MIB, ge=1, le=2047)
+    max_message_mib: int = Field(defaults.BATCH_MESSAGE_MIB, ge=1, le=2047)
     model: DraftCheckpoint
     target: TargetCheckpoint  # the draft reads the target's embed_tokens (that one tensor)
-    q_top_n: int = Field(DRAFT_Q_TOP_N, ge=0, description=Q_TOP_N_HELP)
+    q_top_n: int = Field(defaults.DRAFT_Q_TOP_N, ge=0, description=defaults.Q_TOP_N_HELP)
     aux_layer_convention: AuxLayerConvention | None = Field(None, description=CONVENTION_HELP)
 
 
-TREE_HELP = ("EAGLE-2 draft trees for requests that name none: NODES[,DEPTH[,TOP_K]] (depth and top-k default "
-             "to the EAGLE-3 reference's 7 and 10); unset: chains of K")
-DECODE_STEPS = 16
-DECODE_STEPS_HELP = ("tokens a target-only request decodes in one step of the target while nothing drafts and "
-                     f"nobody waits: the round trip is paid once per that many (default {DECODE_STEPS}; 1: a token a step)")
-MAX_WAITING_HELP = "requests that may wait for a place beyond max_sessions before RESOURCE_EXHAUSTED (default 1024)"
-TREE_POLICY_HELP = "on: each round runs the tree or the chain, whichever has measured faster here (default on)"
 
 
 def _keys(v) -> tuple[str, ...]:
@@ -345,30 +265,30 @@ class CoordinatorSettings(ServiceSettings):
     # Adaptive K: the draft tokens of all running generations together, per round. With n running,
     # each gets K = min(its K, budget // n - 1), down to 0 (target-only) under heavy load, where
     # verifying drafts costs the batch more than their accepted tokens win. 0 turns adaptation off.
-    spec_token_budget: int = Field(SPEC_TOKEN_BUDGET, ge=0)
+    spec_token_budget: int = Field(defaults.SPEC_TOKEN_BUDGET, ge=0)
     # Acceptance gate: K only as far as the drafts accepted so far pay for them, at this cost of a draft
-    # token relative to a verify round (SPEC_DRAFT_COST); 0 turns it off.
-    spec_draft_cost: float = Field(SPEC_DRAFT_COST, ge=0)
-    # Overlapped drafting (on/off): see OVERLAP_BRANCHES.
-    overlap: bool = Field(True, description=OVERLAP_HELP)
-    overlap_sampled: bool = Field(False, description=OVERLAP_SAMPLED_HELP)
+    # token relative to a verify round (defaults.SPEC_DRAFT_COST); 0 turns it off.
+    spec_draft_cost: float = Field(defaults.SPEC_DRAFT_COST, ge=0)
+    # Overlapped drafting (on/off): see defaults.OVERLAP_BRANCHES.
+    overlap: bool = Field(True, description=defaults.OVERLAP_HELP)
+    overlap_sampled: bool = Field(False, description=defaults.OVERLAP_SAMPLED_HELP)
     # Requests beyond max_sessions wait for a place (FCFS); past this many waiting, RESOURCE_EXHAUSTED.
-    max_waiting: int = Field(1024, ge=0, le=65536, description=MAX_WAITING_HELP)
+    max_waiting: int = Field(1024, ge=0, le=65536, description=defaults.MAX_WAITING_HELP)
     # Tokens a target-only request decodes in one step while nothing drafts (Verify.decode; 1: one a step).
-    decode_steps: int = Field(DECODE_STEPS, ge=1, le=64, description=DECODE_STEPS_HELP)
+    decode_steps: int = Field(defaults.DECODE_STEPS, ge=1, le=64, description=defaults.DECODE_STEPS_HELP)
     # EAGLE-2 draft trees: the tree of requests that name none, NODES[,DEPTH[,TOP_K]] (none: chains), and
     # whether the tree gate (tandem/gates.py) chooses tree or chain each round by their measured speed.
-    tree: TreeSpec | None = Field(None, description=TREE_HELP)
-    tree_policy: bool = Field(True, description=TREE_POLICY_HELP)
+    tree: TreeSpec | None = Field(None, description=defaults.TREE_HELP)
+    tree_policy: bool = Field(True, description=defaults.TREE_POLICY_HELP)
     # The OpenAI-compatible HTTP front (coordinator/http/) on this port of the same --host; off unless given.
-    http_port: int | None = Field(None, ge=0, le=65535, description=HTTP_PORT_HELP)
-    served_model_name: str | None = Field(None, min_length=1, description=SERVED_MODEL_NAME_HELP)
+    http_port: int | None = Field(None, ge=0, le=65535, description=defaults.HTTP_PORT_HELP)
+    served_model_name: str | None = Field(None, min_length=1, description=defaults.SERVED_MODEL_NAME_HELP)
     # For a checkpoint without one (a base model) or to replace it, as vLLM's --chat-template.
-    chat_template: str | None = Field(None, min_length=1, description=CHAT_TEMPLATE_HELP)
+    chat_template: str | None = Field(None, min_length=1, description=defaults.CHAT_TEMPLATE_HELP)
     # API keys (tandem/auth.py): none, the fronts are open; any, every route and method but the health checks
     # (and /metrics with open_metrics) wants one of them.
-    api_key: ApiKeys = Field((), description=API_KEY_HELP)
-    api_key_file: Path | None = Field(None, description=API_KEY_FILE_HELP)
+    api_key: ApiKeys = Field((), description=defaults.API_KEY_HELP)
+    api_key_file: Path | None = Field(None, description=defaults.API_KEY_FILE_HELP)
     open_metrics: bool = False  # the HTTP front's /metrics without a key (a scraper inside the network)
     max_requests_per_key: int = Field(MAX_REQUESTS_PER_KEY, ge=1)
     # Mutual TLS to the services with a certificate other than the front's, and the name their certificates
@@ -424,24 +344,24 @@ class ServeSettings(BaseSettings):
     grace_period: float = Field(30.0, ge=0)
     spec_token_budget: int | None = Field(None, ge=0)  # none: the coordinator's default
     spec_draft_cost: float | None = Field(None, ge=0)  # none: the coordinator's default
-    overlap: bool = Field(True, description=OVERLAP_HELP)
-    tree: TreeSpec | None = Field(None, description=TREE_HELP)
-    tree_policy: bool = Field(True, description=TREE_POLICY_HELP)
-    decode_steps: int | None = Field(None, ge=1, le=64, description=DECODE_STEPS_HELP)  # none: the coordinator's
+    overlap: bool = Field(True, description=defaults.OVERLAP_HELP)
+    tree: TreeSpec | None = Field(None, description=defaults.TREE_HELP)
+    tree_policy: bool = Field(True, description=defaults.TREE_POLICY_HELP)
+    decode_steps: int | None = Field(None, ge=1, le=64, description=defaults.DECODE_STEPS_HELP)  # none: the coordinator's
     # Prometheus /metrics of each child (none: off, or the child's own TANDEM_<SERVICE>_METRICS_PORT)
     coordinator_metrics_port: int | None = Field(None, ge=0, le=65535)
     target_metrics_port: int | None = Field(None, ge=0, le=65535)
     draft_metrics_port: int | None = Field(None, ge=0, le=65535)
-    http_port: int | None = Field(None, ge=0, le=65535, description=HTTP_PORT_HELP)  # the coordinator's
-    served_model_name: str | None = Field(None, min_length=1, description=SERVED_MODEL_NAME_HELP)
-    chat_template: str | None = Field(None, min_length=1, description=CHAT_TEMPLATE_HELP)  # passed on as given
+    http_port: int | None = Field(None, ge=0, le=65535, description=defaults.HTTP_PORT_HELP)  # the coordinator's
+    served_model_name: str | None = Field(None, min_length=1, description=defaults.SERVED_MODEL_NAME_HELP)
+    chat_template: str | None = Field(None, min_length=1, description=defaults.CHAT_TEMPLATE_HELP)  # passed on as given
     # On a CPU host, the target on half the CPUs and the draft and the coordinator on the other half,
     # as they would be on two devices: sharing every core, the services' threads took turns on them
-    # and a round at 16 requests took 1.3x longer (SPLIT_CPUS_HELP).
-    split_cpus: bool = Field(True, description=SPLIT_CPUS_HELP)
-    target_burst: bool = Field(True, description=TARGET_BURST_HELP)  # with split_cpus: --burst-cpus, all of them
-    api_key: ApiKeys = Field((), description=API_KEY_HELP)  # the coordinator's
-    api_key_file: Path | None = Field(None, description=API_KEY_FILE_HELP)
+    # and a round at 16 requests took 1.3x longer (defaults.SPLIT_CPUS_HELP).
+    split_cpus: bool = Field(True, description=defaults.SPLIT_CPUS_HELP)
+    target_burst: bool = Field(True, description=defaults.TARGET_BURST_HELP)  # with split_cpus: --burst-cpus, all of them
+    api_key: ApiKeys = Field((), description=defaults.API_KEY_HELP)  # the coordinator's
+    api_key_file: Path | None = Field(None, description=defaults.API_KEY_FILE_HELP)
     # A CA made for this host (tandem/security.py): TLS on both fronts, mutual TLS between the services.
     tls: bool = Field(False, description="on: TLS on the fronts and mutual TLS between the services, from a CA "
                                          "made for this run (default off)")

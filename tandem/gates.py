@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from tandem.config import SPEC_DRAFT_COST
+from tandem.defaults import SPEC_DRAFT_COST
 from tandem.params import MAX_DRAFT_TOKENS
 
 

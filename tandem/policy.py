@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tandem.config import OVERLAP_BRANCHES
+from tandem.defaults import OVERLAP_BRANCHES
 
 # Overlap only while at most this many generations run: ahead steps are per session, and under load the
 # draft has no spare time to give (the two waves keep it busy instead).

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 
 from tandem.aux_layers import CONVENTION_HELP, CONVENTIONS
-from tandem.config import (
+from tandem.defaults import (
     API_KEY_FILE_HELP,
     API_KEY_HELP,
     BURST_CPUS_HELP,

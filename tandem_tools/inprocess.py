@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from draft_server.engine import DraftEngine
-from tandem.config import DECODE_STEPS, SPEC_DRAFT_COST
+from tandem.defaults import DECODE_STEPS, SPEC_DRAFT_COST
 from tandem.gates import AcceptanceGate, TreeGate
 from tandem.pairing import TargetShape, check_pair
 from tandem.params import GenerationRequest

@@ -31,7 +31,6 @@ from typing import Literal
 import torch
 from transformers import AutoConfig
 
-from tandem.aux_layers import capture_ids
 from tandem.dtypes import TORCH_DTYPES
 from tandem.params import MAX_DRAFT_TOKENS, MAX_TREE_NODES, SamplingParams
 from tandem.protocol import Prefill, PrefillResult, TargetStep, Verify, VerifyResult
@@ -56,14 +55,6 @@ from target_server.steps import Session, Step
 from target_server.threads import ThreadBurst
 
 log = logging.getLogger("tandem.target")
-
-
-def aux_layer_ids_from_draft(draft_dir: str | Path, target_dir: str | Path | None = None,
-                             convention: str | None = None) -> list[int] | None:
-    """The hidden states a draft asks for (its `eagle_aux_hidden_state_layer_ids`, converted from its
-    convention: tandem/aux_layers.py), if it names any."""
-    ids = capture_ids(draft_dir, target_dir, convention)
-    return list(ids) if ids is not None else None
 
 
 class TargetEngine(SessionOwner):

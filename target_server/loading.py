@@ -16,6 +16,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
+from tandem.aux_layers import capture_ids
 from tandem.pairing import default_aux_layer_ids
 from target_server.capture import FeatureCapture
 
@@ -79,3 +80,11 @@ def eos_token_ids(model_dir: Path, config: PretrainedConfig) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def aux_layer_ids_from_draft(draft_dir: str | Path, target_dir: str | Path | None = None,
+                             convention: str | None = None) -> list[int] | None:
+    """The hidden states a draft asks for (its `eagle_aux_hidden_state_layer_ids`, converted from its
+    convention: tandem/aux_layers.py), if it names any."""
+    ids = capture_ids(draft_dir, target_dir, convention)
+    return list(ids) if ids is not None else None

@@ -27,7 +27,8 @@ from tandem.sessions import InvalidRequest
 from tandem.transports.endpoints import TargetTransport
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire import encode_features
-from target_server.engine import KVPool, TargetEngine, aux_layer_ids_from_draft, kv_budget_tokens
+from target_server.engine import KVPool, TargetEngine, kv_budget_tokens
+from target_server.loading import aux_layer_ids_from_draft
 from target_server.threads import ThreadBurst, thread_invariant
 
 log = logging.getLogger("tandem.target")

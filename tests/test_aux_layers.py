@@ -26,7 +26,8 @@ from tandem.pairing import PairMismatch, check_pair
 from tandem.params import GenerationRequest, SamplingParams
 from tandem_tools.inprocess import InProcessGenerator, target_shape
 from tandem_tools.tiny import tiny_draft_config
-from target_server.engine import TargetEngine, aux_layer_ids_from_draft
+from target_server.engine import TargetEngine
+from target_server.loading import aux_layer_ids_from_draft
 
 MODELOPT_EAGLE = {"use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True,
                   "use_mtp_layernorm": False, "next_layer_regular": True, "parallel_draft_step": 1}

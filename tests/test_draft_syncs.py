@@ -15,7 +15,7 @@ from draft_server.compiled import CompiledCalls
 from draft_server.engine import DraftEngine
 from draft_server.rollout import SampledPropose
 from draft_server.steps import _Step
-from tandem.config import OVERLAP_BRANCHES
+from tandem.defaults import OVERLAP_BRANCHES
 from tandem.params import SamplingParams
 from tandem_tools.opcount import OpCounter
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.config import DRAFT_Q_TOP_N
+from tandem.defaults import DRAFT_Q_TOP_N
 from tandem.params import GenerationRequest
 from tandem.traffic import ids_size, varint_size
 from tandem_tools.inprocess import InProcessGenerator

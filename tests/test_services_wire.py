@@ -9,7 +9,8 @@ import torch
 from coordinator.links import ServiceLink
 from coordinator.scheduler import pack_draft, pack_target
 from draft_server.service import DraftServicer
-from tandem.config import BATCH_MESSAGE_MIB, DraftSettings, TargetSettings
+from tandem.config import DraftSettings, TargetSettings
+from tandem.defaults import BATCH_MESSAGE_MIB
 from tandem.params import SamplingParams
 from tandem.protocol import Drafts, Prefill, PrefillResult, Propose, Verify, VerifyResult
 from tandem.service import Service, channel_options

@@ -1,0 +1,89 @@
+"""The settings' defaults that were measured, and the help texts the CLI and the settings share; each
+constant says why it is what it is. No torch, no pydantic: the coordinator and the tools read these too.
+"""
+
+# Two model processes on one CPU must not both spin a thread per core: oversubscribed, a round on
+# a busy 2-core machine took 100x longer than with one thread each. `serve` splits the cores.
+THREADS_HELP = "torch CPU threads (default: torch's choice, one per core)"
+SPLIT_CPUS_HELP = ("on: with the models on the CPU, the target runs on half the CPUs and the draft and the "
+                   "coordinator on the rest (default on)")
+CPUS_HELP = "run on these CPUs only, every thread (Linux): e.g. 0 or 2-3,6 (default: all)"
+BURST_CPUS_HELP = ("a CPU target: these CPUs too (a list as --cpus) for the forwards that measure faster on them, "
+                   "a thread each (target_server/threads.py; default: none)")
+TARGET_BURST_HELP = ("on: with the CPUs split, the target's forwards borrow the draft's CPUs where that measures "
+                     "faster (default on)")
+
+
+
+METRICS_PORT_HELP = "serve Prometheus /metrics on this port (default: off; 0 = any free port)"
+HTTP_PORT_HELP = ("serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                  "/metrics) on this port of --host (default: off; 0 = any free port)")
+SERVED_MODEL_NAME_HELP = "the model name of the HTTP API (default: the target's directory name)"
+CHAT_TEMPLATE_HELP = ("the HTTP API's chat template, a jinja2 file or the template itself (default: the target "
+                      "checkpoint's)")
+
+
+TLS_CERT_HELP = "serve this port over TLS with this certificate (PEM; with --tls-key)"
+TLS_KEY_HELP = "the private key of --tls-cert (PEM)"
+TLS_CA_HELP = ("target, draft: take only clients holding a certificate of this CA (mutual TLS); coordinator: check "
+               "the target's and the draft's certificates against it and present its own")
+API_KEY_HELP = "clients must send one of these keys (Bearer / authorization metadata); repeat it or separate by commas"
+API_KEY_FILE_HELP = "more API keys, one a line"
+
+
+# Measured on the 2-core CPU with the demo pair, compiled (TANDEM_COMPILE=background; services, K=5, the
+# budget and the gate off, one run): EAGLE-3 over target-only 1.15x at 2 requests, 0.89x at 4, 0.84x at 8,
+# 0.77x at 16 (an eager target had drafts paying up to 64). 24 keeps K=5 up to 4 running (K = 24 // n - 1,
+# the gate sheds what does not pay), K=2 at 8, and no drafting from 12 on, and a one-request tree of 16
+# nodes fits. A GPU's knee is elsewhere: measure it with `tandem bench --concurrency ...` and
+# TANDEM_COORDINATOR_SPEC_TOKEN_BUDGET=0, then set the budget.
+SPEC_TOKEN_BUDGET = 24
+# Acceptance gate (tandem.gates.AcceptanceGate): one draft token's cost as a share of a verify
+# round, drafting and moving the features included. Measured on the 2-core CPU: a K=3 round of the
+# demo pair takes about twice a target-only round (1 + 0.3 * 3 = 1.9), as does one of the tiny pair.
+# On GPUs, where a one-layer head is far cheaper than the target, it is smaller: measure it as
+# (round time at K / target-only step time - 1) / K with `tandem bench`.
+SPEC_DRAFT_COST = 0.3
+# Overlap: outcomes of a verify the draft prepares the next round for while it runs. On the demo pair
+# (K=3) 4, 8, 16, 32 branches hit about 63%, 73%, 82%, 90% of verifies; their rollouts are one batch,
+# cheap on a GPU, but on a CPU core the ahead step grows past the verify it hides behind beyond 16
+# (tokens/s over overlap off, 2 cores: 1.12x, 1.15x, 1.18x, 1.07x; 64: 0.81x). Compiled (TANDEM_COMPILE,
+# draft_server/ahead.py), a K=5 ahead of the demo head takes 2.4-2.8 ms with 4 branches, 3.3-3.9 with 8 and
+# 6.7-7.9 with 16, where the verify it hides behind takes ~4.5 ms; through the services (one request) 8 hit
+# 59% of verifies and 4 45%: 8, the branches the draft compiles for.
+OVERLAP_BRANCHES = 8
+# On by default, for this measurement: greedy, one request, K=5, the demo pair through the services beside vLLM's CPU
+# backend in one run (`tandem bench --demo --stack services -k 5 --concurrency 1 --temperature 0 --overlap on
+# --peer vllm`): Tandem EAGLE-3 200.0 tokens/s (69% of verifies hit, 3.97 tokens a round) against vLLM's 173.1,
+# target-only 118.2 against 116.8; overlap off ran 0.89x vLLM's EAGLE-3 in the run before (212.8 against
+# 239.6). Sampled generations stay off (OVERLAP_SAMPLED_HELP), and above one running generation the coordinator
+# overlaps none (tandem/policy.py: OVERLAP_MAX_RUNNING).
+OVERLAP_HELP = "on: the draft prepares a lone greedy generation's next round while the target verifies"
+# Sampled: at temperature 0.7 / 1, K=3, through the services, overlap on ran 0.91x / 0.93x target-only against
+# 1.05x / 1.01x off (47% / 27% of the aheads hit: a sampled outcome is harder to guess).
+OVERLAP_SAMPLED_HELP = "on: sampled generations overlap too (default off: greedy ones only)"
+# Speculative sampling: a sampled request's drafts are drawn from the draft's q cut to its N likeliest
+# tokens (renormalised), and q's support crosses to the target with each draft. Measured on the demo pair
+# (bench/q_truncation.py, K=3, 32 prompts; a draft's chance of acceptance at temperature 0.7 / 1, and q's
+# bytes per draft): N=32 0.63 / 0.50, 183 B; 64 0.67 / 0.56, 367 B; 128 0.71 / 0.63, 743 B; 256 0.73 / 0.68,
+# 1.5 KB; 512 0.73 / 0.70, 3 KB; the whole 1024-token vocabulary 0.73 / 0.72, 6 KB. 256 keeps 99% of the
+# whole q's acceptance at 0.7 and 94% at 1, in bytes that do not grow with the vocabulary (a whole 32k
+# head's q is 190 KB a draft; a feature row of an 8B target in bf16 is 24 KB).
+DRAFT_Q_TOP_N = 256
+Q_TOP_N_HELP = ("sampled requests: the draft samples from its N likeliest tokens, renormalised, and sends that "
+                "support with each draft (default 256; 0 = the whole draft vocabulary, 1 = its argmax)")
+
+
+# The scheduler's batches carry their steps' features inline on the grpc transport, one message a step: a
+# 4096-token prefill of an 8B target in bf16 is 96 MiB, a batch of them more. The target's and the draft's
+# limit, and the coordinator's to them; the coordinator's own clients keep max_message_mib.
+BATCH_MESSAGE_MIB = 1024
+
+
+TREE_HELP = ("EAGLE-2 draft trees for requests that name none: NODES[,DEPTH[,TOP_K]] (depth and top-k default "
+             "to the EAGLE-3 reference's 7 and 10); unset: chains of K")
+DECODE_STEPS = 16
+DECODE_STEPS_HELP = ("tokens a target-only request decodes in one step of the target while nothing drafts and "
+                     f"nobody waits: the round trip is paid once per that many (default {DECODE_STEPS}; 1: a token a step)")
+MAX_WAITING_HELP = "requests that may wait for a place beyond max_sessions before RESOURCE_EXHAUSTED (default 1024)"
+TREE_POLICY_HELP = "on: each round runs the tree or the chain, whichever has measured faster here (default on)"
