@@ -8,13 +8,9 @@ each with its own sampling: the output is what that many plain target-only round
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from tandem.protocol import Verify, VerifyResult
 from tandem.sessions import InvalidRequest, SessionNotFound
-
-if TYPE_CHECKING:
-    from target_server.engine import TargetEngine
 
 MAX_DECODE = 64  # tokens one step may decode
 
@@ -31,8 +27,8 @@ def check_decode(decode: int, drafts: Sequence[int], want_features: bool, parent
         raise InvalidRequest("decode of more than one token returns no features (nothing drafts)")
 
 
-def decode_rest(engine: TargetEngine, decodes: list[Verify], results: list[VerifyResult]) -> None:
-    """The further tokens of a batch's decodes (`results`: their first), one forward of all that go on per
+def decode_rest(engine, decodes: list[Verify], results: list[VerifyResult]) -> None:
+    """The further tokens of a batch's decodes (`results`: their first) on `engine` (the TargetEngine), one forward of all that go on per
     token; a decode ends after its count, a stop id, or a step that failed. Each result becomes accepted =
     all but the last, bonus = the last."""
     tokens = {id(v): [r.bonus] for v, r in zip(decodes, results, strict=True)}
