@@ -53,7 +53,7 @@ from tandem.packed import can_pack, pack_linears
 from tandem.pairing import DraftShape, check_pair
 from tandem.params import SamplingParams, TreeParams
 from tandem.protocol import Ahead, Branch, Drafts, DraftStep, Propose
-from tandem.sessions import InvalidRequest, SessionNotFound, SessionOwner, SessionTable
+from tandem.sessions import InvalidRequest, SessionOwner, SessionTable, build_batch
 
 
 class DraftEngine(SessionOwner):
@@ -129,18 +129,9 @@ class DraftEngine(SessionOwner):
         """One batch, run at once: a Propose's Drafts or an Ahead's branches, or the error of a step that
         failed (it fails alone), per step. Chain proposes share forwards (a session's first apart: it carries
         the whole prompt, and padding the others' few pairs to it is waste); trees and aheads run one by one."""
-        results: list = [None] * len(steps)
-        built: list[tuple[int, _Step | _Ahead]] = []
         with self._running:
-            seen: set[str] = set()
-            for i, step in enumerate(steps):
-                try:
-                    if step.session_id in seen:
-                        raise InvalidRequest(f"two steps of session {step.session_id!r} in one batch")
-                    seen.add(step.session_id)
-                    built.append((i, self._propose_step(step) if isinstance(step, Propose) else self._ahead_step(step)))
-                except (InvalidRequest, SessionNotFound) as exc:
-                    results[i] = exc
+            results, built = build_batch(
+                steps, lambda step: self._propose_step(step) if isinstance(step, Propose) else self._ahead_step(step))
             groups = [_group(b) for _, b in built]  # before any runs: a first propose's KV grows
             for group in (True, False, None):
                 part = [(i, b) for (i, b), g in zip(built, groups, strict=True) if g is group]

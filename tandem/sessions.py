@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 
@@ -93,3 +94,21 @@ class SessionOwner:
 
     def evict_idle(self, ttl: float) -> list[str]:
         return self.sessions.evict_idle(ttl)
+
+
+def build_batch(steps: Sequence, build: Callable, refused: tuple[type[Exception], ...] = ()) -> tuple[list, list]:
+    """An engine's batch: each step built by `build(step)`, or refused alone (InvalidRequest, SessionNotFound,
+    `refused`; a second step of one session too). -> (a result per step, the refusals in place; the built
+    steps as (index, built))."""
+    results: list = [None] * len(steps)
+    built: list = []
+    seen: set[str] = set()
+    for i, step in enumerate(steps):
+        try:
+            if step.session_id in seen:
+                raise InvalidRequest(f"two steps of session {step.session_id!r} in one batch")
+            seen.add(step.session_id)
+            built.append((i, build(step)))
+        except (InvalidRequest, SessionNotFound, *refused) as exc:
+            results[i] = exc
+    return results, built

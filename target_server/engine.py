@@ -34,7 +34,14 @@ from transformers import AutoConfig
 from tandem.dtypes import TORCH_DTYPES
 from tandem.params import MAX_DRAFT_TOKENS, MAX_TREE_NODES, SamplingParams
 from tandem.protocol import Prefill, PrefillResult, TargetStep, Verify, VerifyResult
-from tandem.sessions import InvalidRequest, ResourceExhausted, SessionNotFound, SessionOwner, SessionTable
+from tandem.sessions import (
+    InvalidRequest,
+    ResourceExhausted,
+    SessionNotFound,
+    SessionOwner,
+    SessionTable,
+    build_batch,
+)
 from target_server.acceptance import (
     accept,
     accept_argmax,
@@ -187,18 +194,10 @@ class TargetEngine(SessionOwner):
     def run(self, steps: Sequence[TargetStep]) -> list[PrefillResult | VerifyResult | Exception]:
         """One batch, run at once: a result, or the error of a step that failed (it fails alone), per step.
         A decode of more than one token (Verify.decode) takes further forwards of this batch's decodes."""
-        results: list = [None] * len(steps)
-        built: list[tuple[int, Step]] = []
         with self._forwarding:  # one batch at a time: in-process callers may come from several threads
-            seen: set[str] = set()
-            for i, step in enumerate(steps):
-                try:
-                    if step.session_id in seen:
-                        raise InvalidRequest(f"two steps of session {step.session_id!r} in one batch")
-                    seen.add(step.session_id)
-                    built.append((i, self._prefill_step(step) if isinstance(step, Prefill) else self._verify_step(step)))
-                except (InvalidRequest, SessionNotFound, ResourceExhausted) as exc:
-                    results[i] = exc
+            results, built = build_batch(
+                steps, lambda step: self._prefill_step(step) if isinstance(step, Prefill) else self._verify_step(step),
+                (ResourceExhausted,))
             for (i, step), out in zip(built, self._run_batch([step for _, step in built]), strict=True):
                 if step.kind == "prefill":
                     if isinstance(out, BaseException):

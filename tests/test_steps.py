@@ -25,6 +25,7 @@ from target_server.service import TargetServicer
 from tests.test_services import id_prompts
 
 GREEDY = SamplingParams()
+OWNER = "tests"  # every link here steps as one coordinator: a test's stream may still be ending at the next's start
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def decode(link: ServiceLink, sid: str, prompt: list[int], n: int, per_step: int
 
 def test_a_batch_of_verifies_gives_what_each_gives_alone(target):
     stub, engine, _ = target
-    link = ServiceLink("target", stub.Step, pack_target)
+    link = ServiceLink("target", stub.Step, pack_target, owner=OWNER)
     prompts = id_prompts(6, engine.vocab_size, seed=3)
 
     def run(sids: list[str]) -> list[list]:
@@ -99,7 +100,7 @@ def test_a_batch_of_verifies_gives_what_each_gives_alone(target):
 
 def test_a_bad_step_fails_alone_and_the_others_go_on(target):
     stub, engine, _ = target
-    link = ServiceLink("target", stub.Step, pack_target)
+    link = ServiceLink("target", stub.Step, pack_target, owner=OWNER)
     (good,) = step(link, [Prefill("good", [5, 6, 7, 8], GREEDY, False)])
     t = good.prefilled.token
     answers = step(link, [Verify("good", t, [t], False), Verify("nobody", t, [t], False),
@@ -118,7 +119,7 @@ def test_a_bad_step_fails_alone_and_the_others_go_on(target):
 
 def test_the_streams_end_frees_its_sessions_and_a_second_coordinator_is_refused(target):
     stub, engine, address = target
-    link = ServiceLink("target", stub.Step, pack_target)
+    link = ServiceLink("target", stub.Step, pack_target, owner=OWNER)
     step(link, [Prefill("kept", [5, 6, 7], GREEDY, False), Prefill("kept2", [8, 9], GREEDY, False)])
     assert engine.num_sessions == 2
     with grpc.insecure_channel(address) as other:  # another connection: another coordinator
@@ -134,7 +135,7 @@ def test_the_streams_end_frees_its_sessions_and_a_second_coordinator_is_refused(
 
 def test_a_target_only_decode_of_many_tokens_gives_what_single_tokens_give(target):
     stub, engine, _ = target
-    link = ServiceLink("target", stub.Step, pack_target)
+    link = ServiceLink("target", stub.Step, pack_target, owner=OWNER)
     prompts = id_prompts(4, engine.vocab_size, seed=5)
     single = [decode(link, f"one{i}", p, 12, 1) for i, p in enumerate(prompts)]
     assert [decode(link, f"many{i}", p, 12, 5) for i, p in enumerate(prompts)] == single
@@ -153,7 +154,7 @@ def test_a_target_only_decode_of_many_tokens_gives_what_single_tokens_give(targe
 
 def test_a_decode_with_drafts_or_features_is_refused_naming_why(target):
     stub, _, _ = target
-    link = ServiceLink("target", stub.Step, pack_target)
+    link = ServiceLink("target", stub.Step, pack_target, owner=OWNER)
     (prefilled,) = step(link, [Prefill("bad-decode", [5, 6, 7], GREEDY, False, max_new_tokens=8)])
     t = prefilled.prefilled.token
     for kwargs, words in (({"drafts": [5]}, "takes no drafts"), ({"want_features": True}, "returns no features"),
@@ -217,7 +218,7 @@ def test_the_scheduler_never_waits_while_a_request_is_there(target, tiny_dir):
     servicer.attach(DraftEngine(tiny_dir / "draft", tiny_dir / "target"))
     service.ready()
     channel = grpc.insecure_channel(service.address)
-    scheduler = Scheduler(ServiceLink("target", stub.Step, pack_target),
+    scheduler = Scheduler(ServiceLink("target", stub.Step, pack_target, owner=OWNER),
                           ServiceLink("draft", draft_pb2_grpc.DraftServiceStub(channel).Step, pack_draft, 30),
                           engine.eos_token_ids, engine.max_context, Speculation(), max_running=8, max_waiting=8)
     waits: list[tuple[int, int]] = []
