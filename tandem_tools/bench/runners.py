@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -93,11 +94,34 @@ class ServicesRunner:
             time.sleep(1.0)
         return waited
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds each service process has used so far (Linux /proc): with the wall time of a case, how
+        busy each kept its cores (two devices are for keeping both busy)."""
+        out: dict[str, float] = {}
+        tick = os.sysconf("SC_CLK_TCK")
+        for pid in _children(self.proc.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            name = next((a.decode() for a in argv if a in (b"target", b"draft", b"coordinator")), None)
+            if name is not None:
+                out[name] = (int(stat[11]) + int(stat[12])) / tick  # utime + stime
+        return out
+
     def close(self) -> None:
         from tandem_tools.serve import stop
 
         self.client.close()
         stop(self.proc)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
 
 
 class InProcessRunner:

@@ -75,6 +75,7 @@ class Case:
     seconds: float = 0.0
     outcomes: list[Outcome] = field(default_factory=list)
 
+    cpu_seconds: dict = field(default_factory=dict)  # the services' CPU seconds in the timed blocks, by process
     overlap_rounds: int = 0  # verify rounds the draft prepared the next one during, and hits among them
     overlap_hits: int = 0
 
@@ -114,6 +115,8 @@ class Case:
             "num_prompts": len(self.outcomes),
             "generated_tokens": tokens,
             "seconds": round(self.seconds, 3),
+            **({"cpu_busy": {name: round(used / self.seconds, 3) for name, used in sorted(self.cpu_seconds.items())}}
+               if self.cpu_seconds and self.seconds else {}),
         }
 
 
@@ -263,6 +266,7 @@ def _run_block(case: Case, runner, batch: list[list[int]], first: int, concurren
                                              [config.seed + first + i for i in range(len(batch))],
                                              config.max_new_tokens, concurrency)
     else:
+        cpu = runner.cpu_seconds() if hasattr(runner, "cpu_seconds") else {}
         started = time.perf_counter()
         if concurrency == 1:
             outcomes = [one(i) for i in range(len(batch))]
@@ -270,6 +274,9 @@ def _run_block(case: Case, runner, batch: list[list[int]], first: int, concurren
             with ThreadPoolExecutor(concurrency) as pool:
                 outcomes = list(pool.map(one, range(len(batch))))
         seconds = time.perf_counter() - started
+        if cpu and timed:
+            for name, used in runner.cpu_seconds().items():
+                case.cpu_seconds[name] = case.cpu_seconds.get(name, 0.0) + used - cpu.get(name, used)
         time.sleep(getattr(runner, "spin_s", 0.0))  # untimed: vLLM's server spins a while after its last request
     if not timed:
         return

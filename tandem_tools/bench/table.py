@@ -22,8 +22,8 @@ def markdown_table(runs: list[dict]) -> str:
     lines = [
         ("| stack | mode | K | temperature | concurrency | overlap (hit rate) | tokens/s | speedup "
          "| latency p50 / p99 (s) | mean acceptance length | acceptance per draft | accepted per position "
-         "| rounds shed |"),
-        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|",
+         "| rounds shed | CPU busy (cores) |"),
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for r, s in zip(runs, speedups(runs)):
         positions = " ".join(f"{p:.2f}" for p in r["accepted_per_position"]) or "-"
@@ -33,9 +33,15 @@ def markdown_table(runs: list[dict]) -> str:
             f"| {r['stack']} | {r['mode']} | {k} | {r['temperature']:g} | {r['concurrency']} "
             f"| {_overlap_cell(r)} | {r['tokens_per_s']:.1f} | {'-' if s is None else f'{s:.2f}x'} "
             f"| {r['latency_p50_s']:.2f} / {r['latency_p99_s']:.2f} | {r['mean_acceptance_length']:.2f} "
-            f"| {_rate(r.get('acceptance_per_draft'))} | {positions} | {_share(r.get('shed_rounds'))} |"
+            f"| {_rate(r.get('acceptance_per_draft'))} | {positions} | {_share(r.get('shed_rounds'))} "
+            f"| {_busy(r.get('cpu_busy'))} |"
         )
     return "\n".join(lines)
+
+
+def _busy(busy: dict | None) -> str:
+    """Each service's CPU seconds per second of the case: 1.0 is one core busy all the time."""
+    return ", ".join(f"{name} {share:.2f}" for name, share in busy.items()) if busy else "-"
 
 
 def _share(value: float | None) -> str:
