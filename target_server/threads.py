@@ -13,7 +13,7 @@ each way where the two ways did not overlap); the choice is measured again
 every REVISIT forwards of the class, since what the draft's CPU is doing meanwhile changes with the load.
 
 OpenMP's workers are started by the thread that runs the forward (a batch runs on whichever handler thread
-leads it, tandem/batching.py) and inherit its affinity: that thread's first borrowing forward runs on every
+leads it) and inherit its affinity: that thread's first borrowing forward runs on every
 CPU, so that its workers may run on the borrowed ones; then it is back on its own, and its workers, on every
 CPU, at the lowest priority (WORKER_NICE), so that they take only the time the draft and the coordinator leave.
 """

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from coordinator import backends
+from coordinator import links
 from coordinator.monitor import CHECK_TIMEOUT, SLOW_CHECKS, Monitor
 from tandem.config import CoordinatorSettings
 
@@ -19,8 +19,8 @@ GONE = "UNAVAILABLE: failed to connect to all addresses"
 def monitor(monkeypatch):
     monitor = Monitor(CoordinatorSettings(target_addr="127.0.0.1:9"))
     monkeypatch.setattr(monitor, "_publish", lambda: None)
-    monkeypatch.setattr(backends, "last_answer", {})  # no step answered yet
-    monkeypatch.setattr("coordinator.monitor.last_answer", backends.last_answer)
+    monkeypatch.setattr(links, "last_answer", {})  # no step answered yet
+    monkeypatch.setattr("coordinator.monitor.last_answer", links.last_answer)
     monitor.target.up = True
     yield monitor
     monitor.target.channel.close()
@@ -49,13 +49,13 @@ def test_a_service_whose_steps_come_back_stays_up_however_late_its_checks(monito
     compile the target missed three checks and every request in flight failed). Once its steps stop coming
     back too, the next late check takes it down."""
     for _ in range(3 * SLOW_CHECKS):
-        backends.last_answer["target"] = time.monotonic()  # a step came back
+        links.last_answer["target"] = time.monotonic()  # a step came back
         assert check(monitor, monkeypatch, LATE)
     assert monitor.target.busy
-    backends.last_answer["target"] = time.monotonic() - SLOW_CHECKS * CHECK_TIMEOUT - 0.1  # none since
+    links.last_answer["target"] = time.monotonic() - SLOW_CHECKS * CHECK_TIMEOUT - 0.1  # none since
     assert not check(monitor, monkeypatch, LATE) and monitor.target.reason == LATE
     monitor.target.up = True
-    backends.last_answer["target"] = time.monotonic()
+    links.last_answer["target"] = time.monotonic()
     assert not check(monitor, monkeypatch, GONE)  # a refusal is not lateness: down at once, steps or not
 
 
