@@ -114,6 +114,7 @@ class Generations:
         self._lock = threading.Lock()
         budget, cost = settings.spec_token_budget, settings.spec_draft_cost
         running = lambda: self._scheduler[1].running if self._scheduler is not None else 0
+        self.metrics.waiting.set_function(lambda: self._scheduler[1].waiting if self._scheduler is not None else 0)
         self.speculation = Speculation(
             k_for=adaptive_k(budget, running) if budget else None,
             gate=AcceptanceGate(cost) if cost else None,  # one for the server: it learns from every request
@@ -143,6 +144,7 @@ class Generations:
                 scheduler = Scheduler(target, draft, list(pair.target_info.eos_token_ids),
                                       pair.target_info.max_context, self.speculation, self.settings.max_sessions,
                                       self.settings.max_waiting, lambda error: self.monitor.fault("draft", error))
+                scheduler.on_preempt = self.metrics.preemptions.inc
                 self._scheduler = (made_for, scheduler)
             return self._scheduler[1]
 

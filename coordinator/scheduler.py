@@ -23,6 +23,12 @@ loop sleeps only while there is no request at all. A target-only request asks fo
 Admission: requests beyond `max_running` wait in the queue (at most `max_waiting`, then
 RESOURCE_EXHAUSTED); a prefill the target's KV budget refuses goes back to the front of the queue while
 other requests run, and no request is admitted until one has finished.
+
+Preemption (vLLM's, by recompute): a session's KV grows as it generates. When the budget cannot grow it
+for a verify, the newest running request is preempted: its sessions are released and it goes back to the
+front of the queue with the tokens it has produced, which its next prefill recomputes (its client sees one
+stream of tokens). The refused verify runs again the next step. A request that would outgrow the whole
+budget alone ends with RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from tandem.errors import Abort
 from tandem.params import GenerationRequest
 from tandem.policy import Speculation
 from tandem.protocol import Drafts, DraftUnavailable, Prefill, Propose, Verify
-from tandem.rounds import RoundEvent, Sessions, is_draft_step, rounds
+from tandem.rounds import Resume, RoundEvent, Sessions, is_draft_step, rounds
 from tandem.v1 import draft_pb2, target_pb2
 
 log = logging.getLogger("tandem.scheduler")
@@ -90,6 +96,7 @@ class _Request:
     steps: list = field(default_factory=list)  # what its coroutine asked for, not yet answered
     target_stream: int = 0  # the link generation its sessions were opened on
     draft_stream: int = 0
+    resume: Resume | None = None  # what it has produced, once it has committed tokens (preemption resumes there)
 
 
 class Scheduler:
@@ -109,12 +116,18 @@ class Scheduler:
         self._changed = threading.Condition()
         self._closed = False
         self.steps = 0  # steps run, and each service's share of them with work: the waves' measure
+        self.preempted = 0  # requests preempted for KV (and recomputed)
+        self.on_preempt: Callable[[], None] | None = None  # told of each preemption (the metrics)
         self._thread = threading.Thread(target=self._run, name="tandem-scheduler", daemon=True)
         self._thread.start()
 
     @property
     def running(self) -> int:
         return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
 
     def submit(self, request: GenerationRequest, timeout: float | None = None, has_draft: bool = True,
                probe=None) -> Handle:
@@ -168,7 +181,7 @@ class Scheduler:
                 continue
             r.sessions = Sessions(want_timing=r.probe is not None)
             r.loop = rounds(r.generation, self.eos_token_ids, r.has_draft, r.sessions, self.max_context,
-                            self.speculation)
+                            self.speculation, r.resume)
             self._running.append(r)
             self._advance(r, None)
 
@@ -214,13 +227,20 @@ class Scheduler:
             answers.update(zip(map(id, target_steps), self._target_results(target_steps), strict=True))
         if draft_steps or sent_draft:
             answers.update(zip(map(id, draft_steps), self._draft_results(draft_steps, sent_draft), strict=True))
+        refused: list[_Request] = []
         for r in batch:
             results = [answers[id(s)] for s in r.steps]
             self._probe_received(r, results)
-            r.steps = []
-            if self._requeue(r, results):
+            if _kv_taken(results) and len(self._running) > 1:
+                if isinstance(r.steps[0], Prefill):  # back to the front of the queue
+                    self._preempt(r)
+                else:
+                    refused.append(r)  # its steps go again once there is room
                 continue
+            r.steps = []
             self._advance(r, results)
+        for r in refused:
+            self._make_room(r)
 
     def _schedule(self) -> list[_Request]:
         """The requests whose steps go this step, two waves kept (the module's docstring)."""
@@ -267,20 +287,33 @@ class Scheduler:
                 out.append(convert.branches_from_pb(answer.branches))
         return out
 
-    def _requeue(self, r: _Request, results: list) -> bool:
-        """A prefill the KV budget refused while others run: back to the front of the queue."""
-        (first,) = results[:1] or (None,)
-        if not (isinstance(first, BackendError) and first.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                and r.sessions.target and not r.sessions.draft and len(self._running) > 1 and r.loop is not None
-                and "is taken" in first.details):
-            return False
+    def _make_room(self, r: _Request) -> None:
+        """A verify of `r` the KV budget refused: preempt the newest running request (`r` itself if it is
+        the newest, or if an ahead went beside its verify); else `r`'s steps go again at the next step."""
+        if r not in self._running:  # preempted already, for another's room
+            return
+        # an ahead beside the verify has fed the draft already: that request cannot send its steps again
+        victim = self._running[-1] if len(r.steps) == 1 else r
+        self.preempted += 1
+        if self.on_preempt is not None:
+            self.on_preempt()
+        self._preempt(victim)
+
+    def _preempt(self, r: _Request) -> None:
+        """Back to the front of the queue, its sessions released (a prefill the KV budget refused, or a
+        preempted request): admitted again once a request has finished, it prefills its prompt and what it
+        has produced (Resume)."""
         r.loop.close()
         self._running.remove(r)
-        self._release_target.append(r.sessions.session_id)
+        if r.sessions.target:
+            self._release_target.append(r.sessions.session_id)
+        if r.sessions.draft:
+            self._release_draft.append(r.sessions.session_id)
+        r.sessions.target = r.sessions.draft = False
+        r.steps = []
         with self._changed:
             self._kv_full = True
             self._waiting.appendleft(r)
-        return True
 
     def _advance(self, r: _Request, results: list | None) -> None:
         """Hand a request its results; run its coroutine to its next steps, putting out its tokens."""
@@ -288,6 +321,7 @@ class Scheduler:
             item = r.loop.send(results)
             while isinstance(item, RoundEvent):  # its stats as of now: the loop goes on counting in them
                 r.handle.put(dataclasses.replace(item, stats=copy.deepcopy(item.stats)))
+                r.resume = Resume([*(r.resume.tokens if r.resume else ()), *item.new_tokens], item.stats)
                 if r.probe is not None:  # a profiled request's round ends as it commits (the next one may go out now)
                     r.probe.round_done(len(item.new_tokens))
                 item = r.loop.send(None)
@@ -334,6 +368,12 @@ class Scheduler:
             wire = self._wire.get(id(s))
             if wire is not None and not isinstance(wire, BaseException):
                 r.probe.received("draft->coordinator" if is_draft_step(s) else "target->coordinator", wire)
+
+
+def _kv_taken(results: list) -> bool:
+    """Whether a step's answer is the target's KV budget refusing it for now (not for good)."""
+    return bool(results) and isinstance(results[0], BackendError) and \
+        results[0].code == grpc.StatusCode.RESOURCE_EXHAUSTED and "is taken" in results[0].details
 
 
 def pack_target(steps, releases) -> target_pb2.TargetBatch:

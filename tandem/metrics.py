@@ -111,9 +111,18 @@ class StepMetrics:
         self.codec = Histogram("tandem:step_codec_seconds", "Feature encode (target) or decode (draft)", ["step"],
                                buckets=STEP_BUCKETS, registry=registry)
         self.sessions = Gauge("tandem:num_sessions", "Open sessions", registry=registry)
+        self._registry, self._kv = registry, None
 
     def count_sessions(self, num_sessions: Callable[[], int]) -> None:
         self.sessions.set_function(num_sessions)
+
+    def count_kv(self, usage: Callable[[], float], tokens: Callable[[], int]) -> None:
+        if self._kv is None:
+            self._kv = (Gauge("tandem:kv_cache_usage_perc", "Share of the KV budget the sessions hold (0 when "
+                              "unbounded)", registry=self._registry),
+                        Gauge("tandem:kv_cache_used_tokens", "KV tokens the sessions hold", registry=self._registry))
+        self._kv[0].set_function(usage)
+        self._kv[1].set_function(tokens)
 
     def observe(self, step: str, clock: StepClock) -> None:
         self.compute.labels(step).observe(clock.compute_ns * 1e-9)
@@ -148,6 +157,9 @@ class CoordinatorMetrics:
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of the requests", registry=r)
         self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated", registry=r)
         self.running = Gauge("tandem:num_requests_running", "Requests in flight", registry=r)
+        self.waiting = Gauge("tandem:num_requests_waiting", "Requests in the scheduler's queue", registry=r)
+        self.preemptions = Counter("tandem:num_preemptions", "Requests preempted for KV and recomputed",
+                                   registry=r)
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(reason)  # present at zero from the start, as vLLM's are
         self._positions = 0

@@ -72,6 +72,15 @@ class Sessions:
 
 
 @dataclass
+class Resume:
+    """Where a preempted generation starts again (coordinator/scheduler.py): the tokens it has produced,
+    which its prefill recomputes after the prompt, and its stats so far."""
+
+    tokens: list[int]
+    stats: GenerationStats
+
+
+@dataclass
 class Stopper:
     limit: int  # max_new_tokens, or less when the context would run out first
     stop_ids: set[int] = field(default_factory=set)
@@ -173,9 +182,12 @@ def rounds(
     sessions: Sessions,
     max_context: int | None = None,
     speculation: Speculation = FIXED_K,
+    resume: Resume | None = None,
 ) -> Generator[Steps | RoundEvent, list | None, None]:
     """One generation: yields the steps it needs (a list, answered with a list of results, an exception
     instance for a step that failed) and its RoundEvents (answered with None), until a stop condition.
+    With `resume`, it goes on after the tokens a preempted run of it produced: its prefill is the prompt
+    and them, and its events carry on from there.
 
     A target step that failed raises here. A draft that fails is lost and the rest of the request runs
     with k=0: the target alone decides every token, so only the speed-up is lost. With overlap, drafts
@@ -186,12 +198,15 @@ def rounds(
     limit = request.max_new_tokens
     if max_context is not None:
         limit = min(limit, max_context - len(request.prompt_ids))
-    stopper = Stopper(limit, stop_ids)
+    produced = list(resume.tokens) if resume is not None else []
+    prompt = [*request.prompt_ids, *produced]
+    stopper = Stopper(limit, stop_ids, produced=len(produced))
     policy = KPolicy(request, speculation, limit, has_draft=has_draft)
     drafter = DraftSession(sessions, speculation.overlaps(request), request.sampling) if has_draft and policy.drafting \
         else None
     sessions.draft_alive = drafter is not None
-    stats = GenerationStats(accepted_per_position=[0] * (request.num_draft_tokens if drafter else 0))
+    stats = resume.stats if resume is not None else \
+        GenerationStats(accepted_per_position=[0] * (request.num_draft_tokens if drafter else 0))
 
     def alive() -> bool:
         return drafter is not None and drafter.alive
@@ -199,14 +214,14 @@ def rounds(
     try:
         widest = 1 + policy.tree.nodes if alive() and policy.tree is not None else None  # a tree's verify
         sessions.target = True
-        (prefill,) = yield [Prefill(session, request.prompt_ids, request.sampling, alive(), max_new_tokens=limit,
+        (prefill,) = yield [Prefill(session, prompt, request.sampling, alive(), max_new_tokens=limit - len(produced),
                                     verify_tokens=widest, want_timing=sessions.want_timing)]
         prefill = _raised(prefill)
         token = prefill.token
         new_tokens, finish = stopper.take([token])
         yield RoundEvent(new_tokens, stats, finish, _cut(prefill.logprobs, new_tokens))
         if alive():
-            drafter.feed(prefill.features, [*request.prompt_ids[1:], token])
+            drafter.feed(prefill.features, [*prompt[1:], token])
         started = time.perf_counter()  # a round's time runs to the next round's start: the client's share too
         while finish is None:
             # draft

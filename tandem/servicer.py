@@ -42,6 +42,9 @@ class EngineServicer(Generic[E]):
     def attach(self, engine: E, transport=None) -> None:
         self._engine, self.transport = engine, transport
         self.metrics.count_sessions(lambda: engine.num_sessions)
+        budget = getattr(engine, "kv_budget", None)
+        if budget is not None:  # the target's: what its sessions hold of the KV budget, as vLLM reports it
+            self.metrics.count_kv(lambda: budget.used / budget.tokens if budget.tokens else 0.0, lambda: budget.used)
 
     @property
     def engine(self) -> E | None:

@@ -14,8 +14,9 @@ batch's new tokens flattened, reading and writing the pool in place, compiled on
 other runs transformers' model over a padded batch, the pasts gathered out of the pool and the committed
 rows scattered back (target_server/runners.py). On a CPU a forward may borrow the draft's CPUs where that
 measures faster (target_server/threads.py). The acceptance rule reads the batch's argmax in one host sync
-(greedy); KV memory is bounded: a prefill reserves its whole generation's KV (prompt + max_new_tokens), and
-is refused with ResourceExhausted while the budget is taken (the scheduler keeps it waiting).
+(greedy). KV memory is bounded and taken as a session grows (vLLM's paged KV): a prefill reserves its
+prompt and one verify's width, a verify grows the reservation, and either is refused with ResourceExhausted
+while the budget is taken (the scheduler keeps a refused prefill waiting and preempts for a verify).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class TargetEngine(SessionOwner):
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.max_context = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
         self.sessions: SessionTable[Session] = SessionTable("target")
-        self.kv_budget = KVBudget(kv_cache_tokens, 0.0)  # full: refused at once, the scheduler's queue waits
+        self.kv_budget = KVBudget(kv_cache_tokens)  # full: refused at once, the scheduler's queue waits
         self.kv_pool = self._pool(kv_cache_tokens)
         self._forwarding = threading.RLock()  # a batch's forwards, or a session's release (_free)
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
@@ -223,8 +224,10 @@ class TargetEngine(SessionOwner):
         return _raised(self.run([Verify(session_id, token, drafts, want_features, q, parents, decode, stop_ids)])[0])
 
     def _prefill_step(self, p: Prefill) -> Step:
-        """`max_new_tokens` (None: up to the context) sizes the session's share of the KV budget, with room for
-        a verify of `verify_tokens` (t and a tree's nodes; None: t and a chain's MAX_DRAFT_TOKENS drafts)."""
+        """The session's share of the KV budget starts at its prompt and the room a verify of `verify_tokens`
+        takes for a moment (t and a tree's nodes; None: t and a chain's MAX_DRAFT_TOKENS drafts); its verifies
+        grow it (`_reserve_for`). One whose prompt + `max_new_tokens` could never fit the whole budget is
+        refused at once."""
         prompt_ids = list(p.prompt_ids)
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
@@ -239,15 +242,36 @@ class TargetEngine(SessionOwner):
             # a fresh seed from the OS when none is given: torch.seed() would reseed the global RNG
             seed = p.sampling.seed if p.sampling.seed is not None else int.from_bytes(os.urandom(7), "little")
             generator.manual_seed(seed)
-        # the whole generation; a verify holds up to K+1 uncommitted tokens (a tree's nodes + 1) for a moment
-        reserve = self.max_context
-        if p.max_new_tokens is not None:
-            width = min(max(p.verify_tokens or 0, MAX_DRAFT_TOKENS + 1), VERIFY_TOKENS)
-            reserve = min(reserve, len(prompt_ids) + p.max_new_tokens + width)
+        # a verify holds up to K+1 uncommitted tokens (a tree's nodes + 1) for a moment
+        width = min(max(p.verify_tokens or 0, MAX_DRAFT_TOKENS + 1), VERIFY_TOKENS)
+        if p.max_new_tokens is not None:  # one that could never fit the whole budget is refused now
+            self.kv_budget.check(min(self.max_context, len(prompt_ids) + p.max_new_tokens + width))
+        reserve = min(self.max_context, len(prompt_ids) + width)
         # Every layer keeps its full KV, so verify can always roll back (a config-built cache trims
         # sliding-window layers, Mistral's, and then cannot crop); blocks are taken as it grows.
-        session = Session(params=p.sampling, generator=generator, reserved=self.kv_budget.reserve(reserve))
+        limit = self.max_context
+        if p.max_new_tokens is not None:
+            limit = min(limit, len(prompt_ids) + p.max_new_tokens + width)
+        session = Session(params=p.sampling, generator=generator, reserved=self.kv_budget.reserve(reserve),
+                          width=width, limit=limit)
         return Step("prefill", session, prompt_ids, p.want_features)
+
+    def _reserve_for(self, session: Session, grown: int) -> None:
+        """Grow a session's share of the KV budget to hold `grown` tokens and the next verify's width; while
+        the budget is taken, ResourceExhausted (the scheduler preempts a request and retries this one)."""
+        if grown <= session.reserved:
+            return
+        for want in (min(self.max_context, grown + session.width) - session.reserved, grown - session.reserved):
+            try:
+                session.reserved += self.kv_budget.reserve(want)
+                return
+            except ResourceExhausted:
+                pass
+        if self.kv_budget.tokens is not None and grown > self.kv_budget.tokens:
+            raise ResourceExhausted(f"the session would grow to {grown} KV tokens; the whole KV budget is "
+                                    f"{self.kv_budget.tokens} (--kv-cache-gib)")
+        raise ResourceExhausted(f"the KV budget is taken ({self.kv_budget.used} of {self.kv_budget.tokens} tokens "
+                                f"reserved; this session needs {grown - session.reserved} more)")
 
     def _verify_step(self, v: Verify) -> Step:
         """A verify's step, or InvalidRequest; the session counts as used. `q`: for a sampled session, the
@@ -273,11 +297,10 @@ class TargetEngine(SessionOwner):
         grown = session.length + max(1 + len(drafts), decode)  # a decode's tokens, all of them
         if grown > self.max_context:
             raise InvalidRequest(f"verify would pass the context of {self.max_context} tokens")
-        if grown > session.reserved:
-            raise InvalidRequest(
-                f"verify would grow the session to {grown} tokens, past the {session.reserved} its prefill "
-                "reserved (prompt + max_new_tokens)"
-            )
+        if grown > session.limit:
+            raise InvalidRequest(f"verify would grow the session to {grown} tokens, past the {session.limit} its "
+                                 "prefill asked for (prompt + max_new_tokens + one verify)")
+        self._reserve_for(session, grown)
         return Step("verify", session, [v.token, *drafts], v.want_features, dense, parents)
 
     # -- one batched forward ------------------------------------------------------------------

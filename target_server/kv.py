@@ -1,13 +1,10 @@
 """The target's KV memory: the paged pool every session's KV lives in, the layer view a forward
-writes through, and the budget a prefill reserves its generation's share of."""
+writes through, and the budget sessions reserve their share of as they grow."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -122,42 +119,39 @@ class KVPool:
             self._free += blocks
 
 
-@dataclass
 class KVBudget:
-    """The KV tokens all sessions together may hold. A new session reserves its whole generation up
-    front, so a running one never waits for memory mid-generation (no preemption needed); when the
-    budget is taken, a new one waits up to `timeout` seconds for sessions to finish, then is refused."""
+    """The KV tokens all sessions together may hold. A session reserves its prompt and one verify's width,
+    and grows its share as it generates (vLLM's paged KV: a request holds the KV it has used, not its
+    max_tokens); when the budget is taken a reservation is refused at once: the scheduler keeps a refused
+    prefill waiting and preempts the newest request for a verify (coordinator/scheduler.py)."""
 
-    def __init__(self, tokens: int | None, timeout: float):
+    def __init__(self, tokens: int | None):
         self.tokens = tokens  # None: unbounded
-        self.timeout = timeout
         self.used = 0
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()  # releases come from the service threads
 
-    def reserve(self, n: int) -> int:
-        """Reserve n tokens, counted in whole pool blocks (so that the pool, sized to the budget, always
-        has a session's blocks); returns what was reserved, for free()."""
+    def check(self, n: int) -> int:
+        """n tokens in whole pool blocks; ResourceExhausted if they could never fit the whole budget."""
         asked, n = n, -(-n // KVPool.BLOCK) * KVPool.BLOCK
         if self.tokens is not None and n > self.tokens:
             blocks = f" ({n} in whole blocks of {KVPool.BLOCK})" if n != asked else ""
             raise ResourceExhausted(f"the request needs {asked} KV tokens{blocks}; the whole KV budget is {self.tokens}")
-        deadline = time.monotonic() + self.timeout
-        with self._changed:
-            while self.tokens is not None and self.used + n > self.tokens:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ResourceExhausted(
-                        f"the KV budget is taken ({self.used} of {self.tokens} tokens reserved; this request "
-                        f"needs {n}) and no session finished within {self.timeout:g}s"
-                    )
-                self._changed.wait(left)
+        return n
+
+    def reserve(self, n: int) -> int:
+        """Reserve n tokens, counted in whole pool blocks (so that the pool, sized to the budget, always
+        has a session's blocks); returns what was reserved, for free()."""
+        n = self.check(n)
+        with self._lock:
+            if self.tokens is not None and self.used + n > self.tokens:
+                raise ResourceExhausted(f"the KV budget is taken ({self.used} of {self.tokens} tokens reserved; "
+                                        f"{n} more asked for)")
             self.used += n
         return n
 
     def free(self, n: int) -> None:
-        with self._changed:
+        with self._lock:
             self.used -= n
-            self._changed.notify_all()
 
 
 def kv_budget_tokens(free: int, total: int, bytes_per_token: int, layers: int, *, ring_bytes: int = 0,

@@ -19,7 +19,9 @@ class Session:
     params: SamplingParams
     generator: torch.Generator | None
     length: int = 0  # tokens whose KV is committed
-    reserved: int = 0  # KV tokens this session may grow to (its share of the budget)
+    reserved: int = 0  # KV tokens this session may grow to now (its share of the budget; verifies grow it)
+    width: int = 0  # the most tokens one of its verifies adds for a moment
+    limit: int = 1 << 30  # the most tokens it may grow to: prompt + max_new_tokens + one verify's width
     blocks: list[int] = field(default_factory=list)  # its KVPool blocks
     rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # pool row per position (hf)
     owner: int = field(default_factory=lambda: next(_owners))

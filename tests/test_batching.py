@@ -84,20 +84,29 @@ def test_sampled_sessions_give_the_same_tokens_batched_as_alone(generator):
     assert run_concurrently(generator, requests) == alone
 
 
-def test_the_kv_budget_refuses_at_once_while_taken(tiny_dir):
-    """A full budget refuses a prefill at once (the coordinator's scheduler keeps the request waiting)."""
+def test_the_kv_budget_is_taken_as_a_session_grows_and_refuses_at_once_while_taken(tiny_dir):
+    """A session holds the KV it has used (its prompt and one verify's width), not its max_new_tokens, and
+    grows its share as it verifies; a full budget refuses at once (the scheduler keeps a prefill waiting and
+    preempts for a verify); one that could never fit is refused as such."""
     engine = TargetEngine(tiny_dir / "target", kv_cache_tokens=100)
     greedy = SamplingParams()
     with pytest.raises(ResourceExhausted, match="whole KV budget is 100"):
         engine.prefill("huge", [5] * 10, greedy, max_new_tokens=200)
-    engine.prefill("a", [5] * 10, greedy, max_new_tokens=40)  # reserves 10 + 40 + 17 = 67: 80 in whole blocks
+    token = engine.prefill("a", [5] * 12, greedy, max_new_tokens=60).token  # 12 + 17 = 29: 32 in whole blocks
+    assert engine.kv_budget.used == 32
+    token = engine.verify("a", token, [8] * 3).bonus  # 12 + 4 = 16 tokens: within its 32
+    engine.prefill("b", [6] * 45, greedy, max_new_tokens=20)  # 45 + 17 = 62: 64
+    assert engine.kv_budget.used == 96
+    with pytest.raises(ResourceExhausted, match="budget is taken"):  # a grows past its share: more than 100
+        for _ in range(60):
+            token = engine.verify("a", token, [8] * 3).bonus
     with pytest.raises(ResourceExhausted, match="budget is taken"):
-        engine.prefill("b", [6] * 10, greedy, max_new_tokens=40)
-    engine.release("a")  # once a session finishes, it gets in
-    engine.prefill("b", [6] * 10, greedy, max_new_tokens=40)
-    assert engine.num_sessions == 1 and engine.kv_budget.used == 80
-    engine.verify("b", 7, [8] * 3)
-    engine.release("b")
+        engine.prefill("c", [6] * 10, greedy, max_new_tokens=1)
+    engine.release("b")  # once a session finishes, the others grow and new ones get in
+    engine.verify("a", token, [8] * 3)
+    engine.prefill("c", [6] * 10, greedy, max_new_tokens=1)
+    engine.release("a")
+    engine.release("c")
     assert engine.kv_budget.used == 0
 
 

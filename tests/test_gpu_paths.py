@@ -439,12 +439,15 @@ def test_the_kv_pool_never_holds_more_than_the_kv_budget(tiny_dir):
     engine = TargetEngine(tiny_dir / "target", kv_cache_tokens=100)
     assert _pool_tokens(engine) <= 100
     greedy = SamplingParams()
-    token = engine.prefill("a", [5] * 30, greedy, max_new_tokens=30).token  # 30 + 30 + 17 = 77: 80 in blocks
+    token = engine.prefill("a", [5] * 30, greedy, max_new_tokens=30).token  # 30 + 17 = 47: 48 in blocks
+    engine.prefill("b", [5] * 3, greedy, max_new_tokens=1)  # 3 + 17 = 20: 32
     assert engine.kv_budget.used == 80
-    with pytest.raises(ResourceExhausted, match="budget is taken"):  # 3 + 1 + 17 = 21: 32 in blocks, 112 > 100
-        engine.prefill("b", [5] * 3, greedy, max_new_tokens=1)
-    for _ in range(6):
+    with pytest.raises(ResourceExhausted, match="budget is taken"):  # 3 + 17 = 20: 32 in blocks, 112 > 100
+        engine.prefill("c", [5] * 3, greedy, max_new_tokens=30)
+    engine.release("b")
+    for _ in range(6):  # a grows, up to 30 + 24 + 17 = 71: 80 in blocks
         token = engine.verify("a", token, [8, 9, 10]).bonus
+    assert 48 <= engine.kv_budget.used <= 80
     assert _pool_tokens(engine) <= 100
     engine.release("a")
     assert engine.kv_budget.used == 0 and _pool_tokens(engine) <= 100

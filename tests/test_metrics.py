@@ -95,8 +95,10 @@ def test_every_service_serves_metrics_while_a_generation_runs(stack):
         coordinator, target, draft = (scrape(stack.metrics[name]) for name in SERVICES)
         stream.close()
     assert value(coordinator, "tandem:num_requests_running") >= 1
+    assert value(coordinator, "tandem:num_requests_waiting") == 0 and value(coordinator, "tandem:num_preemptions_total") == 0
     assert value(coordinator, "tandem:time_to_first_token_seconds_count") >= 1
     assert value(target, "tandem:num_sessions") >= 1 and value(draft, "tandem:num_sessions") >= 1
+    assert 3 <= value(target, "tandem:kv_cache_used_tokens") < 100  # what it has used, not its max_new_tokens
     assert value(target, "tandem:step_compute_seconds_count", step="verify") >= 1
     assert value(draft, "tandem:step_compute_seconds_count", step="propose") >= 1
     for samples in (coordinator, target, draft):

@@ -246,3 +246,58 @@ def test_the_scheduler_never_waits_while_a_request_is_there(target, tiny_dir):
     while engine.num_sessions and time.monotonic() < deadline:  # the last releases, or the streams' end
         time.sleep(0.05)
     assert engine.num_sessions == 0
+
+
+def test_a_request_the_kv_budget_cannot_grow_preempts_the_newest_which_resumes_where_it_was(tiny_dir):
+    """Three greedy generations whose KV together outgrows the target's budget: each holds the KV it has
+    used, and when a verify cannot grow its share the newest is preempted (its sessions released), waits at
+    the front of the queue, and recomputes its prompt and tokens once another has finished. Every client
+    reads one stream: the target's own tokens, none lost or repeated."""
+    from coordinator.scheduler import Scheduler
+    from tandem.params import GenerationRequest
+    from tandem.policy import Speculation
+    from tandem_tools.inprocess import InProcessGenerator
+
+    services, channels = [], []
+
+    def served(kind: str, engine):
+        settings = (TargetSettings(model=tiny_dir / "target", port=0) if kind == "target" else
+                    DraftSettings(model=tiny_dir / "draft", target=tiny_dir / "target", port=0))
+        service = Service(kind, settings, [f"tandem.v1.{kind.title()}Service"])
+        servicer = TargetServicer(service) if kind == "target" else DraftServicer(service)
+        add = (target_pb2_grpc.add_TargetServiceServicer_to_server if kind == "target"
+               else draft_pb2_grpc.add_DraftServiceServicer_to_server)
+        add(servicer, service.server)
+        service.start()
+        servicer.attach(engine)
+        service.ready()
+        services.append(service)
+        channels.append(grpc.insecure_channel(service.address))
+        stub = (target_pb2_grpc.TargetServiceStub if kind == "target" else draft_pb2_grpc.DraftServiceStub)
+        return stub(channels[-1])
+
+    engine = TargetEngine(tiny_dir / "target", kv_cache_tokens=320)  # two of the three, grown, fit
+    target = served("target", engine)
+    draft = served("draft", DraftEngine(tiny_dir / "draft", tiny_dir / "target"))
+    scheduler = Scheduler(ServiceLink("target", target.Step, pack_target, owner=OWNER),
+                          ServiceLink("draft", draft.Step, pack_draft, 30), engine.eos_token_ids,
+                          engine.max_context, Speculation(), max_running=8, max_waiting=8)
+    try:
+        prompts = id_prompts(3, engine.vocab_size, seed=5)
+        requests = [GenerationRequest(prompt_ids=p[:6], max_new_tokens=110, num_draft_tokens=3, ignore_eos=True)
+                    for p in prompts]
+        handles = [scheduler.submit(r) for r in requests]
+        got = [[t for event in h.events() for t in event.new_tokens] for h in handles]
+        reference = InProcessGenerator(tiny_dir / "target", None)
+        assert got == [reference.generate(r.model_copy(update={"speculate": False})).token_ids for r in requests]
+        assert scheduler.preempted >= 1
+    finally:
+        scheduler.close()
+        for channel in channels:
+            channel.close()
+        for service in services:
+            service.server.stop(None)
+    deadline = time.monotonic() + 10
+    while engine.num_sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.num_sessions == 0 and engine.kv_budget.used == 0

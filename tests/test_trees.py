@@ -183,16 +183,18 @@ def test_under_load_a_tree_gives_way_to_the_chain():
         assert (policy.tree_for_round(3, 0) is not None) == tree
 
 
-def test_a_wide_tree_is_verified_within_what_its_prefill_reserved(generator):
-    """A session reserves its generation plus one verify's uncommitted tokens: a chain's 17 unless its prefill
-    says a tree's (verify_tokens, which the round loop sends for a tree request)."""
+def test_a_wide_tree_is_verified_within_what_its_prefill_asked_for(generator):
+    """A session holds its prompt and one verify's uncommitted tokens of the KV budget, and may grow to its
+    prompt + max_new_tokens + that width: a chain's 17 unless its prefill says a tree's (verify_tokens, which
+    the round loop sends for a tree request)."""
     from tandem.sessions import InvalidRequest
 
     target, greedy, wide = generator.target, SamplingParams(), list(range(-1, 39))  # a 40-node tree
     narrow = target.prefill("narrow", PROMPTS[0], greedy, False, max_new_tokens=8)
-    with pytest.raises(InvalidRequest, match="reserved"):
+    with pytest.raises(InvalidRequest, match="its prefill asked for"):
         target.verify("narrow", narrow.token, [7] * 40, False, None, wide)
     roomy = target.prefill("roomy", PROMPTS[0], greedy, False, max_new_tokens=8, verify_tokens=41)
+    assert target.sessions.get("narrow").reserved < len(PROMPTS[0]) + 41 <= target.sessions.get("roomy").reserved
     verdict = target.verify("roomy", roomy.token, [7] * 40, False, None, wide)
     assert verdict.accepted == [7] * len(verdict.accepted)
     for session in ("narrow", "roomy"):
