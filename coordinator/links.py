@@ -17,12 +17,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
-
-if TYPE_CHECKING:
-    from coordinator.probe import RequestProbe
 
 _CLOSE = object()
 # when each service last answered a step (time.monotonic(), by service name): the health monitor keeps a
@@ -40,9 +37,6 @@ class BackendError(Exception):
         self.code = code
         self.details = details
 
-
-# How long closing a session stream may wait for the service to end it before cancelling the call.
-CLOSE_GRACE_S = 5.0
 
 
 class _Watchdog:
@@ -86,33 +80,22 @@ _watchdog = _Watchdog()
 
 
 class _Stream:
-    """A bidirectional call driven step by step: send() queues a message, recv() waits for the next.
+    """A bidirectional call driven step by step: send() queues a message, recv() waits for the next; the
+    call starts with the first message."""
 
-    The call starts with the first message: a generation that never drafts (shed by the acceptance
-    gate or by load) opens no draft session at all, where opening and cancelling one cost the draft
-    and the coordinator a handler thread's work per request (EAGLE-3 at 0.89-0.94x target-only with the
-    tiny pair's random head, every request shed)."""
-
-    def __init__(self, service: str, method: Callable, timeout: float | None, probe: RequestProbe | None = None,
-                 metadata: Sequence[tuple[str, str]] = ()):
+    def __init__(self, service: str, method: Callable, metadata: Sequence[tuple[str, str]] = ()):
         self.service = service
-        self.probe = probe  # a profiled request: every message is reported to it
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._method = method
         self._metadata = tuple(metadata)
-        self._deadline = time.monotonic() + timeout if timeout is not None else None  # the generation's
         self._call = None  # started by the first send()
-        self._closed = False
         self.cancelled = False  # by us (cancel()), not by the service or the network
         self._expired = False  # the watchdog cancelled the call: a step's deadline passed
 
     def send(self, message) -> None:
-        if self.probe is not None:
-            self.probe.sent(f"coordinator->{self.service}", message)
         self._requests.put(message)
         if self._call is None:
-            timeout = max(1e-3, self._deadline - time.monotonic()) if self._deadline is not None else None
-            self._call = self._method(iter(self._requests.get, _CLOSE), timeout=timeout, metadata=self._metadata)
+            self._call = self._method(iter(self._requests.get, _CLOSE), metadata=self._metadata)
             if self.cancelled:  # cancel() came while the call started
                 self._call.cancel()
 
@@ -134,8 +117,6 @@ class _Stream:
             if step_timeout is not None:
                 _watchdog.disarm(self)
         last_answer[self.service] = time.monotonic()
-        if self.probe is not None:
-            self.probe.received(f"{self.service}->coordinator", message)
         return message
 
     def expire(self) -> None:
@@ -144,31 +125,11 @@ class _Stream:
         if self._call is not None:
             self._call.cancel()
 
-    def close(self) -> None:
-        """Half-close and wait for the service to end the stream (it has released the session then)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._requests.put(_CLOSE)
-        if self._call is None:  # never started: nothing to end
-            return
-        # bounded: a stopped or partitioned service must not hold the generation's handler forever
-        _watchdog.arm(self, CLOSE_GRACE_S)
-        try:
-            for _ in self._call:
-                pass
-        except grpc.RpcError:
-            pass  # cancelled or failed: the service releases the session either way (or its TTL does)
-        finally:
-            _watchdog.disarm(self)
-
     def cancel(self) -> None:
-        self.cancelled = self._closed = True
+        self.cancelled = True
         self._requests.put(_CLOSE)
         if self._call is not None:
             self._call.cancel()
-
-
 
 
 def code_of(value: int) -> grpc.StatusCode:
@@ -193,7 +154,7 @@ class ServiceLink:
 
     def send(self, steps: Sequence, releases: Sequence[str] = ()) -> None:
         if self._stream is None:
-            self._stream = _Stream(self.service, self._method, None, metadata=[(OWNER_KEY, self.owner)])
+            self._stream = _Stream(self.service, self._method, [(OWNER_KEY, self.owner)])
             self.generation += 1
         self._sent = len(steps)
         self._stream.send(self._pack(steps, releases))
