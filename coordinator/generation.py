@@ -38,6 +38,11 @@ TARGET_LOST = (
 )
 
 
+# What a session's KV holds beyond its tokens for a moment: t and a chain's drafts or a tree's nodes, in whole
+# blocks (target_server/kv.py: VERIFY_TOKENS 63, and a block of 16 for the rounding), so that a fitted request fits.
+KV_VERIFY_ROOM = 80
+
+
 @dataclass
 class ClientRequest:
     """A request as a client API hands it over: the generation, its stop strings, and whether the
@@ -78,6 +83,10 @@ def fit_to_pair(client: ClientRequest, pair: Pair) -> GenerationRequest:
                 f"{n + request.max_new_tokens} is past the model's context of {max_context} tokens"
             )
         request = request.model_copy(update={"max_new_tokens": max_context - n})  # what fits (as vLLM does)
+    kv_tokens = pair.target_info.kv_cache_tokens - KV_VERIFY_ROOM  # what one session may grow to
+    if not client.max_new_tokens_given and pair.target_info.kv_cache_tokens and n + request.max_new_tokens > kv_tokens:
+        # a context longer than the KV budget (vLLM refuses to start so; here a request may not grow past it)
+        request = request.model_copy(update={"max_new_tokens": max(1, kv_tokens - n)})
     check_stop_strings(client.stop, pair.tokenizer is not None)
     return request
 

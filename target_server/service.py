@@ -93,6 +93,7 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
             layer_ids=list(engine.aux_layer_ids),
             eos_token_ids=engine.eos_token_ids,
             max_context=engine.max_context,
+            kv_cache_tokens=engine.kv_budget.tokens or 0,
             dtype=name_of(engine.dtype),
             device=str(engine.device),
             tokenizer_size=len(self.tokenizer_json),

@@ -301,3 +301,29 @@ def test_a_request_the_kv_budget_cannot_grow_preempts_the_newest_which_resumes_w
     while engine.num_sessions and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine.num_sessions == 0 and engine.kv_budget.used == 0
+
+
+def test_a_request_without_max_new_tokens_is_fitted_to_the_kv_budget(tiny_dir):
+    """Unset max_new_tokens (a chat request without max_tokens) shrinks to what one session can grow to in
+    the target's KV budget, as to the context, and the target takes it; one given is left as given (the
+    target refuses it, naming the budget)."""
+    from types import SimpleNamespace
+
+    from coordinator.generation import ClientRequest, fit_to_pair
+    from tandem.params import GenerationRequest
+    from tandem.sessions import ResourceExhausted
+    from tandem.v1 import target_pb2
+
+    engine = TargetEngine(tiny_dir / "target", kv_cache_tokens=1000)
+    info = target_pb2.TargetInfo(vocab_size=engine.vocab_size, max_context=4096, kv_cache_tokens=1000)
+    pair = SimpleNamespace(target_info=info, tokenizer=None)
+    prompt = [5] * 10
+    unset = ClientRequest(GenerationRequest(prompt_ids=prompt, max_new_tokens=4096 - 10), max_new_tokens_given=False)
+    fitted = fit_to_pair(unset, pair).max_new_tokens
+    assert 850 < fitted < 1000 - 10
+    engine.prefill("fitted", prompt, GREEDY, max_new_tokens=fitted, verify_tokens=64)  # the widest verify too
+    given = ClientRequest(GenerationRequest(prompt_ids=prompt, max_new_tokens=2000))
+    assert fit_to_pair(given, pair).max_new_tokens == 2000
+    with pytest.raises(ResourceExhausted, match="whole KV budget is 1000"):
+        engine.prefill("given", prompt, GREEDY, max_new_tokens=2000)
+    engine.release("fitted")
