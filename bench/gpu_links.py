@@ -213,7 +213,7 @@ def services(sizes, record, pair) -> None:
     device = sizes.device
     args = ["--port", "0", "--target", str(pair / "target"), "--draft", str(pair / "draft"), "--target-device",
             device, "--draft-device", device, "--dtype", "float32", "--transport", "auto", "--grace-period", "5"]
-    env = {**os.environ, "TANDEM_COORDINATOR_SPEC_DRAFT_COST": "0", "TANDEM_COORDINATOR_SPEC_TOKEN_BUDGET": "0"}
+    env = {**os.environ, "TANDEM_COORDINATOR_SPEC_TOKEN_BUDGET": "0"}  # neither adaptive K nor the gate
     if device.startswith("cuda"):
         import torch
 

@@ -21,6 +21,7 @@ from coordinator.monitor import LATE_PATIENCE_S, Monitor, Pair
 from coordinator.probe import RequestObserver, RequestProbe
 from coordinator.scheduler import Scheduler, pack_draft, pack_target
 from tandem.config import CoordinatorSettings
+from tandem.defaults import DECODE_STEPS, OVERLAP_SAMPLED, SPEC_DRAFT_COST
 from tandem.errors import Abort, InvalidRequest, OutOfRange
 from tandem.gates import AcceptanceGate, TreeGate
 from tandem.metrics import CoordinatorMetrics
@@ -121,20 +122,20 @@ class Generations:
         self._scheduler: tuple[tuple, Scheduler] | None = None  # (the stubs it steps, it)
         self.owner = uuid.uuid4().hex  # this coordinator, to the services it steps
         self._lock = threading.Lock()
-        budget, cost = settings.spec_token_budget, settings.spec_draft_cost
+        budget = settings.spec_token_budget  # 0: no load policy, neither adaptive K nor the gate
         running = lambda: self._scheduler[1].running if self._scheduler is not None else 0
         self.metrics.waiting.set_function(lambda: self._scheduler[1].waiting if self._scheduler is not None else 0)
         self.speculation = Speculation(
             k_for=adaptive_k(budget, running) if budget else None,
-            gate=AcceptanceGate(cost) if cost else None,  # one for the server: it learns from every request
+            gate=AcceptanceGate(SPEC_DRAFT_COST) if budget else None,  # one for the server: learns from every request
             overlap=settings.overlap,
-            overlap_sampled=settings.overlap_sampled,
+            overlap_sampled=OVERLAP_SAMPLED,
             branches=OVERLAP_BRANCHES,
             overlap_while=lambda: running() <= OVERLAP_MAX_RUNNING,
-            trees=TreeGate() if settings.tree_policy else None,
+            trees=TreeGate(),
             fits=(lambda width: running() * width <= budget) if budget else None,
             default_tree=parse_tree(settings.tree) if settings.tree else None,
-            decode_steps=settings.decode_steps,
+            decode_steps=DECODE_STEPS,
         )
 
     def attach(self, monitor: Monitor) -> None:

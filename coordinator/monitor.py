@@ -1,7 +1,7 @@
 """The coordinator's view of its target and draft services: up or down, what they are, whether they fit.
 
-A monitor thread checks each service's health: every `health_interval` seconds while it is up, and
-with backoff (0.1 s, doubling, up to RETRY_MAX) while it is down. A generation that sees a service
+A monitor thread checks each service's health: every HEALTH_INTERVAL seconds (tandem/defaults.py) while it
+is up, and with backoff (0.1 s, doubling, up to RETRY_MAX) while it is down. A generation that sees a service
 fail reports it (`fault`), so that the next generations do not wait for the next check.
 
   target down   the coordinator reports NOT_SERVING and refuses generations with UNAVAILABLE; when the
@@ -30,7 +30,7 @@ from coordinator.links import BackendError, last_answer
 from tandem import security
 from tandem.config import CoordinatorSettings
 from tandem.convert import draft_shape_from_pb, target_shape_from_pb
-from tandem.defaults import BATCH_MESSAGE_MIB
+from tandem.defaults import BATCH_MESSAGE_MIB, HEALTH_INTERVAL
 from tandem.errors import Abort
 from tandem.pairing import PairMismatch, check_pair
 from tandem.service import channel_options, wait_for_serving
@@ -136,7 +136,7 @@ class Monitor:
             Link("draft", settings.draft_addr, options, draft_pb2_grpc.DraftServiceStub, wrap_channel, tls)
             if settings.draft_addr is not None else None
         )
-        self.interval = settings.health_interval
+        self.interval = HEALTH_INTERVAL
         self.connect_timeout = settings.connect_timeout
         self._on_target = on_target
         self._tokenizer: Tokenizer | None = None

@@ -147,7 +147,6 @@ def load(settings: DraftSettings, service: Service, servicer: DraftServicer):
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     engine = DraftEngine(settings.model, settings.target, device=settings.device, dtype=settings.dtype,
-                         q_top_n=settings.q_top_n,
                          aux_layer_convention=settings.aux_layer_convention)
     transport = DraftTransport(settings.transport, settings.device, settings.dtype, engine.feature_size,
                                traffic=service.traffic)

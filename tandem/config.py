@@ -135,14 +135,12 @@ class ServiceSettings(BaseSettings):
     max_sessions: int = Field(64, ge=1, le=4096)
     # SIGTERM: health goes NOT_SERVING, new requests get UNAVAILABLE, in-flight ones get this long.
     grace_period: float = Field(30.0, ge=0)
-    # gRPC's 4 MiB default is raised deliberately, not removed: feature chunks are 2 MiB, and a big
-    # tokenizer travels in chunks too, so 16 MiB leaves room without inviting unbounded messages.
-    max_message_mib: int = Field(16, ge=1, le=1024)
+    max_message_mib: ClassVar[int] = defaults.MESSAGE_MIB  # the gRPC limit of this service's port
     announce_file: Path | None = Field(None, description="write HOST:PORT here once listening (used by serve)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # Prometheus /metrics over HTTP on the same interface as the service; off unless a port is given.
     metrics_port: int | None = Field(None, ge=0, le=65535, description=defaults.METRICS_PORT_HELP)
-    cpus: str | None = Field(None, description=defaults.CPUS_HELP)
+    cpus: str | None = Field(None, description=defaults.CPUS_HELP)  # no flag: `serve` sets it for its children
     # TLS on this service's port (tandem/security.py); without it only loopback is safe to bind.
     tls_cert: Path | None = Field(None, description=defaults.TLS_CERT_HELP)
     tls_key: Path | None = Field(None, description=defaults.TLS_KEY_HELP)
@@ -174,10 +172,11 @@ class EngineSettings(ServiceSettings):
     """What the target and draft services share: a model on a device, batched, with a feature path."""
 
     verifies_clients: ClassVar[bool] = True
+    max_message_mib: ClassVar[int] = defaults.BATCH_MESSAGE_MIB
 
     device: Device = "cpu"
     dtype: Dtype = "float32"
-    threads: int | None = Field(None, ge=1, description=defaults.THREADS_HELP)
+    threads: int | None = Field(None, ge=1, description=defaults.THREADS_HELP)  # no flag, as cpus
     transport: Transport = Field("auto", description=TRANSPORT_HELP)
 
     @field_validator("device")
@@ -190,7 +189,6 @@ class TargetSettings(EngineSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_TARGET_", extra="ignore")
 
     port: int = Field(DEFAULT_TARGET_PORT, ge=0, le=65535)
-    max_message_mib: int = Field(defaults.BATCH_MESSAGE_MIB, ge=1, le=2047)
     model: TargetCheckpoint
     # Only the draft's config.json is read, for eagle_aux_hidden_state_layer_ids: the target must
     # capture the layers the head was trained on.
@@ -199,24 +197,13 @@ class TargetSettings(EngineSettings):
     # The largest batch a forward is sized for (the GPU's KV budget counts one forward of it).
     max_batch_size: int = Field(32, ge=1, le=1024)
     max_batch_tokens: int = Field(4096, ge=1)
-    # The shm / cuda-ipc ring: a 4096-token prefill of an 8B target in bf16 is 96 MiB; a step that
-    # does not fit (or finds the ring full) goes inline over gRPC instead of waiting.
-    transport_ring_mib: float = Field(256.0, gt=0)
-    # Steps outstanding at once on a fast path (ring ranges, CUDA events, nccl send queue); each
-    # session holds at most its last two steps, so half of this bounds sessions on the fast path.
-    transport_max_inflight: int = Field(128, ge=1, le=4096)
-    # Any wait on the fast path (rendezvous, a send, a draft waiting for a step's rows).
-    transport_timeout: float = Field(10.0, gt=0)
     # The KV cache of all sessions together (unset: on a GPU what is free after loading less a margin, the
     # feature ring, a forward of the largest batch and the gather (target_server/engine.py), or half
     # the host's available memory on a CPU). A prefill reserves its generation's
     # share (prompt + max_new_tokens); while the budget is taken it is refused, and the coordinator's
     # scheduler keeps the request waiting.
     kv_cache_gib: float | None = Field(None, gt=0)
-    # The model code: native (target_server/native.py, the Llama family over the paged pool in place),
-    # hf (transformers'), auto (native where the architecture is supported).
-    engine: Literal["auto", "native", "hf"] = "auto"
-    burst_cpus: str | None = Field(None, description=defaults.BURST_CPUS_HELP)
+    burst_cpus: str | None = Field(None, description=defaults.BURST_CPUS_HELP)  # no flag, as cpus
 
     @field_validator("burst_cpus")
     @classmethod
@@ -227,10 +214,8 @@ class DraftSettings(EngineSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_DRAFT_", extra="ignore")
 
     port: int = Field(DEFAULT_DRAFT_PORT, ge=0, le=65535)
-    max_message_mib: int = Field(defaults.BATCH_MESSAGE_MIB, ge=1, le=2047)
     model: DraftCheckpoint
     target: TargetCheckpoint  # the draft reads the target's embed_tokens (that one tensor)
-    q_top_n: int = Field(defaults.DRAFT_Q_TOP_N, ge=0, description=defaults.Q_TOP_N_HELP)
     aux_layer_convention: AuxLayerConvention | None = Field(None, description=CONVENTION_HELP)
 
 
@@ -254,32 +239,23 @@ class CoordinatorSettings(ServiceSettings):
     port: int = Field(DEFAULT_COORDINATOR_PORT, ge=0, le=65535)
     target_addr: str
     draft_addr: str | None = None  # none: target-only decoding
-    # How long to wait at start-up for the target and draft to report SERVING (a large model loads slowly).
-    connect_timeout: float = Field(600.0, gt=0)
+    # No flag: `tandem serve` waits as long; an orchestrator whose start-up probes allow longer sets it (deploy/k8s).
+    connect_timeout: float = Field(defaults.STARTUP_TIMEOUT, gt=0, description=defaults.CONNECT_TIMEOUT_HELP)
     # A draft step that takes longer counts as a hung draft: the generation goes on target-only.
     # Far above a real step (ms), even a long prompt's first extend under full load.
     draft_timeout: float = Field(10.0, gt=0)
-    # How often the health of the target and draft is checked while they are up (while one is
-    # down it is retried with backoff, from 0.1 s up to this).
-    health_interval: float = Field(1.0, gt=0)
     # Adaptive K: the draft tokens of all running generations together, per round. With n running,
     # each gets K = min(its K, budget // n - 1), down to 0 (target-only) under heavy load, where
-    # verifying drafts costs the batch more than their accepted tokens win. 0 turns adaptation off.
-    spec_token_budget: int = Field(defaults.SPEC_TOKEN_BUDGET, ge=0)
-    # Acceptance gate: K only as far as the drafts accepted so far pay for them, at this cost of a draft
-    # token relative to a verify round (defaults.SPEC_DRAFT_COST); 0 turns it off.
-    spec_draft_cost: float = Field(defaults.SPEC_DRAFT_COST, ge=0)
+    # verifying drafts costs the batch more than their accepted tokens win; the acceptance gate
+    # (defaults.SPEC_DRAFT_COST) sheds what the drafts accepted do not pay for. 0 turns both off.
+    spec_token_budget: int = Field(defaults.SPEC_TOKEN_BUDGET, ge=0, description=defaults.SPEC_TOKEN_BUDGET_HELP)
     # Overlapped drafting (on/off): see defaults.OVERLAP_BRANCHES.
     overlap: bool = Field(True, description=defaults.OVERLAP_HELP)
-    overlap_sampled: bool = Field(False, description=defaults.OVERLAP_SAMPLED_HELP)
     # Requests beyond max_sessions wait for a place (FCFS); past this many waiting, RESOURCE_EXHAUSTED.
     max_waiting: int = Field(1024, ge=0, le=65536, description=defaults.MAX_WAITING_HELP)
-    # Tokens a target-only request decodes in one step while nothing drafts (Verify.decode; 1: one a step).
-    decode_steps: int = Field(defaults.DECODE_STEPS, ge=1, le=64, description=defaults.DECODE_STEPS_HELP)
-    # EAGLE-2 draft trees: the tree of requests that name none, NODES[,DEPTH[,TOP_K]] (none: chains), and
-    # whether the tree gate (tandem/gates.py) chooses tree or chain each round by their measured speed.
+    # EAGLE-2 draft trees: the tree of requests that name none, NODES[,DEPTH[,TOP_K]] (none: chains); the
+    # tree gate (tandem/gates.py) chooses tree or chain each round by their measured speed.
     tree: TreeSpec | None = Field(None, description=defaults.TREE_HELP)
-    tree_policy: bool = Field(True, description=defaults.TREE_POLICY_HELP)
     # The OpenAI-compatible HTTP front (coordinator/http/) on this port of the same --host; off unless given.
     http_port: int | None = Field(None, ge=0, le=65535, description=defaults.HTTP_PORT_HELP)
     served_model_name: str | None = Field(None, min_length=1, description=defaults.SERVED_MODEL_NAME_HELP)
@@ -340,31 +316,27 @@ class ServeSettings(BaseSettings):
     transport: Transport = Field("auto", description=TRANSPORT_HELP)
     host: str = "127.0.0.1"
     port: int = Field(DEFAULT_COORDINATOR_PORT, ge=0, le=65535)
-    startup_timeout: float = Field(600.0, gt=0)
     grace_period: float = Field(30.0, ge=0)
-    spec_token_budget: int | None = Field(None, ge=0)  # none: the coordinator's default
-    spec_draft_cost: float | None = Field(None, ge=0)  # none: the coordinator's default
+    spec_token_budget: int | None = Field(None, ge=0, description=defaults.SPEC_TOKEN_BUDGET_HELP)  # none: the coordinator's
     overlap: bool = Field(True, description=defaults.OVERLAP_HELP)
     tree: TreeSpec | None = Field(None, description=defaults.TREE_HELP)
-    tree_policy: bool = Field(True, description=defaults.TREE_POLICY_HELP)
-    decode_steps: int | None = Field(None, ge=1, le=64, description=defaults.DECODE_STEPS_HELP)  # none: the coordinator's
-    # Prometheus /metrics of each child (none: off, or the child's own TANDEM_<SERVICE>_METRICS_PORT)
-    coordinator_metrics_port: int | None = Field(None, ge=0, le=65535)
-    target_metrics_port: int | None = Field(None, ge=0, le=65535)
-    draft_metrics_port: int | None = Field(None, ge=0, le=65535)
+    # Prometheus /metrics of the children: the coordinator on this port, the target on the next, the draft on
+    # the one after (0: each a free port; none: off, or each child's own TANDEM_<SERVICE>_METRICS_PORT).
+    metrics_port: int | None = Field(None, ge=0, le=65533, description=defaults.SERVE_METRICS_PORT_HELP)
     http_port: int | None = Field(None, ge=0, le=65535, description=defaults.HTTP_PORT_HELP)  # the coordinator's
     served_model_name: str | None = Field(None, min_length=1, description=defaults.SERVED_MODEL_NAME_HELP)
     chat_template: str | None = Field(None, min_length=1, description=defaults.CHAT_TEMPLATE_HELP)  # passed on as given
-    # On a CPU host, the target on half the CPUs and the draft and the coordinator on the other half,
-    # as they would be on two devices: sharing every core, the services' threads took turns on them
-    # and a round at 16 requests took 1.3x longer (defaults.SPLIT_CPUS_HELP).
-    split_cpus: bool = Field(True, description=defaults.SPLIT_CPUS_HELP)
-    target_burst: bool = Field(True, description=defaults.TARGET_BURST_HELP)  # with split_cpus: --burst-cpus, all of them
     api_key: ApiKeys = Field((), description=defaults.API_KEY_HELP)  # the coordinator's
     api_key_file: Path | None = Field(None, description=defaults.API_KEY_FILE_HELP)
     # A CA made for this host (tandem/security.py): TLS on both fronts, mutual TLS between the services.
     tls: bool = Field(False, description="on: TLS on the fronts and mutual TLS between the services, from a CA "
                                          "made for this run (default off)")
+
+
+# Settings with no flag, read from their TANDEM_* variable only: what `tandem serve` hands its children (the
+# announce file, CPUs, threads), and what deployments set beside a front (tests/test_services_config.py keeps this true).
+NO_FLAG = frozenset({"announce_file", "cpus", "threads", "burst_cpus", "connect_timeout", "open_metrics",
+                     "max_requests_per_key", "tls_client_cert", "tls_client_key", "tls_server_name"})
 
 
 def load_settings(cls: type[BaseSettings], **flags) -> BaseSettings:
@@ -383,6 +355,8 @@ def describe_errors(exc: ValidationError, cls: type[BaseSettings] | None = None)
     for err in exc.errors():
         field = ".".join(str(part) for part in err["loc"])
         where = f"--{field.replace('_', '-')} / {prefix}{field.upper()}" if field and cls is not None else field
+        if field in NO_FLAG and cls is not None:
+            where = f"{prefix}{field.upper()}"
         msg = err["msg"].removeprefix("Value error, ")
         value = err.get("input")
         if err["type"] == "missing":

@@ -2,20 +2,34 @@
 constant says why it is what it is. No torch, no pydantic: the coordinator and the tools read these too.
 """
 
-# Two model processes on one CPU must not both spin a thread per core: oversubscribed, a round on
-# a busy 2-core machine took 100x longer than with one thread each. `serve` splits the cores.
-THREADS_HELP = "torch CPU threads (default: torch's choice, one per core)"
-SPLIT_CPUS_HELP = ("on: with the models on the CPU, the target runs on half the CPUs and the draft and the "
-                   "coordinator on the rest (default on)")
-CPUS_HELP = "run on these CPUs only, every thread (Linux): e.g. 0 or 2-3,6 (default: all)"
-BURST_CPUS_HELP = ("a CPU target: these CPUs too (a list as --cpus) for the forwards that measure faster on them, "
-                   "a thread each (target_server/threads.py; default: none)")
-TARGET_BURST_HELP = ("on: with the CPUs split, the target's forwards borrow the draft's CPUs where that measures "
-                     "faster (default on)")
+# The CPUs and threads of the services on a CPU host are `tandem serve`'s to hand out (tandem_tools/serve.py:
+# the target on half the CPUs, the draft and the coordinator on the rest, a torch thread per CPU, the target's
+# forwards borrowing all of them where that measures faster), not product settings: these fields have no
+# flag, and serve sets their variables for its children only. Two model processes on one CPU must not both
+# spin a thread per core: oversubscribed, a round on a busy 2-core machine took 100x longer.
+THREADS_HELP = "internal to `tandem serve`, which sets it: torch CPU threads (default: torch's choice, one per core)"
+CPUS_HELP = ("internal to `tandem serve`, which sets it: run on these CPUs only, every thread (Linux), e.g. 0 or "
+             "2-3,6 (default: all)")
+BURST_CPUS_HELP = ("internal to `tandem serve`, which sets it: a CPU target also uses these CPUs (a list as CPUS) "
+                   "for the forwards that measure faster on them, a thread each (target_server/threads.py; "
+                   "default: none)")
 
-
+# How long `tandem serve` waits for its services, and a coordinator for the target and the draft, to report
+# SERVING: a large checkpoint from a network volume loads for minutes.
+STARTUP_TIMEOUT = 600.0
+CONNECT_TIMEOUT_HELP = ("seconds the coordinator waits at start-up for the target and the draft to report SERVING "
+                        f"(default {STARTUP_TIMEOUT:.0f}, as long as `tandem serve` waits for its services)")
+# The coordinator checks the health of the target and the draft this often while they are up (while one is
+# down it is retried with backoff, from 0.1 s up to this): a lost service is seen within a second.
+HEALTH_INTERVAL = 1.0
+# gRPC's 4 MiB default is raised deliberately, not removed: feature chunks are 2 MiB, and a big tokenizer
+# travels in chunks too, so 16 MiB leaves room without inviting unbounded messages. The coordinator's
+# clients; the target and the draft take BATCH_MESSAGE_MIB.
+MESSAGE_MIB = 16
 
 METRICS_PORT_HELP = "serve Prometheus /metrics on this port (default: off; 0 = any free port)"
+SERVE_METRICS_PORT_HELP = ("Prometheus /metrics of the coordinator on this port, the target on the next and the "
+                           "draft on the one after (default: off; 0 = each a free port)")
 HTTP_PORT_HELP = ("serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
                   "/metrics) on this port of --host (default: off; 0 = any free port)")
 SERVED_MODEL_NAME_HELP = "the model name of the HTTP API (default: the target's directory name)"
@@ -38,11 +52,14 @@ API_KEY_FILE_HELP = "more API keys, one a line"
 # nodes fits. A GPU's knee is elsewhere: measure it with `tandem bench --concurrency ...` and
 # TANDEM_COORDINATOR_SPEC_TOKEN_BUDGET=0, then set the budget.
 SPEC_TOKEN_BUDGET = 24
+SPEC_TOKEN_BUDGET_HELP = (f"adaptive K: draft tokens per round over all running generations (default "
+                          f"{SPEC_TOKEN_BUDGET}; 0 = off: every round drafts the request's K, no acceptance gate)")
 # Acceptance gate (tandem.gates.AcceptanceGate): one draft token's cost as a share of a verify
 # round, drafting and moving the features included. Measured on the 2-core CPU: a K=3 round of the
 # demo pair takes about twice a target-only round (1 + 0.3 * 3 = 1.9), as does one of the tiny pair.
 # On GPUs, where a one-layer head is far cheaper than the target, it is smaller: measure it as
-# (round time at K / target-only step time - 1) / K with `tandem bench`.
+# (round time at K / target-only step time - 1) / K with `tandem bench`. Not a setting: the gate measures the
+# round times it decides by, and this prior weighs only until it has (tandem/gates.py).
 SPEC_DRAFT_COST = 0.3
 # Overlap: outcomes of a verify the draft prepares the next round for while it runs. On the demo pair
 # (K=3) 4, 8, 16, 32 branches hit about 63%, 73%, 82%, 90% of verifies; their rollouts are one batch,
@@ -59,9 +76,10 @@ OVERLAP_BRANCHES = 8
 # 239.6). Sampled generations stay off (OVERLAP_SAMPLED_HELP), and above one running generation the coordinator
 # overlaps none (tandem/policy.py: OVERLAP_MAX_RUNNING).
 OVERLAP_HELP = "on: the draft prepares a lone greedy generation's next round while the target verifies"
-# Sampled: at temperature 0.7 / 1, K=3, through the services, overlap on ran 0.91x / 0.93x target-only against
-# 1.05x / 1.01x off (47% / 27% of the aheads hit: a sampled outcome is harder to guess).
-OVERLAP_SAMPLED_HELP = "on: sampled generations overlap too (default off: greedy ones only)"
+# Sampled generations do not overlap in the services: at temperature 0.7 / 1, K=3, through the services, overlap
+# on ran 0.91x / 0.93x target-only against 1.05x / 1.01x off (47% / 27% of the aheads hit: a sampled outcome is
+# harder to guess). In-process, Speculation(overlap_sampled=True) still runs them.
+OVERLAP_SAMPLED = False
 # Speculative sampling: a sampled request's drafts are drawn from the draft's q cut to its N likeliest
 # tokens (renormalised), and q's support crosses to the target with each draft. Measured on the demo pair
 # (bench/q_truncation.py, K=3, 32 prompts; a draft's chance of acceptance at temperature 0.7 / 1, and q's
@@ -70,20 +88,17 @@ OVERLAP_SAMPLED_HELP = "on: sampled generations overlap too (default off: greedy
 # whole q's acceptance at 0.7 and 94% at 1, in bytes that do not grow with the vocabulary (a whole 32k
 # head's q is 190 KB a draft; a feature row of an 8B target in bf16 is 24 KB).
 DRAFT_Q_TOP_N = 256
-Q_TOP_N_HELP = ("sampled requests: the draft samples from its N likeliest tokens, renormalised, and sends that "
-                "support with each draft (default 256; 0 = the whole draft vocabulary, 1 = its argmax)")
 
 
 # The scheduler's batches carry their steps' features inline on the grpc transport, one message a step: a
 # 4096-token prefill of an 8B target in bf16 is 96 MiB, a batch of them more. The target's and the draft's
-# limit, and the coordinator's to them; the coordinator's own clients keep max_message_mib.
+# limit, and the coordinator's to them; the coordinator's own clients keep MESSAGE_MIB.
 BATCH_MESSAGE_MIB = 1024
 
 
 TREE_HELP = ("EAGLE-2 draft trees for requests that name none: NODES[,DEPTH[,TOP_K]] (depth and top-k default "
              "to the EAGLE-3 reference's 7 and 10); unset: chains of K")
+# Tokens a target-only request decodes in one step of the target while nothing drafts and nobody waits
+# (Verify.decode): the round trip to the target is paid once per that many instead of once a token.
 DECODE_STEPS = 16
-DECODE_STEPS_HELP = ("tokens a target-only request decodes in one step of the target while nothing drafts and "
-                     f"nobody waits: the round trip is paid once per that many (default {DECODE_STEPS}; 1: a token a step)")
 MAX_WAITING_HELP = "requests that may wait for a place beyond max_sessions before RESOURCE_EXHAUSTED (default 1024)"
-TREE_POLICY_HELP = "on: each round runs the tree or the chain, whichever has measured faster here (default on)"

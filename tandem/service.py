@@ -98,6 +98,11 @@ class Admission:
         return True
 
 
+def metrics_announce_file(announce: Path) -> Path:
+    """Where a service that announces its address to `announce` writes its /metrics HOST:PORT."""
+    return announce.with_name(announce.name + ".metrics")
+
+
 def restrict_cpus(cpus: frozenset[int]) -> None:
     """Run this process on `cpus` only: every thread it has (threads started later inherit it)."""
     for task in Path("/proc/self/task").iterdir():
@@ -159,6 +164,8 @@ class Service:
         if self.settings.metrics_port is not None:
             self.metrics_address = serve_metrics(self.registry, host, self.settings.metrics_port)
             log.info("tandem %s metrics on http://%s/metrics", self.name, self.metrics_address)
+            if self.settings.announce_file is not None:  # beside the address, for `serve` to print
+                _write_atomically(metrics_announce_file(self.settings.announce_file), self.metrics_address)
         if self.settings.announce_file is not None:
             _write_atomically(self.settings.announce_file, self.address)
         return self.address

@@ -11,19 +11,14 @@ from tandem.aux_layers import CONVENTION_HELP, CONVENTIONS
 from tandem.defaults import (
     API_KEY_FILE_HELP,
     API_KEY_HELP,
-    BURST_CPUS_HELP,
-    DECODE_STEPS_HELP,
     MAX_WAITING_HELP,
     OVERLAP_HELP,
-    OVERLAP_SAMPLED_HELP,
-    SPEC_DRAFT_COST,
-    SPEC_TOKEN_BUDGET,
-    TARGET_BURST_HELP,
+    SERVE_METRICS_PORT_HELP,
+    SPEC_TOKEN_BUDGET_HELP,
     TLS_CA_HELP,
     TLS_CERT_HELP,
     TLS_KEY_HELP,
     TREE_HELP,
-    TREE_POLICY_HELP,
 )
 from tandem.dtypes import DTYPE_NAMES
 from tandem_tools.demos import add_demo_arg
@@ -96,7 +91,6 @@ def add_engine_args(p: argparse.ArgumentParser, batch_tokens: str) -> None:
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--dtype", help=DTYPE_HELP)
     p.add_argument("--transport", help=TRANSPORT_HELP)
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: one per core)")
 
 
 def add_service_args(p: argparse.ArgumentParser, port_help: str) -> None:
@@ -105,15 +99,12 @@ def add_service_args(p: argparse.ArgumentParser, port_help: str) -> None:
     p.add_argument("--port", type=int, help=port_help)
     p.add_argument("--max-sessions", type=int, help="concurrent generations before RESOURCE_EXHAUSTED (default 64)")
     p.add_argument("--grace-period", type=float, help="seconds in-flight requests get on SIGTERM (default 30)")
-    p.add_argument("--max-message-mib", type=int, help="gRPC message size limit (default 16)")
-    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default INFO)")
     p.add_argument("--metrics-port", type=int,
                    help="serve Prometheus /metrics on this port (default: off; 0 = any free port)")
-    p.add_argument("--cpus", help="run on these CPUs only, every thread (Linux): e.g. 0 or 2-3,6 (default: all)")
     p.add_argument("--tls-cert", help=TLS_CERT_HELP)
     p.add_argument("--tls-key", help=TLS_KEY_HELP)
     p.add_argument("--tls-ca", help=TLS_CA_HELP)
-    p.add_argument("--announce-file", help=argparse.SUPPRESS)  # `serve` learns the bound port from it
 
 
 def add_key_args(p: argparse.ArgumentParser) -> None:
@@ -141,16 +132,9 @@ def _later(module: str, name: str) -> Callable[[argparse.Namespace], int]:
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     """The K policy's flags (tandem/policy.py), the same on `serve` and `coordinator`."""
-    p.add_argument("--spec-token-budget", type=int,
-                   help=f"adaptive K: draft tokens per round over all running generations (default "
-                        f"{SPEC_TOKEN_BUDGET}; 0 = off)")
-    p.add_argument("--spec-draft-cost", type=float,
-                   help="acceptance gate: a draft token's cost as a share of a verify round; K only as far as "
-                        f"accepted drafts pay for it (default {SPEC_DRAFT_COST}; 0 = off)")
+    p.add_argument("--spec-token-budget", type=int, help=SPEC_TOKEN_BUDGET_HELP)
     p.add_argument("--overlap", choices=["on", "off"], help=OVERLAP_HELP + " (default on)")
     p.add_argument("--tree", metavar="NODES[,DEPTH[,TOP_K]]", help=TREE_HELP)
-    p.add_argument("--tree-policy", choices=["on", "off"], help=TREE_POLICY_HELP)
-    p.add_argument("--decode-steps", type=int, help=DECODE_STEPS_HELP)
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:
@@ -210,15 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="interface the coordinator binds (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="the coordinator's port (default 50050; 0 = any free port)")
     p.add_argument("--grace-period", type=float, help="seconds in-flight requests get on SIGTERM (default 30)")
-    p.add_argument("--startup-timeout", type=float, help="seconds to wait for the services (default 600)")
     add_speculation_args(p)
     add_http_args(p)
-    p.add_argument("--split-cpus", choices=["on", "off"],
-                   help="on: with the models on the CPU, the target runs on half the CPUs and the draft and the "
-                        "coordinator on the rest, as on two devices (default on)")
-    p.add_argument("--target-burst", choices=["on", "off"], help=TARGET_BURST_HELP)
-    for name in ("coordinator", "target", "draft"):
-        p.add_argument(f"--{name}-metrics-port", type=int, help=f"the {name}'s Prometheus /metrics port (default: off)")
+    p.add_argument("--metrics-port", type=int, help=SERVE_METRICS_PORT_HELP)
     add_key_args(p)
     p.add_argument("--tls", choices=["on", "off"], help="on: TLS on the fronts and mutual TLS between the services, "
                                                         "from a CA made for this run (default off)")
@@ -230,17 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p, "new tokens")
     p.add_argument("--max-batch-size", type=int, help="sessions' steps the largest forward is sized for (default 32)")
     p.add_argument("--max-batch-tokens", type=int, help="new tokens the largest forward is sized for (default 4096)")
-    p.add_argument("--transport-ring-mib", type=float, help="shm / cuda-ipc feature ring size (default 256)")
-    p.add_argument("--transport-max-inflight", type=int, help="steps outstanding on a fast path (default 128)")
-    p.add_argument("--transport-timeout", type=float, help="seconds any fast-path wait may take (default 10)")
     p.add_argument("--kv-cache-gib", type=float,
                    help="KV cache of all sessions (default: the GPU memory left after a forward, the ring and a "
                         "margin; half the RAM on a CPU)")
-    p.add_argument("--engine", choices=["auto", "native", "hf"],
-                   help="the target's model code: native (ours, the Llama family, over the paged KV pool in place; "
-                        "compiled once per token bucket on a GPU, on a CPU with TANDEM_COMPILE=1), hf (transformers'), auto (native "
-                        "where the architecture is supported; the default)")
-    p.add_argument("--burst-cpus", help=BURST_CPUS_HELP)
     add_service_args(p, "port (default 50051; 0 = any free port)")
     p.set_defaults(func=_service("TargetSettings", "target_server.service"))
 
@@ -248,21 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="EAGLE-3 head directory (TANDEM_DRAFT_MODEL)")
     p.add_argument("--target", help="target checkpoint directory: its embed_tokens is read")
     add_engine_args(p, "new pairs + drafts")
-    p.add_argument("--q-top-n", type=int, help="sampled requests: the draft samples from its N likeliest tokens, "
-                   "renormalised, and sends that support with each draft (default 256; 0 = all, 1 = the argmax)")
     add_service_args(p, "port (default 50052; 0 = any free port)")
     p.set_defaults(func=_service("DraftSettings", "draft_server.service"))
 
     p = sub.add_parser("coordinator", help="run the coordinator service (no model, no torch)")
     p.add_argument("--target-addr", metavar="HOST:PORT", help="the target service")
     p.add_argument("--draft-addr", metavar="HOST:PORT", help="the draft service (none: target-only decoding)")
-    p.add_argument("--connect-timeout", type=float, help="seconds to wait for the services (default 600)")
     p.add_argument("--draft-timeout", type=float,
                    help="seconds a draft step may take before the generation goes on target-only (default 10)")
-    p.add_argument("--health-interval", type=float,
-                   help="seconds between health checks of the target and draft (default 1)")
     add_speculation_args(p)
-    p.add_argument("--overlap-sampled", choices=["on", "off"], help=OVERLAP_SAMPLED_HELP)
     p.add_argument("--max-waiting", type=int, help=MAX_WAITING_HELP)
     add_http_args(p)
     add_key_args(p)
@@ -291,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", "-c", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-draft-tokens", "-k", type=int, default=4)
-    p.add_argument("--tree", type=_tree, metavar="NODES[,DEPTH[,TOP_K]]", help="every request drafts this tree")
+    p.add_argument("--tree", type=_tree, metavar="NODES[,DEPTH[,TOP_K]]", help="every request asks for this tree")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None, help="request i gets seed + i")
     p.add_argument("--ignore-eos", action="store_true", help="every request generates --max-new-tokens")

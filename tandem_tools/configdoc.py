@@ -37,8 +37,13 @@ the value). `tandem serve` starts the three services as child processes and pass
 each service also runs alone (`tandem target`, `tandem draft`, `tandem coordinator`), as the compose files
 and the Kubernetes manifests run them ([serving](serving.md)).
 
-Flags marked *(no flag)* are read from the environment only. Flags whose variable is "-" are options of the
-command itself, not settings. The tools (`generate`, `bench`, `load`, `profile`, `train-draft`, `demo`,
+Flags marked *(no flag)* are read from the environment only: most are `tandem serve`'s own, set for each child
+(on a CPU host it splits the CPUs, the target on the first half and the draft and the coordinator on the rest, and
+hands each its CPUs and torch threads). Flags whose variable is "-" are options of the command itself, not
+settings. What is neither is a named constant beside the reason for its value: `tandem/defaults.py` (the
+acceptance gate's prior cost of a draft, target-only decode steps, the health-check interval, the start-up wait,
+q's top-N, overlap of sampled generations off) and `tandem/transports/endpoints.py` (the feature ring, steps in
+flight, the fast path's timeout). The tools (`generate`, `bench`, `load`, `profile`, `train-draft`, `demo`,
 `make-tiny`) take flags only: `tandem COMMAND --help` lists them.
 
 Variables outside the settings:

@@ -42,10 +42,10 @@ class InProcessGenerator:
         aux_layer_convention: str | None = None,
         tree_policy: bool = True,
     ):
-        """`draft_cost`: the acceptance gate's cost of a draft token, as the coordinator's
-        --spec-draft-cost; 0 turns the gate off (every round drafts the request's K). `tree_policy`: a
+        """`draft_cost`: the acceptance gate's cost of a draft token (the coordinator's is
+        defaults.SPEC_DRAFT_COST); 0 turns the gate off (every round drafts the request's K). `tree_policy`: a
         request with a draft tree runs, each round, the tree or its chain, whichever has measured faster
-        (the coordinator's --tree-policy); off: the tree every round.
+        (as the coordinator does); off: the tree every round.
         `aux_layer_convention`: how the head's layer ids count (tandem/aux_layers.py; None: its layout's)."""
         self.draft = None
         if draft_dir is not None:

@@ -32,7 +32,7 @@ from coordinator.client import DEFAULT_MAX_MESSAGE_MIB, build_request, key_metad
 from tandem import security
 from tandem.v1 import coordinator_pb2_grpc
 from tandem_tools.report import RequestRecord, build_report, summary
-from tandem_tools.serve import launch
+from tandem_tools.serve import launch, metrics_addresses
 from tandem_tools.serve import stop as stop_serve
 
 # Prompts of the kind the built-in tiny models were trained on (Python source).
@@ -68,7 +68,7 @@ class ProfileConfig:
     dtype: str = "float32"
     overlap: bool = True  # a launched stack: the coordinator's --overlap
     transport: str = "auto"  # a launched stack: the feature path target -> draft
-    tree: object = None  # TreeParams: every request drafts this tree (a launched stack: the tree gate off)
+    tree: object = None  # TreeParams: every request asks for it (the tree gate may run a chain)
 
 
 def load_prompts(path: Path | None) -> list[str | list[int]]:
@@ -107,20 +107,19 @@ class LaunchedStack:
     """`tandem serve` as a child process, with /metrics on every service (unless with_metrics is False)."""
 
     def __init__(self, config: ProfileConfig, log: Path, with_metrics: bool = True):
-        names = ("coordinator", "target", "draft") if with_metrics else ()
-        self.metrics = {name: f"127.0.0.1:{free_port()}" for name in names}
         args = ["--port", "0", "--target-device", config.target_device,
                 "--draft-device", config.draft_device, "--dtype", config.dtype,
-                "--overlap", "on" if config.overlap else "off", "--transport", config.transport,
-                "--tree-policy", "off" if config.tree is not None else "on"]
+                "--overlap", "on" if config.overlap else "off", "--transport", config.transport]
         if config.target is not None:
             args += ["--target", config.target]
         if config.draft is not None:
             args += ["--draft", config.draft]
-        for name, address in self.metrics.items():
-            args += [f"--{name}-metrics-port", address.rsplit(":", 1)[1]]
+        if with_metrics:
+            args += ["--metrics-port", "0"]  # each service a free port, as serve prints them
         self.log = log
-        self.proc, self.address = launch(args, log)
+        printed: list[str] = []
+        self.proc, self.address = launch(args, log, lines=printed)
+        self.metrics = metrics_addresses(printed)
 
     def stop(self) -> None:
         stop_serve(self.proc)

@@ -7,6 +7,9 @@
 The internal services bind 127.0.0.1 on ports the OS picks (each writes its address to an
 announce file); the coordinator binds --host:--port. SIGTERM/SIGINT drains the coordinator first
 (in-flight generations finish), then the target and the draft.
+
+What is serve's own business goes to each child as a variable of its settings that has no flag, set for that
+child only: the announce file, and on a CPU host the CPUs and torch threads (`split_cpus`, `cpu_threads`).
 """
 
 from __future__ import annotations
@@ -24,21 +27,28 @@ from pathlib import Path
 
 from tandem import security
 from tandem.config import ServeSettings, format_cpus, load_settings
-from tandem.service import PARENT_PID_ENV, setup_logging, wait_for_serving
+from tandem.defaults import STARTUP_TIMEOUT
+from tandem.service import PARENT_PID_ENV, metrics_announce_file, setup_logging, wait_for_serving
 
 log = logging.getLogger("tandem.serve")
 
 
+def child_env(name: str, **settings: object) -> dict[str, str]:
+    """TANDEM_<NAME>_<SETTING> for each setting given (None: left out): the child's own variables."""
+    return {f"TANDEM_{name.upper()}_{key.upper()}": str(value) for key, value in settings.items() if value is not None}
+
+
 class Child:
-    def __init__(self, name: str, args: list[str], announce: Path):
+    def __init__(self, name: str, args: list[str], announce: Path, env: dict[str, str] | None = None):
         self.name = name
         self.announce = announce
         # -m tandem_tools.cli: the same interpreter and code as this process, whatever is on PATH.
         # A session of its own: a Ctrl-C in the terminal reaches only `serve`, which then stops the
         # children in order; TANDEM_PARENT_PID makes a child drain if `serve` dies without doing so.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem_tools.cli", name, *args, "--announce-file", str(announce)],
-            env={**os.environ, PARENT_PID_ENV: str(os.getpid())},
+            [sys.executable, "-m", "tandem_tools.cli", name, *args],
+            env={**os.environ, **(env or {}), **child_env(name, announce_file=announce),
+                 PARENT_PID_ENV: str(os.getpid())},
             start_new_session=True,
         )
 
@@ -102,9 +112,14 @@ def serve(settings: ServeSettings) -> int:
         run = Path(tmp)
         common = ["--host", "127.0.0.1", "--port", "0", "--grace-period", str(settings.grace_period)]
         draft_device = settings.draft_device if draft is not None else None
-        cpus = split_cpus(settings.target_device) if settings.split_cpus else None
+        cpus = split_cpus(settings.target_device)
         threads = cpu_threads(settings.target_device, draft_device, cpus)
-        pinned = {name: ["--cpus", format_cpus(cpus[name])] if cpus else [] for name in ("target", "draft")}
+        pinned = {name: format_cpus(cpus[name]) if cpus else None for name in ("target", "draft")}
+        env = {"target": child_env("target", threads=threads["target"], cpus=pinned["target"],
+                                   burst_cpus=format_cpus(cpus["target"] + cpus["draft"]) if cpus else None),
+               "draft": child_env("draft", threads=threads["draft"], cpus=pinned["draft"]),
+               "coordinator": child_env("coordinator", cpus=pinned["draft"])}
+        metrics = {name: _metrics(settings.metrics_port, i) for i, name in enumerate(("coordinator", "target", "draft"))}
         if cpus:
             log.info("CPUs: the target on %s, the draft and the coordinator on %s", format_cpus(cpus["target"]),
                      format_cpus(cpus["draft"]))
@@ -113,47 +128,38 @@ def serve(settings: ServeSettings) -> int:
         common += tls_args
         try:
             target_args = ["--model", str(target), "--device", settings.target_device, "--dtype", settings.dtype,
-                           "--transport", settings.transport, *threads["target"], *pinned["target"]]
-            if cpus and settings.target_burst:
-                target_args += ["--burst-cpus", format_cpus(cpus["target"] + cpus["draft"])]
+                           "--transport", settings.transport]
             convention = []  # the target and the draft must read the head's layer ids alike
             if settings.aux_layer_convention:
                 convention = ["--aux-layer-convention", settings.aux_layer_convention]
             if draft is not None:
                 target_args += ["--draft", str(draft), *convention]
-            target_args += _metrics(settings.target_metrics_port)
-            children.append(Child("target", [*target_args, *common], run / "target.addr"))
+            target_args += metrics["target"]
+            children.append(Child("target", [*target_args, *common], run / "target.addr", env["target"]))
             if draft is not None:
                 draft_args = ["--model", str(draft), "--target", str(target), "--device", settings.draft_device,
-                              "--dtype", settings.dtype, "--transport", settings.transport, *threads["draft"],
-                              *pinned["draft"], *convention]
-                draft_args += _metrics(settings.draft_metrics_port)
-                children.append(Child("draft", [*draft_args, *common], run / "draft.addr"))
-            deadline = time.monotonic() + settings.startup_timeout
+                              "--dtype", settings.dtype, "--transport", settings.transport, *convention]
+                draft_args += metrics["draft"]
+                children.append(Child("draft", [*draft_args, *common], run / "draft.addr", env["draft"]))
+            deadline = time.monotonic() + STARTUP_TIMEOUT
             addresses = {child.name: child.address(deadline) for child in children}
             coordinator_args = ["--target-addr", addresses["target"], "--host", settings.host,
-                                "--port", str(settings.port), "--grace-period", str(settings.grace_period),
-                                "--connect-timeout", str(settings.startup_timeout), *pinned["draft"]]
+                                "--port", str(settings.port), "--grace-period", str(settings.grace_period)]
             if "draft" in addresses:
                 coordinator_args += ["--draft-addr", addresses["draft"]]
-            coordinator_args += _metrics(settings.coordinator_metrics_port) + tls_args + _keys(settings, run)
+            coordinator_args += metrics["coordinator"] + tls_args + _keys(settings, run)
             if settings.spec_token_budget is not None:
                 coordinator_args += ["--spec-token-budget", str(settings.spec_token_budget)]
-            if settings.spec_draft_cost is not None:
-                coordinator_args += ["--spec-draft-cost", str(settings.spec_draft_cost)]
             coordinator_args += ["--overlap", "on" if settings.overlap else "off"]
-            if settings.decode_steps is not None:
-                coordinator_args += ["--decode-steps", str(settings.decode_steps)]
             if settings.tree is not None:
                 coordinator_args += ["--tree", settings.tree]
-            coordinator_args += ["--tree-policy", "on" if settings.tree_policy else "off"]
             if settings.http_port is not None:
                 coordinator_args += ["--http-port", str(settings.http_port)]
             if settings.served_model_name is not None:
                 coordinator_args += ["--served-model-name", settings.served_model_name]
             if settings.chat_template is not None:
                 coordinator_args += ["--chat-template", settings.chat_template]
-            coordinator = Child("coordinator", coordinator_args, run / "coordinator.addr")
+            coordinator = Child("coordinator", coordinator_args, run / "coordinator.addr", env["coordinator"])
             children.insert(0, coordinator)  # stopped first: it drains while the services still answer
             address = coordinator.address(deadline)
             wait_for_serving(address, max(1.0, deadline - time.monotonic()), alive=lambda: _all_alive(children),
@@ -167,6 +173,10 @@ def serve(settings: ServeSettings) -> int:
         http = coordinator.announce.with_name(coordinator.announce.name + ".http")  # coordinator/http/server.py
         if settings.http_port is not None and http.is_file():
             print(f"tandem serve: OpenAI-compatible HTTP on {http.read_text().strip()}/v1", flush=True)
+        if settings.metrics_port is not None:
+            scraped = [(c.name, metrics_announce_file(c.announce)) for c in children]
+            print("tandem serve: metrics " + ", ".join(f"{name} http://{path.read_text().strip()}/metrics"
+                                                      for name, path in scraped if path.is_file()), flush=True)
         if ca is not None:
             print(f"tandem serve: TLS, the CA's certificate in {ca.ca} (TANDEM_TLS_CA)", flush=True)
         print(f"tandem serve: listening on {address}", flush=True)
@@ -195,14 +205,13 @@ def split_cpus(target_device: str) -> dict[str, list[int]] | None:
 
 
 def cpu_threads(target_device: str, draft_device: str | None,
-                cpus: dict[str, list[int]] | None = None) -> dict[str, list[str]]:
-    """--threads for the model processes on the CPU: a thread per CPU of its own when the CPUs are
-    split, else the cores shared out, so that two torch thread pools do not oversubscribe the machine
-    (spinning workers slow a round 100x)."""
+                cpus: dict[str, list[int]] | None = None) -> dict[str, int | None]:
+    """The torch threads of the model processes on the CPU (None: not on the CPU): a thread per CPU of its
+    own when the CPUs are split, else the cores shared out, so that two torch thread pools do not
+    oversubscribe the machine (spinning workers slow a round 100x)."""
     on_cpu = [name for name, device in (("target", target_device), ("draft", draft_device)) if device == "cpu"]
     share = max(1, (os.cpu_count() or 1) // max(1, len(on_cpu)))
-    counts = {name: len(cpus[name]) if cpus else share for name in on_cpu}
-    return {name: (["--threads", str(counts[name])] if name in on_cpu else []) for name in ("target", "draft")}
+    return {name: (len(cpus[name]) if cpus else share) if name in on_cpu else None for name in ("target", "draft")}
 
 
 def _keys(settings: ServeSettings, run: Path) -> list[str]:
@@ -216,9 +225,10 @@ def _keys(settings: ServeSettings, run: Path) -> list[str]:
     return ["--api-key-file", str(path)]
 
 
-def _metrics(port: int | None) -> list[str]:
-    """A child's --metrics-port; none given leaves it to the child's TANDEM_<SERVICE>_METRICS_PORT."""
-    return ["--metrics-port", str(port)] if port is not None else []
+def _metrics(port: int | None, offset: int) -> list[str]:
+    """The --metrics-port of the child `offset` ports above serve's (0: a free port each); none given
+    leaves it to the child's TANDEM_<SERVICE>_METRICS_PORT."""
+    return ["--metrics-port", str(port + offset if port else 0)] if port is not None else []
 
 
 def _all_alive(children: list[Child]) -> bool:
@@ -255,6 +265,15 @@ def launch(args: list[str], log: Path | None = None, env: dict[str, str] | None 
     status = proc.wait()
     detail = log.read_text()[-3000:] if log is not None else ""
     raise RuntimeError(f"tandem serve exited with status {status} before listening\n{detail}".rstrip())
+
+
+def metrics_addresses(lines: list[str]) -> dict[str, str]:
+    """Each child's /metrics HOST:PORT, from what a launched `tandem serve --metrics-port` printed."""
+    for line in lines:
+        if line.startswith("tandem serve: metrics "):
+            pairs = (part.split(" ") for part in line.removeprefix("tandem serve: metrics ").strip().split(", "))
+            return {name: url.removeprefix("http://").removesuffix("/metrics") for name, url in pairs}
+    return {}
 
 
 def stop(proc: subprocess.Popen, grace: float = 60.0) -> None:

@@ -24,7 +24,7 @@ from tandem.protocol import Prefill, PrefillResult, Verify
 from tandem.service import Service, StartupError, run_service
 from tandem.servicer import EngineServicer
 from tandem.sessions import InvalidRequest
-from tandem.transports.endpoints import TargetTransport
+from tandem.transports.endpoints import RING_BYTES, TargetTransport
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire import encode_features
 from target_server.engine import KVPool, TargetEngine, kv_budget_tokens
@@ -200,7 +200,7 @@ def kv_tokens(settings: TargetSettings, engine: TargetEngine) -> int | None:
     if engine.device.type != "cuda":
         return asked if asked is not None else _half_the_host(per_token)
     # the cuda-ipc ring or the nccl send queue lives on our GPU, and is allocated later, at the handshake
-    ring = int(settings.transport_ring_mib * (1 << 20)) if settings.transport in ("auto", "cuda-ipc", "nccl") else 0
+    ring = RING_BYTES if settings.transport in ("auto", "cuda-ipc", "nccl") else 0
     forward = engine.measure_forward_bytes()
     free, total = torch.cuda.mem_get_info(engine.device)
     fits = kv_budget_tokens(free, total, per_token, engine.num_layers, ring_bytes=ring, forward_bytes=forward)
@@ -234,7 +234,6 @@ def load(settings: TargetSettings, service: Service, servicer: TargetServicer):
     engine = TargetEngine(
         settings.model, device=settings.device, dtype=settings.dtype, aux_layer_ids=layer_ids,
         max_batch_size=settings.max_batch_size, max_batch_tokens=settings.max_batch_tokens,
-        engine=settings.engine,
     )
     if settings.burst_cpus and engine.device.type == "cpu":
         if (varies := thread_invariant(engine.model)) is None:
@@ -248,8 +247,7 @@ def load(settings: TargetSettings, service: Service, servicer: TargetServicer):
         raise StartupError(f"the KV pool does not fit on {engine.device}: {exc}") from None
     transport = TargetTransport(
         settings.transport, settings.device, settings.dtype, 3 * engine.hidden_size, host=settings.host,
-        ring_bytes=int(settings.transport_ring_mib * (1 << 20)), max_inflight=settings.transport_max_inflight,
-        timeout=settings.transport_timeout, traffic=service.traffic,
+        traffic=service.traffic,
     )
     servicer.tokenizer_json, servicer.chat_template, servicer.special_tokens = load_tokenizer_json(settings.model)
     servicer.attach(engine, transport)

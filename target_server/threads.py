@@ -101,7 +101,7 @@ class ThreadBurst:
         self.cpus = frozenset(cpus) | frozenset(os.sched_getaffinity(0)) if cpus else None
         if self.cpus is not None:
             own = os.sched_getaffinity(0)
-            try:  # the CPUs this process was pinned away from (tandem serve --split-cpus) it may still widen to
+            try:  # the CPUs this process was pinned away from (tandem serve splits them) it may still widen to
                 os.sched_setaffinity(0, self.cpus)
             except OSError as exc:
                 log.warning("the target's forwards keep to CPUs %s: it may not run on %s (%s)", sorted(own),

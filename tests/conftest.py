@@ -10,11 +10,11 @@ import pytest
 from tandem_tools.tiny import make_tiny
 
 # The tiny pair's head is random (no draft is ever accepted), so the coordinator's acceptance gate would
-# soon stop drafting, and the tests of what drafting does would test target-only decoding. The tests
-# pin it off; test_batching turns it on where it is the subject. Services started by tests inherit this.
-os.environ.setdefault("TANDEM_COORDINATOR_SPEC_DRAFT_COST", "0")
-# Likewise adaptive K: its default budget (24 tokens a round) cuts K at 4 generations and more, and the tests
-# compare what concurrent requests get with a fixed K's; tests/test_batching.py sets a budget where it is the subject.
+# soon stop drafting, and the tests of what drafting does would test target-only decoding; and adaptive K's
+# default budget (24 tokens a round) cuts K at 4 generations and more, where the tests compare what concurrent
+# requests get with a fixed K's. A budget of 0 turns both off: every round drafts the request's K. The tests
+# pin it; tests/test_batching.py runs the gate and a budget where they are the subject. Services started by
+# tests inherit this.
 os.environ.setdefault("TANDEM_COORDINATOR_SPEC_TOKEN_BUDGET", "0")
 # The native target's forward runs eagerly in tests (a compile costs ~20 s a bucket on this CPU);
 # tests/test_native.py compiles one engine of its own.

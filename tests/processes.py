@@ -14,15 +14,18 @@ import grpc
 
 from tandem.service import wait_for_serving
 from tandem.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tandem_tools.serve import child_env
 
 
 class Proc:
     """One `tandem <service>` process; restart() brings it back on the same port."""
 
-    def __init__(self, name: str, args: list[str], run: Path, defaults: bool = False):
-        """`defaults`: without the suite's TANDEM_* settings (tests/conftest.py), as users run it."""
+    def __init__(self, name: str, args: list[str], run: Path, defaults: bool = False, env: dict[str, str] | None = None):
+        """`defaults`: without the suite's TANDEM_* settings (tests/conftest.py), as users run it. `env`: more
+        variables (settings without a flag, as `tandem serve` sets them for its children)."""
         self.name, self.args, self.run = name, args, run
         self.env = {k: v for k, v in os.environ.items() if not (defaults and k.startswith("TANDEM_"))}
+        self.env.update(env or {})
         self.port = 0
         self.starts = 0
         self.proc: subprocess.Popen | None = None
@@ -42,9 +45,8 @@ class Proc:
         self.starts += 1
         log = (self.run / f"{self.name}.{self.starts}.log").open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem_tools.cli", self.name, *self.args, "--port", str(self.port),
-             "--announce-file", str(self.announce)],
-            stderr=log, env={**self.env, "OMP_NUM_THREADS": "1"},
+            [sys.executable, "-m", "tandem_tools.cli", self.name, *self.args, "--port", str(self.port)],
+            stderr=log, env={**self.env, "OMP_NUM_THREADS": "1", **child_env(self.name, announce_file=self.announce)},
         )
 
     def wait_address(self, timeout: float = 120) -> str:
@@ -91,10 +93,10 @@ def start_stack(tiny_dir: Path, run: Path, target_args=(), draft_args=(), coordi
     """target and draft (tiny_dir's, or `draft`), then a coordinator on them; all SERVING. `defaults`: every
     setting at its default, as users run it (the suite's own, tests/conftest.py, turn the gate off)."""
     head = draft or tiny_dir / "draft"
-    target = Proc("target", ["--model", str(tiny_dir / "target"), "--draft", str(head),
-                             "--threads", "1", *target_args], run, defaults)
-    draft = Proc("draft", ["--model", str(head), "--target", str(tiny_dir / "target"),
-                           "--threads", "1", *draft_args], run, defaults)
+    target = Proc("target", ["--model", str(tiny_dir / "target"), "--draft", str(head), *target_args], run, defaults,
+                  child_env("target", threads=1))
+    draft = Proc("draft", ["--model", str(head), "--target", str(tiny_dir / "target"), *draft_args], run, defaults,
+                 child_env("draft", threads=1))
     target.wait_address()
     draft.wait_address()
     coordinator = Proc("coordinator", ["--target-addr", target.address, "--draft-addr", draft.address,

@@ -19,9 +19,27 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.client import TandemClient
 from tandem.config import ConfigError, TargetSettings, load_settings
-from tandem_tools.profile import free_port
+from tandem_tools.serve import metrics_addresses
 
 SERVICES = ("coordinator", "target", "draft")
+
+
+def free_ports(count: int) -> int:
+    """A port N with N .. N + count - 1 free now."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 @dataclass
@@ -34,17 +52,20 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tiny_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("metrics") / "serve.log"
-    metrics = {name: f"127.0.0.1:{free_port()}" for name in SERVICES}
+    base = free_ports(3)  # serve's --metrics-port N: the coordinator on N, the target on N + 1, the draft on N + 2
+    metrics = {name: f"127.0.0.1:{base + i}" for i, name in enumerate(SERVICES)}
     args = [sys.executable, "-m", "tandem_tools.cli", "serve", "--target", str(tiny_dir / "target"),
-            "--draft", str(tiny_dir / "draft"), "--port", "0", "--transport", "grpc"]  # features relayed: counted per link
-    for name, address in metrics.items():
-        args += [f"--{name}-metrics-port", address.rsplit(":", 1)[1]]
+            "--draft", str(tiny_dir / "draft"), "--port", "0", "--transport", "grpc",  # features relayed: counted per link
+            "--metrics-port", str(base)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+    printed = []
     for line in proc.stdout:
+        printed.append(line)
         if "listening on" in line:
             break
     else:
         raise RuntimeError(log.read_text()[-3000:])
+    assert metrics_addresses(printed) == metrics, printed
     threading.Thread(target=proc.stdout.read, daemon=True).start()
     yield Stack(line.rsplit(" ", 1)[1].strip(), metrics, proc)
     proc.send_signal(signal.SIGTERM)

@@ -384,8 +384,7 @@ def test_health_is_503_while_the_coordinator_connects(tmp_path):
     """No target yet: the HTTP front answers at once, /health and every API call with 503."""
     from tests.processes import Proc
 
-    coordinator = Proc("coordinator", ["--target-addr", "127.0.0.1:9", "--http-port", "0",
-                                       "--connect-timeout", "60"], tmp_path)
+    coordinator = Proc("coordinator", ["--target-addr", "127.0.0.1:9", "--http-port", "0"], tmp_path)
     try:
         coordinator.wait_address()
         http = coordinator.announce.with_name(coordinator.announce.name + ".http")

@@ -232,7 +232,7 @@ def test_services_with_overlap_match_in_process_and_survive_a_killed_draft(tiny_
     from coordinator.client import TandemClient, build_request
     from tandem.v1 import coordinator_pb2_grpc
 
-    procs = start_stack(tiny_dir, tmp_path, coordinator_args=["--overlap", "on", "--overlap-sampled", "on", "--draft-timeout", "2"])
+    procs = start_stack(tiny_dir, tmp_path, coordinator_args=["--overlap", "on", "--draft-timeout", "2"])
     address = procs["coordinator"].address
     try:
         with TandemClient(address, timeout=120) as client:
@@ -246,10 +246,12 @@ def test_services_with_overlap_match_in_process_and_survive_a_killed_draft(tiny_
                     assert got.stats["num_overlap_hits"] <= got.stats["num_overlap_rounds"]
                     overlap_rounds += got.stats["num_overlap_rounds"]
             assert overlap_rounds > 0
-            # a sampled request: aheads prepare sampled drafts with their q, which the coordinator relays
+            # a sampled request drafts round by round: the servers overlap greedy generations only
+            # (defaults.OVERLAP_SAMPLED; sampled aheads run in-process, test_overlap_leaves_sampled_...)
             sampled = client.generate(prompt_ids=[5, 6, 7], max_new_tokens=20, num_draft_tokens=2, temperature=1.0,
                                       seed=3, ignore_eos=True)
-            assert len(sampled.token_ids) == 20 and sampled.stats["num_overlap_rounds"] > 0
+            assert len(sampled.token_ids) == 20 and sampled.stats["num_overlap_rounds"] == 0
+            assert sampled.stats["num_draft_tokens"] > 0
 
             request = build_request(prompt_ids=[5, 6, 7], max_new_tokens=20, num_draft_tokens=2)
             request.profile = True

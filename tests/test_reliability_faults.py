@@ -26,7 +26,7 @@ LONG = {"prompt_ids": [11, 12, 13, 14], "max_new_tokens": 400, "ignore_eos": Tru
 @pytest.fixture(scope="module")
 def stack(tiny_dir, tmp_path_factory):
     procs = start_stack(tiny_dir, tmp_path_factory.mktemp("faults"),
-                        coordinator_args=["--draft-timeout", "1", "--health-interval", "0.5"])
+                        coordinator_args=["--draft-timeout", "1"])
     yield procs
     stop_stack(procs)
 

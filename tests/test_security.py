@@ -266,15 +266,17 @@ def test_the_container_healthcheck_probes_over_tls_and_mutual_tls(stack):
 def test_a_coordinator_without_a_client_certificate_cannot_start_on_the_services(stack, tmp_path):
     """A real coordinator that trusts the CA but presents no certificate (then one of another CA): the
     services refuse its connections, so it never reaches them and exits 1 (a StartupError)."""
+    import os
     import subprocess
     import sys
 
     other = security.make_throwaway_ca(tmp_path)
+    env = {**os.environ, "TANDEM_COORDINATOR_CONNECT_TIMEOUT": "3"}  # a variable without a flag (deploy/k8s sets it)
     for extra in ([], ["--tls-cert", str(other.cert), "--tls-key", str(other.key)]):
         out = subprocess.run(
             [sys.executable, "-m", "tandem_tools.cli", "coordinator", "--target-addr", stack.target, "--draft-addr",
-             stack.draft, "--port", "0", "--tls-ca", str(stack.tls.ca), "--connect-timeout", "3", *extra],
-            capture_output=True, text=True, timeout=120, check=False)
+             stack.draft, "--port", "0", "--tls-ca", str(stack.tls.ca), *extra],
+            capture_output=True, text=True, timeout=120, check=False, env=env)
         assert out.returncode == 1, out.stderr[-2000:]
         assert "was not SERVING within 3s" in out.stderr, out.stderr[-2000:]
 

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import grpc
 import pytest
 
-from tandem.config import ConfigError, CoordinatorSettings, ServeSettings, TargetSettings, load_settings
+from tandem.config import (
+    NO_FLAG,
+    ConfigError,
+    CoordinatorSettings,
+    DraftSettings,
+    ServeSettings,
+    TargetSettings,
+    load_settings,
+)
 from tandem.service import Abort, Admission
 from tandem_tools import cli
 
@@ -32,8 +43,9 @@ def test_flags_override_environment_variables(tiny_dir, monkeypatch):
         (TargetSettings, {"port": 70000}, ["--port", "70000"]),
         (CoordinatorSettings, {"target_addr": "nohost"}, ["--target-addr", "TANDEM_COORDINATOR_TARGET_ADDR", "'nohost'"]),
         (ServeSettings, {"draft_device": "tpu"}, ["--draft-device", "TANDEM_SERVE_DRAFT_DEVICE", "'tpu'"]),
-        (TargetSettings, {"cpus": "0-4095"}, ["--cpus", "TANDEM_TARGET_CPUS", "4095", "not available"]),
-        (CoordinatorSettings, {"target_addr": "h:1", "cpus": "1-0"}, ["--cpus", "'1-0'"]),
+        # no flag (tandem serve sets it for its children): the message names the variable alone
+        (TargetSettings, {"cpus": "0-4095"}, ["TANDEM_TARGET_CPUS: ", "4095", "not available"]),
+        (CoordinatorSettings, {"target_addr": "h:1", "cpus": "1-0"}, ["TANDEM_COORDINATOR_CPUS: ", "'1-0'"]),
     ],
 )
 def test_bad_settings_are_refused_naming_the_value(tiny_dir, cls, flags, named):
@@ -56,6 +68,39 @@ def test_a_missing_required_setting_is_named(monkeypatch, capsys):
     monkeypatch.delenv("TANDEM_COORDINATOR_TARGET_ADDR", raising=False)
     assert cli.main(["coordinator"]) == 2
     assert "--target-addr / TANDEM_COORDINATOR_TARGET_ADDR: required" in capsys.readouterr().err
+
+
+SERVICE_COMMANDS = {"serve": ServeSettings, "target": TargetSettings, "draft": DraftSettings,
+                    "coordinator": CoordinatorSettings}
+MAX_SERVICE_FLAGS = 35  # what a user can hold in their head; the rest are constants (tandem/defaults.py)
+
+
+def service_parsers() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: sub.choices[name] for name in SERVICE_COMMANDS}
+
+
+def test_the_services_take_at_most_35_distinct_flags_each_in_help_and_the_docs():
+    flags: set[str] = set()
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    for name, parser in service_parsers().items():
+        shown = parser.format_help()
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            flag = max(action.option_strings, key=len)
+            assert action.help not in (None, argparse.SUPPRESS), f"tandem {name} {flag}: no help"
+            assert flag in shown and f"| `{flag}` |" in docs, f"tandem {name} {flag}: not in --help or the docs"
+            flags.add(flag)
+    assert len(flags) <= MAX_SERVICE_FLAGS, f"{len(flags)} distinct service flags: {sorted(flags)}"
+
+
+def test_every_setting_has_a_flag_or_is_named_as_having_none():
+    """config.NO_FLAG is what the error messages and the docs treat as read from the environment only."""
+    for name, parser in service_parsers().items():
+        settings = SERVICE_COMMANDS[name]
+        dests = {action.dest for action in parser._actions}
+        assert set(settings.model_fields) - dests == set(settings.model_fields) & NO_FLAG, name
 
 
 def test_admission_refuses_while_loading_at_the_limit_and_while_draining():

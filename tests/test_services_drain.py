@@ -16,14 +16,14 @@ import pytest
 from coordinator.client import TandemClient, TandemError
 from tandem.service import health_status, wait_for_serving
 from tandem.v1 import target_pb2, target_pb2_grpc
+from tandem_tools.serve import child_env
 
 
 def spawn(name: str, args: list[str], run: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "tandem_tools.cli", name, *args, "--port", "0", "--announce-file", str(run / f"{name}.addr"),
-         "--grace-period", "60"],
+        [sys.executable, "-m", "tandem_tools.cli", name, *args, "--port", "0", "--grace-period", "60"],
         stderr=(run / f"{name}.log").open("w"),
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **child_env(name, announce_file=run / f"{name}.addr")},
     )
 
 

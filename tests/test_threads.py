@@ -114,3 +114,31 @@ def test_the_target_takes_cpus_to_borrow_that_it_is_pinned_away_from(tiny_dir):
     assert parse_cpus("0-1", available=False) == {0, 1}
     with pytest.raises(ValueError, match="looks like"):
         TargetSettings(model=tiny_dir / "target", burst_cpus="1-0")
+
+
+def test_serve_hands_a_cpu_host_s_children_their_cpus_and_threads_as_variables(tiny_dir, monkeypatch):
+    """No flags: `tandem serve` splits a CPU host's CPUs and sets each child's own variables, which its settings
+    read (a GPU target gets none: nothing to split)."""
+    from tandem.config import CoordinatorSettings, DraftSettings, format_cpus
+    from tandem_tools.serve import child_env, cpu_threads, split_cpus
+
+    assert split_cpus("cuda:0") is None and cpu_threads("cuda:0", "cuda:1") == {"target": None, "draft": None}
+    cpus = {"target": [0, 1], "draft": [2]}
+    threads_of = cpu_threads("cpu", "cpu", cpus)
+    assert threads_of == {"target": 2, "draft": 1}
+    env = {**child_env("target", threads=threads_of["target"], cpus=format_cpus(cpus["target"]), burst_cpus="0-2"),
+           **child_env("draft", threads=threads_of["draft"], cpus="2"), **child_env("coordinator", cpus="2")}
+    assert env == {"TANDEM_TARGET_THREADS": "2", "TANDEM_TARGET_CPUS": "0-1", "TANDEM_TARGET_BURST_CPUS": "0-2",
+                   "TANDEM_DRAFT_THREADS": "1", "TANDEM_DRAFT_CPUS": "2", "TANDEM_COORDINATOR_CPUS": "2"}
+    mine = format_cpus(os.sched_getaffinity(0))  # the settings check that a process may run on its CPUs
+    for key, value in {**env, "TANDEM_TARGET_CPUS": mine, "TANDEM_DRAFT_CPUS": mine,
+                       "TANDEM_COORDINATOR_CPUS": mine}.items():
+        monkeypatch.setenv(key, value)
+    target = TargetSettings(model=tiny_dir / "target")
+    draft = DraftSettings(model=tiny_dir / "draft", target=tiny_dir / "target")
+    assert (target.threads, target.cpus, target.burst_cpus) == (2, mine, "0-2")
+    assert (draft.threads, draft.cpus) == (1, mine)
+    assert CoordinatorSettings(target_addr="h:1").cpus == mine
+    if len(os.sched_getaffinity(0)) >= 2:  # this host's split: the first half to the target, the rest to the others
+        split = split_cpus("cpu")
+        assert split["target"] + split["draft"] == sorted(os.sched_getaffinity(0)) and split["draft"]

@@ -157,8 +157,7 @@ def stacks(tiny_dir, tmp_path_factory):
             ports = {name: free_port() for name in ("target", "draft", "coordinator")}
             procs = start_stack(
                 tiny_dir, run,
-                target_args=["--transport", transport, "--transport-ring-mib", "4", "--transport-timeout", "5",
-                             "--metrics-port", str(ports["target"])],
+                target_args=["--transport", transport, "--metrics-port", str(ports["target"])],
                 draft_args=["--transport", transport, "--metrics-port", str(ports["draft"])],
                 coordinator_args=["--metrics-port", str(ports["coordinator"]), "--draft-timeout", "10"],
             )

@@ -31,6 +31,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.transports")
 
+# The shm / cuda-ipc ring: a 4096-token prefill of an 8B target in bf16 is 96 MiB; a step that does not fit
+# (or finds the ring full) goes inline over gRPC instead of waiting, so a larger ring buys nothing but memory.
+RING_BYTES = 256 << 20
+# Steps outstanding at once on a fast path (ring ranges, CUDA events, nccl send queue); each session holds
+# at most its last two steps, so half of this bounds sessions on the fast path (above the 64 of max_sessions).
+MAX_INFLIGHT = 128
+# Any wait on the fast path (rendezvous, a send, a draft waiting for a step's rows): far above a step (ms);
+# a dead peer breaks the channel after it and the step goes inline.
+TIMEOUT = 10.0
+
 
 def _reachable(host: str) -> str:
     """An address the draft can reach us at: the bind address, unless that is every interface."""
@@ -73,7 +83,7 @@ def open_receiver(plan: common_pb2.TransportPlan, device: str, traffic: Traffic 
 
 class TargetTransport:
     def __init__(self, requested: str, device: str, dtype: str, feature_width: int, *, host: str = "127.0.0.1",
-                 ring_bytes: int = 256 << 20, max_inflight: int = 128, timeout: float = 10.0,
+                 ring_bytes: int = RING_BYTES, max_inflight: int = MAX_INFLIGHT, timeout: float = TIMEOUT,
                  traffic: Traffic | None = None):
         self.caps = local_caps(requested, device, dtype, feature_width)
         self.device, self.host, self.traffic = device, _reachable(host), traffic

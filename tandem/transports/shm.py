@@ -37,7 +37,7 @@ class ShmSender(RingSender):
         if free.f_bavail * free.f_frsize < plan.ring_bytes:
             # tmpfs allocates lazily: a segment larger than what is left would SIGBUS on a write, not fail here
             raise TransportError(f"/dev/shm has {free.f_bavail * free.f_frsize} bytes free, the ring needs "
-                                 f"{plan.ring_bytes} (lower --transport-ring-mib or enlarge /dev/shm)")
+                                 f"{plan.ring_bytes} (enlarge /dev/shm)")
         self.segment = shared_memory.SharedMemory(create=True, size=plan.ring_bytes, name=f"tandem-{uuid.uuid4().hex[:16]}")
         plan.channel = self.channel = self.segment.name
         self._bytes = torch.frombuffer(self.segment.buf, dtype=torch.uint8)  # [ring_bytes]

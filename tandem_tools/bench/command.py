@@ -101,8 +101,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         target=target, draft=draft, assistant=assistant, prompts=_prompts(args, target, demo), stacks=args.stack,
         num_draft_tokens=args.num_draft_tokens, temperatures=args.temperature, concurrency=args.concurrency,
         max_new_tokens=args.max_new_tokens, seed=args.seed, threads=args.threads, overlap=args.overlap,
-        split_cpus=args.split_cpus, vllm_python=_vllm_python(args), vllm_peers=args.peer, trees=args.tree,
-        tree_depth=args.tree_depth, tree_top_k=args.tree_top_k, tree_policy=args.tree_policy,
+        vllm_python=_vllm_python(args), vllm_peers=args.peer, trees=args.tree,
+        tree_depth=args.tree_depth, tree_top_k=args.tree_top_k,
     )
     out = Path(args.out)
     runs = run_bench(config, out, echo=lambda m: print(m, file=sys.stderr, flush=True))
@@ -194,12 +194,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="EAGLE-2 draft trees of N nodes too (cases 'eagle3-tree', beside the chains)")
     p.add_argument("--tree-depth", type=int, help="the trees' depth (default: the largest K, the chain's)")
     p.add_argument("--tree-top-k", type=int, default=10, help="the trees' children per expansion (default 10)")
-    p.add_argument("--tree-policy", type=_on_off, default=True,
-                   help="on: each round the tree or the chain of the largest K, whichever has measured faster; "
-                        "off: every round the tree (default on)")
-    p.add_argument("--split-cpus", type=_on_off, default=True,
-                   help="services: tandem serve --split-cpus, the target on half the CPUs and the draft and the "
-                        "coordinator on the rest (default on)")
     p.add_argument("--num-prompts", "-n", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompts", metavar="FILE", help="one prompt per line, or .jsonl with prompt / prompt_ids "

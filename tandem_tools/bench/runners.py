@@ -61,17 +61,13 @@ class ServicesRunner:
 
     stack = "services"
 
-    def __init__(self, target: Path, draft: Path, log: Path, startup_timeout: float, overlap: bool = False,
-                 split_cpus: bool = True, tree_policy: bool = True):
+    def __init__(self, target: Path, draft: Path, log: Path, startup_timeout: float, overlap: bool = False):
         from coordinator.client import TandemClient
         from tandem_tools.serve import launch
 
         self.log = log
         self.proc, self.address = launch(["--target", str(target), "--draft", str(draft), "--port", "0",
-                                          "--startup-timeout", str(startup_timeout),
-                                          "--overlap", "on" if overlap else "off",
-                                          "--tree-policy", "on" if tree_policy else "off",
-                                          "--split-cpus", "on" if split_cpus else "off"], log)
+                                          "--overlap", "on" if overlap else "off"], log)
         self.client = TandemClient(self.address, timeout=startup_timeout)
 
     def run(self, prompt_ids: list[int], mode: str, k: int, temperature: float, seed: int, max_new: int,
@@ -129,10 +125,10 @@ class InProcessRunner:
 
     stack = "in-process"
 
-    def __init__(self, target: Path, draft: Path, overlap: bool = False, generator=None, tree_policy: bool = True):
+    def __init__(self, target: Path, draft: Path, overlap: bool = False, generator=None):
         from tandem_tools.inprocess import InProcessGenerator
 
-        self.generator = generator or InProcessGenerator(target, draft, tree_policy=tree_policy)
+        self.generator = generator or InProcessGenerator(target, draft)
         self.overlap = overlap
 
     def run(self, prompt_ids: list[int], mode: str, k: int, temperature: float, seed: int, max_new: int,

@@ -49,7 +49,6 @@ class BenchConfig:
     temperatures: Sequence[float] = (0.0, 1.0)
     concurrency: Sequence[int] = (1,)
     overlap: Sequence[bool] = (True,)
-    split_cpus: bool = True  # services: tandem serve --split-cpus
     max_new_tokens: int = 64
     seed: int = 0
     threads: int = 1
@@ -60,7 +59,6 @@ class BenchConfig:
     trees: Sequence[int] = ()  # EAGLE-2 draft trees of these many nodes (cases "eagle3-tree"), beside the chains
     tree_depth: int | None = None  # none: the largest K, the chain's depth
     tree_top_k: int = 10  # children per expansion (the EAGLE-3 reference's)
-    tree_policy: bool = True  # the tree gate: each round the tree or the chain of the largest K, the faster
 
 
 @dataclass
@@ -219,14 +217,13 @@ def _start_runners(config: BenchConfig, out_dir: Path, runners: dict, echo: Call
             echo(f"bench: starting the target, draft and coordinator services (tandem serve --overlap "
                  f"{'on' if overlap else 'off'}) ...")
             log = out_dir / ("serve-overlap.log" if overlap else "serve.log")
-            services = ServicesRunner(config.target, config.draft, log, config.startup_timeout, overlap,
-                                      config.split_cpus, config.tree_policy)
+            services = ServicesRunner(config.target, config.draft, log, config.startup_timeout, overlap)
             runners["services", EAGLE3, overlap] = services
             if not overlap:  # trees run without overlap
                 runners["services", EAGLE3_TREE, False] = services
             runners.setdefault(("services", TARGET_ONLY, False), services)
     if "in-process" in config.stacks:
-        inprocess = InProcessRunner(config.target, config.draft, tree_policy=config.tree_policy)
+        inprocess = InProcessRunner(config.target, config.draft)
         runners["in-process", TARGET_ONLY, False] = runners["in-process", EAGLE3, False] = inprocess
         runners["in-process", EAGLE3_TREE, False] = inprocess
         runners["in-process", EAGLE3, True] = InProcessRunner(config.target, config.draft, True, inprocess.generator)

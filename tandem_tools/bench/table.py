@@ -53,8 +53,8 @@ def _rate(value: float | None) -> str:
 
 
 def _overlap_cell(r: dict) -> str:
-    """A services case's --overlap, and what it did: the servers overlap greedy generations only (unless
-    --overlap-sampled), and only while one runs, so a case run with it on may have had no round overlapped."""
+    """A services case's --overlap, and what it did: the servers overlap greedy generations only, and
+    only while one runs, so a case run with it on may have had no round overlapped."""
     if not r.get("overlap"):
         return "off"
     rate = r.get("overlap_hit_rate")

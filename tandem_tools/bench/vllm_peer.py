@@ -13,7 +13,7 @@ with JSON lines. Install:
 The venv is found at --vllm-python, else $TANDEM_VLLM_PYTHON, else ~/.cache/tandem/vllm-venv/bin/python.
 The workers run with LD_PRELOAD of tcmalloc and the venv's Intel OpenMP (libiomp5), as vLLM's CPU worker
 asks (without libiomp5 its speculative decoding is much slower); vLLM binds its model's threads to one
-core and keeps the other for its front end on this 2-core machine, as Tandem's --split-cpus does.
+core and keeps the other for its front end on this 2-core machine, as `tandem serve` splits the CPUs.
 
 What is measured, and why it is Tandem's measurement: at concurrency c the worker keeps c requests in
 flight in vLLM's offline engine (LLMEngine.add_request/step), starting the next prompt as soon as one
