@@ -175,17 +175,23 @@ def save_draft(
         ids = {"eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
                aux_layers.RECORD_FIELD: aux_layers.HIDDEN_STATES}
     options = {name: True for name in ("norm_before_fc", "fc_norm", "norm_output") if getattr(config, name)}
+    parallel = {}
+    if config.parallel_drafting:  # P-EAGLE: NeMo's and speculators' field names
+        parallel = {"parallel_drafting": True, "mask_token_id": config.mask_token_id, "num_depths": config.num_depths,
+                    "down_sample_ratio": config.down_sample_ratio,
+                    "down_sample_ratio_min": config.down_sample_ratio_min}
     if layout == REFERENCE:
         if config.qk_norm:
             raise ValueError("a head with a Qwen3 layer (q_norm, k_norm) is written in the speculators layout")
         raw = {
             "architectures": ["LlamaForCausalLMEagle3"],
             **layer,
-            "num_hidden_layers": 1,
+            "num_hidden_layers": config.num_layers,
             "draft_vocab_size": config.draft_vocab_size,
             "target_hidden_size": config.target_hidden_size,
             "torch_dtype": "float32",
             **options,  # top-level, as SpecForge writes them
+            **parallel,
         }
         if config.norm_before_residual:
             raw["norm_before_residual"] = True
@@ -194,11 +200,13 @@ def save_draft(
     elif layout == SPECULATORS:
         state = {("layers.0." + k.removeprefix("midlayer.")) if k.startswith("midlayer.") else k: v
                  for k, v in state.items()}
+        parallel.pop("parallel_drafting", None)  # speculators says it by its model type
         raw = {
-            "architectures": ["Eagle3Speculator"],
-            "speculators_model_type": "eagle3",
+            "architectures": ["PEagleSpeculator" if config.parallel_drafting else "Eagle3Speculator"],
+            "speculators_model_type": "peagle" if config.parallel_drafting else "eagle3",
             "speculators_version": "0.1.0",
-            "transformer_layer_config": {**layer, "num_hidden_layers": 1},
+            "transformer_layer_config": {**layer, "num_hidden_layers": config.num_layers},
+            **parallel,
             "draft_vocab_size": config.draft_vocab_size,
             "target_hidden_size": config.target_hidden_size,
             "norm_before_residual": config.norm_before_residual,

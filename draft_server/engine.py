@@ -23,6 +23,12 @@ Sampled requests (speculative sampling): a session opened with sampling paramete
 from its own distribution q at those settings instead of taking the argmax, in proposes and aheads
 alike, and returns the q it drew from with the drafts (draft_server/sampling.py).
 
+P-EAGLE heads (parallel drafting, draft_server/model.py): a propose is one forward, the new pairs and K-1
+masked positions after them, and gives all K drafts (K up to the head's num_depths); the KV keeps the
+pairs. Heads of several layers, and P-EAGLE heads, run each session of a batch alone, eagerly, and answer
+an ahead by appending its pairs and preparing no branch (the ahead's tensors are one layer's, and a
+P-EAGLE propose is about one extend's cost anyway).
+
 Draft trees (EAGLE-2, draft_server/tree.py): a propose with `tree` extends as any propose does, then grows
 a tree of drafts instead of a chain, one session at a time; its KV is dropped as a rollout's is. Aheads
 assume chains: after a tree the session's next ahead is refused.
@@ -43,7 +49,15 @@ from draft_server.ahead import GreedyAhead, branches
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.compiled import CompiledCalls, compile_calls, compile_mode
 from draft_server.model import DraftKV, Eagle3Draft
-from draft_server.rollout import GreedyPropose, GreedyStep, SampledPropose, draws_for, read_rollout, rollout
+from draft_server.rollout import (
+    GreedyPropose,
+    GreedyStep,
+    SampledPropose,
+    draws_for,
+    parallel_rollout,
+    read_rollout,
+    rollout,
+)
 from draft_server.sampling import DraftSampler
 from draft_server.steps import Outcomes, _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
 from draft_server.tree import SiblingRates, grow_tree
@@ -82,7 +96,9 @@ class DraftEngine(SessionOwner):
                                              aux_layer_convention=aux_layer_convention)
         if target_dir is not None:
             check_pair(read_target_shape(target_dir), self.shape())
-        mode = compile_mode()
+        # the compiled calls run one layer's KV and the chain's steps
+        self.one_by_one = self.config.num_layers > 1 or self.config.parallel_drafting
+        mode = compile_mode() if not self.one_by_one else None
         unpacked = copy.deepcopy(self.model) if mode else None  # the compiled calls' copy: before packing
         if can_pack(self.device, self.dtype):  # a CPU in float32: big projections over prepacked weights
             pack_linears(self.model)
@@ -228,8 +244,8 @@ class DraftEngine(SessionOwner):
 
     @torch.inference_mode()
     def _run_batch(self, steps: list[_Step]) -> list[list[int]]:
-        if len(steps) == 1:
-            return [self._run_one(steps[0])]
+        if len(steps) == 1 or self.one_by_one:
+            return [self._run_one(step) for step in steps]
         model, device, b = self.model, self.device, len(steps)
         past = [step.session.length for step in steps]
         sizes = [len(step.next_tokens) for step in steps]
@@ -282,6 +298,8 @@ class DraftEngine(SessionOwner):
     def _run_one(self, step: _Step) -> Drafts:
         """One session alone: its own KV, no padding."""
         session, kv = step.session, step.session.kv
+        if self.config.parallel_drafting:
+            return self._run_parallel(step)
         draws = draws_for([session.sampler], [session.length + len(step.next_tokens)], step.k, self.draft_vocab,
                           self.device)
         compiled = self._compiled_propose(step, draws) if kv.k is not None else None
@@ -293,6 +311,20 @@ class DraftEngine(SessionOwner):
         a, position = self._extend(step)
         drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, step.k, draws, step=self.greedy_step)
         kv.crop(session.length)  # the rollout's KV is dropped: exact target features replace it
+        drafts, qs, _ = read_rollout(drafts, q)  # [K], [K]
+        session.proposed = [(drafts, rows[0])]
+        return _drafts(drafts, qs)
+
+    def _run_parallel(self, step: _Step) -> Drafts:
+        """A P-EAGLE propose: the new pairs and K-1 masked positions in one forward, K up to num_depths."""
+        model, session, m, device = self.model, step.session, len(step.next_tokens), self.device
+        k = min(step.k, self.config.num_depths)
+        draws = draws_for([session.sampler], [session.length + m], k, self.draft_vocab, device)
+        tokens = torch.tensor(step.next_tokens, device=device)
+        positions = torch.arange(session.length, session.length + m, device=device)
+        a = model.parallel_draft(step.features.to(device, self.dtype), tokens, positions, session.kv, max(k, 1))
+        session.length += m
+        drafts, q, rows = parallel_rollout(model, self.q_top_n, a[None, :k], draws)
         drafts, qs, _ = read_rollout(drafts, q)  # [K], [K]
         session.proposed = [(drafts, rows[0])]
         return _drafts(drafts, qs)
@@ -347,6 +379,10 @@ class DraftEngine(SessionOwner):
         m, j_max = len(step.next_tokens), len(step.assumed)
         start = session.length
         session.kv.crop(start)
+        if self.one_by_one:  # the pairs only (the module docstring): the next round proposes
+            if m:
+                self._extend(_Step(session, step.features, step.next_tokens, 0))
+            return []
         # what the host knows, uploaded before any forward (on a GPU an upload waits for the stream)
         assumed = torch.tensor(step.assumed, device=device)  # [J]
         prefix = self.outcomes.logprobs(j_max, session.sampler is not None).to(device)  # [J+1]

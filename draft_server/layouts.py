@@ -23,10 +23,20 @@ speculators vllm-project/speculators (models/eagle3/config.py, core.py): specula
             target_hidden_size, norm_before_residual, eagle_aux_hidden_state_layer_ids, norm_before_fc
             (key input_norm.weight), fc_norm, norm_output; keys layers.N.*, fc, norm, lm_head, d2t, t2d.
 
+Heads of N decoder layers: layer 0 the fused one, layers 1..N-1 plain Llama layers (keys layers.{i}.*,
+model.layers.{i}.* in NeMo's); N is counted from the weights, and speculators' transformer_layer_config
+num_hidden_layers (the reference's num_hidden_layers) must agree (NeMo's config is the target's, its
+num_hidden_layers the target's depth).
+
+P-EAGLE (parallel drafting; speculators PR #480, NeMo's peagle_draft.py): NeMo and the reference layout set
+`parallel_drafting` true, speculators writes speculators_model_type "peagle"; both hold the key
+`mask_hidden` [1, 1, 3 * target_hidden_size] and the fields mask_token_id (older speculators: ptd_token_id),
+num_depths (para_depths), down_sample_ratio, down_sample_ratio_min. A head without mask_token_id is refused.
+
 Every layout maps onto Eagle3Draft's keys by one rule: drop a leading `model.`, read `layers.0.` as
-`midlayer.`. What Tandem cannot run is refused with the reason: more than one decoder layer (its draft KV
-is one layer's), other than three fused hidden states (its feature path carries 3 x hidden), parallel
-drafting (P-EAGLE), partial rotary embeddings, sliding-window draft attention.
+`midlayer.`. What Tandem cannot run is refused with the reason: other than three fused hidden states (its
+feature path carries 3 x hidden), ModelOpt's parallel draft heads, partial rotary embeddings, sliding-window
+draft attention.
 """
 
 from __future__ import annotations
@@ -132,16 +142,18 @@ def parse(raw: dict, keys: Iterable[str], directory: str = "draft") -> tuple[Eag
     if mla or any("Deepseek" in a for a in raw.get("architectures") or []):
         _refuse(where, f"MLA attention ({(raw.get('architectures') or ['?'])[0]}, {mla[:1]}): Tandem's draft layer is "
                        f"Llama or Qwen3 attention")
+    parallel = False
+    layer_count = None  # the decoder layers the config says it has, where it says so
     if layout == SPECULATORS:
-        if raw["speculators_model_type"] != "eagle3":
-            _refuse(where, f"speculators_model_type is {raw['speculators_model_type']!r}; Tandem runs 'eagle3'")
+        if raw["speculators_model_type"] not in ("eagle3", "peagle"):
+            _refuse(where, f"speculators_model_type is {raw['speculators_model_type']!r}; Tandem runs 'eagle3' "
+                           f"and 'peagle'")
+        parallel = raw["speculators_model_type"] == "peagle"
         layer_raw = dict(raw.get("transformer_layer_config") or {})
         model_type = layer_raw.get("model_type", "qwen3")  # speculators' default transformer_layer_config
         if model_type not in ("llama", "qwen3"):
             _refuse(where, f"transformer_layer_config.model_type {model_type!r}: Tandem runs llama and qwen3 layers")
-        if int(layer_raw.get("num_hidden_layers", 1)) > 1:
-            _refuse(where, f"transformer_layer_config.num_hidden_layers is {layer_raw['num_hidden_layers']}: "
-                           f"Tandem's draft runs one decoder layer (its KV cache holds one layer)")
+        layer_count = ("transformer_layer_config.num_hidden_layers", int(layer_raw.get("num_hidden_layers", 1)))
         if layer_raw.get("use_sliding_window") or "sliding_attention" in (layer_raw.get("layer_types") or []):
             _refuse(where, "sliding-window attention in transformer_layer_config: Tandem's draft attends to all "
                            "of its context")
@@ -153,8 +165,9 @@ def parse(raw: dict, keys: Iterable[str], directory: str = "draft") -> tuple[Eag
         model_type = (raw.get("model_type") or "llama") if layout == NEMO else "llama"
         layer_raw, qk_norm = dict(raw), False
         norm_before_residual = _flag(raw, "norm_before_residual")
-        if _flag(raw, "parallel_drafting") or any(k.endswith("mask_hidden") for k in keys):
-            _refuse(where, "parallel_drafting (P-EAGLE): Tandem drafts one token per step")
+        parallel = _flag(raw, "parallel_drafting")
+        if layout != NEMO and raw.get("num_hidden_layers") is not None:
+            layer_count = ("num_hidden_layers", int(raw["num_hidden_layers"]))
         if layout == MODELOPT:
             eagle = raw.get("eagle_config") or {}
             if eagle.get("use_aux_hidden_state") is False:
@@ -166,10 +179,19 @@ def parse(raw: dict, keys: Iterable[str], directory: str = "draft") -> tuple[Eag
             if int(eagle.get("parallel_draft_step") or 1) > 1:
                 _refuse(where, f"eagle_config.parallel_draft_step is {eagle['parallel_draft_step']}: Tandem "
                                f"drafts one token per step")
-    layers = _layer_indices(keys)
-    if len(layers) > 1 or (layers and max(layers) > 0):
-        _refuse(where, f"{len(layers)} decoder layers (weights of layers {sorted(layers)}): Tandem's draft runs "
-                       f"one (its KV cache holds one layer)")
+    layers = _layer_indices(keys) or {0}
+    if layers != set(range(len(layers))):
+        _refuse(where, f"weights of decoder layers {sorted(layers)}: expected layers 0..{len(layers) - 1}")
+    if layer_count is not None and layer_count[1] != len(layers):
+        _refuse(where, f"{layer_count[0]} is {layer_count[1]} but it has weights of {len(layers)} decoder layers")
+    masked = any(k.removeprefix("model.") == "mask_hidden" for k in keys)
+    if masked != parallel:
+        _refuse(where, "it has a mask_hidden weight but its config does not set parallel_drafting" if masked else
+                "parallel_drafting is set but it has no mask_hidden weight")
+    mask_token_id = config_field(raw, "mask_token_id", config_field(raw, "ptd_token_id"))
+    if parallel and mask_token_id is None:
+        _refuse(where, "parallel_drafting (P-EAGLE) without mask_token_id: the masked positions' token is not known")
+    num_depths = config_field(raw, "num_depths", config_field(raw, "para_depths", 8))  # speculators' default
     num_aux = config_field(raw, "num_aux_hidden_states")
     ids = config_field(raw, "eagle_aux_hidden_state_layer_ids")
     if num_aux is None and ids:
@@ -188,5 +210,11 @@ def parse(raw: dict, keys: Iterable[str], directory: str = "draft") -> tuple[Eag
         fc_norm=_flag(raw, "fc_norm"),
         norm_output=_flag(raw, "norm_output"),
         qk_norm=qk_norm,
+        num_layers=len(layers),
+        parallel_drafting=parallel,
+        mask_token_id=int(mask_token_id or 0),
+        num_depths=int(num_depths) if parallel else 1,
+        down_sample_ratio=float(config_field(raw, "down_sample_ratio", 0.7)),
+        down_sample_ratio_min=float(config_field(raw, "down_sample_ratio_min", 0.2)),
     )
     return config, layout

@@ -15,6 +15,16 @@ EAGLE-3.1 options (vLLM's and speculators' config fields; SpecForge and NeMo wri
                    are lm_head of it (no second norm)
 Qwen3 decoder layer (speculators' default transformer_layer_config): RMSNorm over each head of q and k
 before RoPE (q_norm, k_norm).
+
+Heads of N decoder layers (speculators' num_hidden_layers, NeMo's P-EAGLE heads): layer 0 is the one above
+(`midlayer`, reading 2H); layers 1..N-1 are plain pre-norm Llama layers over H (`layers.{i}.*`), each with its
+own KV. The step's output a is the last layer's.
+
+P-EAGLE (parallel drafting, `parallel_drafting`): one learnable `mask_hidden` [1, 1, 3Ht] stands in for the
+target's features at every masked depth, through the same fuse (fc, fc_norm, input_norm) as real ones, with
+the token `mask_token_id`. One forward over the round's new pairs and K-1 masked positions after them
+(positions continuing the pairs', attending causally) gives all K drafts: d_1 from the last pair's output,
+d_{1+j} from masked position j. The masked positions' KV is dropped after the forward, as a rollout's is.
 """
 
 from __future__ import annotations
@@ -45,6 +55,12 @@ class Eagle3Config:
     fc_norm: bool = False
     norm_output: bool = False
     qk_norm: bool = False  # Qwen3 layer: q_norm and k_norm
+    num_layers: int = 1  # decoder layers: the first reads 2H, the others are plain Llama layers over H
+    parallel_drafting: bool = False  # P-EAGLE: all drafts of a round in one forward (the module docstring)
+    mask_token_id: int = 0  # P-EAGLE: the token at every masked depth
+    num_depths: int = 1  # P-EAGLE: the drafts one forward was trained to give (depth 0 and num_depths-1 masked)
+    down_sample_ratio: float = 0.7  # P-EAGLE training (COD): depth d keeps max(ratio**d, ratio_min) of the anchors
+    down_sample_ratio_min: float = 0.2
 
     @property
     def hidden_size(self) -> int:
@@ -56,11 +72,19 @@ class Eagle3Config:
 
 
 class DraftKV:
-    """The draft layer's KV for one sequence: [B, kv_heads, S, head_dim], grown by concatenation."""
+    """The draft layer's KV for one sequence: [B, kv_heads, S, head_dim], grown by concatenation. A head of
+    several layers keeps layer 0's here and each deeper layer's in `deeper` (made on first use)."""
 
     def __init__(self):
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.deeper: dict[int, DraftKV] = {}
+
+    def layer(self, index: int) -> DraftKV:
+        """The KV of decoder layer `index` (0: this one)."""
+        if index == 0:
+            return self
+        return self.deeper.setdefault(index, DraftKV())
 
     @property
     def length(self) -> int:
@@ -75,6 +99,8 @@ class DraftKV:
         if self.k is not None and self.k.shape[2] > length:
             self.k = self.k[:, :, :length]
             self.v = self.v[:, :, :length]
+        for deeper in self.deeper.values():
+            deeper.crop(length)
 
 
 class Float32Rotary(LlamaRotaryEmbedding):
@@ -105,13 +131,14 @@ class RMSNorm(LlamaRMSNorm):
 class Eagle3Attention(nn.Module):
     """Llama attention whose q/k/v projections read 2H (token embedding and hidden state)."""
 
-    def __init__(self, config: LlamaConfig, qk_norm: bool = False):
+    def __init__(self, config: LlamaConfig, qk_norm: bool = False, fused: bool = True):
+        """`fused`: the projections read 2H (layer 0); else H (a deeper layer's plain Llama attention)."""
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         bias = bool(getattr(config, "attention_bias", False))
-        in_dim = 2 * config.hidden_size
+        in_dim = (2 if fused else 1) * config.hidden_size
         self.q_proj = nn.Linear(in_dim, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=bias)
@@ -161,6 +188,22 @@ class Eagle3DecoderLayer(nn.Module):
         return a + self.mlp(self.post_attention_layernorm(a))
 
 
+class DeeperLayer(nn.Module):
+    """Layer i >= 1 of a head of several: a plain pre-norm Llama layer over H (speculators' and NeMo's)."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        layer = config.layer
+        self.input_layernorm = RMSNorm(layer.hidden_size, eps=layer.rms_norm_eps)
+        self.self_attn = Eagle3Attention(layer, qk_norm=config.qk_norm, fused=False)
+        self.post_attention_layernorm = RMSNorm(layer.hidden_size, eps=layer.rms_norm_eps)
+        self.mlp = LlamaMLP(layer)
+
+    def forward(self, a, cos, sin, kv, attn_mask):
+        a = a + self.self_attn(self.input_layernorm(a), cos, sin, kv, attn_mask)
+        return a + self.mlp(self.post_attention_layernorm(a))
+
+
 class Eagle3Draft(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
@@ -175,6 +218,10 @@ class Eagle3Draft(nn.Module):
         )
         self.fc = nn.Linear(3 * ht, h, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
+        # layers 1..N-1, keyed as the published heads key them (layers.1.*, ...)
+        self.layers = nn.ModuleDict({str(i): DeeperLayer(config) for i in range(1, config.num_layers)})
+        if config.parallel_drafting:  # at the width of the features it stands in for
+            self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * ht))
         self.norm = RMSNorm(h, eps=layer.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.rotary_emb = Float32Rotary(layer)
@@ -193,7 +240,24 @@ class Eagle3Draft(nn.Module):
         embeds = self.embed_tokens(tokens).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, positions)
         a = self.midlayer(embeds, hidden, cos, sin, kv, attn_mask)
+        for index, layer in self.layers.items():
+            a = layer(a, cos, sin, None if kv is None else kv.layer(int(index)), attn_mask)
         return self.norm(a) if self.config.norm_output else a
+
+    def parallel_draft(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, kv: DraftKV,
+                       depths: int) -> torch.Tensor:
+        """P-EAGLE: a session's m new pairs (features [m, 3Ht], tokens [m] target ids, positions [m]) appended
+        to its KV, and `depths - 1` masked positions after them, in one forward -> the outputs whose logits
+        give the drafts d_1..d_depths [depths, H]. The KV keeps the pairs only."""
+        masked = depths - 1
+        m = features.shape[0]
+        length = kv.length
+        features = torch.cat([features, self.mask_hidden.view(1, -1).to(features.dtype).expand(masked, -1)])
+        tokens = torch.cat([tokens, tokens.new_full((masked,), self.config.mask_token_id)])
+        positions = torch.cat([positions, positions[-1] + torch.arange(1, masked + 1, device=positions.device)])
+        a = self(self.fuse(features)[None], tokens[None], positions[None], kv)[0]  # [m + masked, H]
+        kv.crop(length + m)
+        return a[m - 1:]
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features [..., 3Ht] (low, mid, high) -> the hidden state h [..., H]."""

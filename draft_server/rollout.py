@@ -243,6 +243,20 @@ def rollout(model: Eagle3Draft, top_n: int, a: torch.Tensor, kv: DraftKV, positi
     return torch.stack(drafts, 1), (torch.stack(ids, 1), probs, (probs > 0).sum(-1)), torch.stack(rows, 1)
 
 
+def parallel_rollout(model: Eagle3Draft, top_n: int, a: torch.Tensor, draws: Draws | None
+                     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, torch.Tensor]:
+    """A P-EAGLE head's drafts, as rollout returns them, from the outputs of its one forward a [B, rounds, H]
+    (Eagle3Draft.parallel_draft): draft n picked from a[:, n] with the uniform of step n."""
+    picks = [pick(model, top_n, model.draft_logits(a[:, n]), draws, n) for n in range(a.shape[1])]
+    if not picks:
+        return a.new_zeros(a.shape[0], 0, dtype=torch.long), None, a
+    drafts = torch.stack([d for d, _ in picks], 1)
+    if draws is None:
+        return drafts, None, a
+    probs = torch.stack([q[1] for _, q in picks], 1)  # [b, rounds, N]
+    return drafts, (torch.stack([q[0] for _, q in picks], 1), probs, (probs > 0).sum(-1)), a
+
+
 def _greedy_rollout(model: Eagle3Draft, step: GreedyStep, a: torch.Tensor, kv: DraftKV, position: torch.Tensor,
                     rounds: int) -> tuple[torch.Tensor, None, torch.Tensor]:
     """rollout's greedy lone session, each step after the first pick one compiled call."""

@@ -184,6 +184,7 @@ def train_draft(
     cache_bytes: int = 2 << 30,
     progress: bool = True,
     history: list[StepStats] | None = None,
+    parallel=None,
 ) -> Path:
     """Train an EAGLE-3 head for the target in `target_dir`; save it to `out_dir` (reference layout, no
     embed_tokens) and return that path.
@@ -201,6 +202,8 @@ def train_draft(
     aux_layer_ids: the target layers whose features the head fuses (default: EAGLE-3's for the target's depth).
     target_dtype: the frozen target's dtype ("bfloat16" halves its memory on a GPU); the head trains in float32.
     history: when given, receives one StepStats per step.
+    parallel: a draft_server.train_parallel.ParallelDrafting: train a P-EAGLE head (all drafts in one forward,
+      COD sampling) instead of TTT; ttt_steps and decay are then unused.
     """
     started = time.monotonic()
     if ttt_steps < 1:
@@ -216,6 +219,8 @@ def train_draft(
     # the head names the hidden states it was trained on, so that any server captures those (save_draft
     # records their convention)
     config = draft_config_for(teacher.config, draft_vocab_size, teacher.aux_layer_ids)
+    if parallel is not None:
+        config = parallel.head_config(config, teacher.config)
     draft = init_draft(teacher, config, d2t, t2d, init_from_target).to(teacher.device).train()
     batches = Batches(teacher, sequences, batch_size, t2d, cache_bytes)
     if epochs is not None:
@@ -246,7 +251,10 @@ def train_draft(
         scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(done, 1.0))))
         for group in optimizer.param_groups:
             group["lr"] = lr * scale
-        loss, stats = ttt_loss(draft, ids, lengths, features, target_probs, target_best, ttt_steps, decay)
+        if parallel is not None:
+            loss, stats = parallel.loss(draft, ids, lengths, features, target_probs, target_best)
+        else:
+            loss, stats = ttt_loss(draft, ids, lengths, features, target_probs, target_best, ttt_steps, decay)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -16,6 +16,13 @@ from tandem.dtypes import DTYPE_NAMES
 def cmd_train_draft(args: argparse.Namespace) -> int:
     from draft_server.train import train_draft
 
+    parallel = None
+    if args.parallel_drafting:
+        from draft_server.train_parallel import ParallelDrafting
+
+        parallel = ParallelDrafting(num_depths=args.num_depths, num_layers=args.num_layers,
+                                    mask_token_id=args.mask_token_id, down_sample_ratio=args.down_sample_ratio,
+                                    seed=args.seed)
     texts = chats = None
     if args.data:
         texts = [Path(path).read_text(encoding="utf-8", errors="replace") for path in args.data]
@@ -40,6 +47,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         device=args.device,
         target_dtype=args.dtype,
         progress=not args.quiet,
+        parallel=parallel,
     )
     print(f"wrote {out} (reference layout, no embed_tokens: use it with --target {args.target} --draft {out})")
     return 0
@@ -84,5 +92,13 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="the frozen target's dtype")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--parallel-drafting", action="store_true",
+                   help="train a P-EAGLE head: all drafts of a round in one forward (COD sampling, the cross-depth mask)")
+    p.add_argument("--num-depths", type=int, default=5, help="P-EAGLE: drafts one forward gives")
+    p.add_argument("--num-layers", type=int, default=1, help="P-EAGLE: decoder layers")
+    p.add_argument("--mask-token-id", type=int, default=None, help="P-EAGLE: the masked positions' token "
+                   "(default: the target's pad token, else its EOS)")
+    p.add_argument("--down-sample-ratio", type=float, default=0.7,
+                   help="P-EAGLE COD: depth d keeps max(ratio**d, 0.2) of the positions")
     p.set_defaults(func=cmd_train_draft)
     return p

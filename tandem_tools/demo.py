@@ -5,6 +5,8 @@ of transformers' assisted generation would reach for today.
     tandem demo build [--out DIR]      ->  DIR (default $TANDEM_CACHE/demo, else ~/.cache/tandem/demo)
       target/         LlamaForCausalLM + its byte-level BPE tokenizer (tandem_tools.tiny.build_tokenizer)
       draft/          the EAGLE-3 head, reference layout (no embed_tokens: read from target/)
+      draft-peagle/   a P-EAGLE head (all K drafts in one forward), same data and steps as draft/
+                      (`tandem demo build --peagle-only` adds it to a pair built before it existed)
       assistant/      a 2-layer Llama LM, same tokenizer and data (`generate(..., assistant_model=...)`)
       prompts.jsonl   held-out prompts: cut from standard-library files no model saw in training
       build.json      the spec, seconds per stage, final losses
@@ -65,6 +67,10 @@ class DemoSpec:
     head_ttt_steps: int = 4
     head_lr: float = 1e-2
     draft_vocab_size: int = 1024
+    # the P-EAGLE head (draft-peagle/): the same data, steps and width as the EAGLE-3 head; two layers, since
+    # it has no sequential steps to refine its later drafts in, and depths for K up to 5
+    peagle_layers: int = 2
+    peagle_depths: int = 5
     # held-out prompts for bench
     num_prompts: int = 32
     prompt_tokens: int = 48
@@ -307,6 +313,10 @@ def build_demo(out_dir: str | Path | None = None, spec: DemoSpec | None = None, 
         )
         stage("draft", t0)
 
+        t0 = time.monotonic()
+        peagle_history = train_peagle_head(tmp, spec, texts, progress)
+        stage("draft-peagle", t0)
+
         prompts = heldout_prompts(tokenizer, heldout_files, spec.num_prompts, spec.prompt_tokens, spec.seed)
         (tmp / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
         seconds["total"] = round(time.monotonic() - started, 1)
@@ -319,6 +329,8 @@ def build_demo(out_dir: str | Path | None = None, spec: DemoSpec | None = None, 
             "assistant_loss": _tail_mean(assistant_losses),
             "draft_loss": _tail_mean([h.loss for h in history]),
             "draft_accuracy": [round(a, 3) for a in history[-1].accuracy] if history else [],
+            "peagle_loss": _tail_mean([h.loss for h in peagle_history]),
+            "peagle_accuracy": [round(a, 3) for a in peagle_history[-1].accuracy] if peagle_history else [],
             "heldout_files": [f.name for f in heldout_files],
         }
         (tmp / "build.json").write_text(json.dumps(info, indent=2))
@@ -332,6 +344,47 @@ def build_demo(out_dir: str | Path | None = None, spec: DemoSpec | None = None, 
     _say(progress, f"demo: built {out} in {seconds['total']:.0f}s (target loss {info['target_loss']:.2f}, "
                    f"assistant loss {info['assistant_loss']:.2f}, head accuracy per step {info['draft_accuracy']})")
     return out
+
+
+def demo_training_texts(spec: DemoSpec) -> list[str]:
+    """The training text of a build of `spec` (the tokenizer's, the target's and the heads')."""
+    train_files, _ = split_files(stdlib_files(), spec.heldout_every)
+    return read_texts(train_files, spec.train_bytes)
+
+
+def train_peagle_head(directory: str | Path, spec: DemoSpec | None = None, texts: list[str] | None = None,
+                      progress: bool = True) -> list:
+    """Train the P-EAGLE head of the pair in `directory` (its target/) into directory/draft-peagle, on the
+    data and for the steps of the EAGLE-3 head (build_demo's), and return its per-step stats. Run alone, it
+    adds the head to a pair built before this step existed (the target is read, never changed)."""
+    import torch
+
+    from draft_server.train import train_draft
+    from draft_server.train_parallel import ParallelDrafting
+
+    spec = spec or DemoSpec()
+    directory = Path(directory)
+    texts = texts if texts is not None else demo_training_texts(spec)
+    out = directory / "draft-peagle"
+    staging = directory / f"draft-peagle.tmp{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    _say(progress, "demo: P-EAGLE head: the target writes its training data, then COD-sampled parallel drafting")
+    torch.set_num_threads(spec.threads or pick_threads())
+    vocab = json.loads((directory / "target" / "config.json").read_text())["vocab_size"]
+    history: list = []
+    try:
+        train_draft(
+            directory / "target", ["\n".join(texts)[: spec.train_bytes // 2]], staging, self_distill=True,
+            steps=spec.head_steps, num_sequences=spec.head_sequences, seq_len=spec.head_seq_len,
+            batch_size=spec.head_batch, lr=spec.head_lr, draft_vocab_size=min(spec.draft_vocab_size, vocab),
+            seed=spec.seed, progress=progress, history=history,
+            parallel=ParallelDrafting(num_depths=spec.peagle_depths, num_layers=spec.peagle_layers, seed=spec.seed),
+        )
+        shutil.rmtree(out, ignore_errors=True)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return history
 
 
 def ensure_demo(directory: str | Path | None = None, progress: bool = True) -> Path:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tandem_tools.demo import DemoSpec, build_demo, default_demo_dir, ensure_demo, is_built
+from tandem_tools.demo import DemoSpec, build_demo, default_demo_dir, ensure_demo, is_built, train_peagle_head
 
 # no torch at import: `tandem` registers this module's subcommand, and the coordinator has no torch
 
@@ -58,11 +58,19 @@ def cmd_demo_build(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             setattr(spec, name, getattr(args, name))
     out = Path(args.out) if args.out else default_demo_dir()
+    if args.peagle_only:
+        if not is_built(out):
+            print(f"{out} is not built: --peagle-only adds the P-EAGLE head to a built pair")
+            return 1
+        train_peagle_head(out, spec, progress=not args.quiet)
+        print(f"wrote {out / 'draft-peagle'} (P-EAGLE, reference layout)")
+        return 0
     if is_built(out) and not args.force:
         print(f"{out} is already built (--force rebuilds it)")
         return 0
     build_demo(out, spec, progress=not args.quiet)
-    print(f"wrote {out}: target/, draft/ (EAGLE-3, reference layout), assistant/, prompts.jsonl, build.json")
+    print(f"wrote {out}: target/, draft/ (EAGLE-3, reference layout), draft-peagle/ (P-EAGLE), assistant/, "
+          f"prompts.jsonl, build.json")
     return 0
 
 
@@ -83,5 +91,7 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int)
     b.add_argument("--threads", type=int, help="torch threads (default: all cores, or 1 while the machine is busy)")
     b.add_argument("--quiet", action="store_true", help="no progress output")
+    b.add_argument("--peagle-only", action="store_true",
+                   help="stdlib: train only the P-EAGLE head (draft-peagle/) for the pair already built there")
     b.set_defaults(func=cmd_demo_build)
     return p

@@ -10,6 +10,9 @@ vocabulary 512). Written here from the published files' field and key names, not
                components/speculative/eagle/draft_llama.py (model.* keys, model.fc_norm.N)
   speculators  vllm-project/speculators src/speculators/models/eagle3/config.py, core.py (layers.N.*, input_norm,
                fc_norm.N; Qwen3 layers' q_norm / k_norm)
+  P-EAGLE      NeMo components/speculative/eagle/draft_llama.py, peagle_draft.py (parallel_drafting, mask_hidden
+               [1, 1, 3H], mask_token_id, num_depths, down_sample_ratio; model.layers.N.* plain Llama layers for
+               N >= 1); speculators models/peagle/config.py (speculators_model_type "peagle", mask_token_id)
 
 Every head holds the same canonical tensors (`canonical_weights`), renamed per layout.
 """
@@ -37,8 +40,10 @@ def layer_fields(head_dim: int | None = None) -> dict:
 
 
 def canonical_weights(seed: int, head_dim: int = HIDDEN // HEADS, *, attention_bias=False, mlp_bias=False,
-                      qk_norm=False, fc_norm=False, input_norm=False, embed=False) -> dict[str, torch.Tensor]:
-    """Random tensors under Eagle3 reference names (midlayer.*), sized for the tiny target."""
+                      qk_norm=False, fc_norm=False, input_norm=False, embed=False, layers: int = 1,
+                      mask_hidden: bool = False) -> dict[str, torch.Tensor]:
+    """Random tensors under Eagle3 reference names (midlayer.*; layers.N.* for the plain layers of a head of
+    several, mask_hidden for a P-EAGLE head), sized for the tiny target."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=0.15):
@@ -77,6 +82,19 @@ def canonical_weights(seed: int, head_dim: int = HIDDEN // HEADS, *, attention_b
         w["input_norm.weight"] = norm(3 * HIDDEN)
     if embed:
         w["embed_tokens.weight"] = rand(VOCAB, HIDDEN, scale=1.0)
+    for n in range(1, layers):  # plain Llama layers over H
+        p = f"layers.{n}."
+        w |= {p + "input_layernorm.weight": norm(HIDDEN), p + "post_attention_layernorm.weight": norm(HIDDEN),
+              p + "self_attn.q_proj.weight": rand(HEADS * head_dim, HIDDEN),
+              p + "self_attn.k_proj.weight": rand(KV_HEADS * head_dim, HIDDEN),
+              p + "self_attn.v_proj.weight": rand(KV_HEADS * head_dim, HIDDEN),
+              p + "self_attn.o_proj.weight": rand(HIDDEN, HEADS * head_dim),
+              p + "mlp.gate_proj.weight": rand(INTERMEDIATE, HIDDEN), p + "mlp.up_proj.weight": rand(INTERMEDIATE, HIDDEN),
+              p + "mlp.down_proj.weight": rand(HIDDEN, INTERMEDIATE)}
+        if qk_norm:
+            w |= {p + "self_attn.q_norm.weight": norm(head_dim), p + "self_attn.k_norm.weight": norm(head_dim)}
+    if mask_hidden:
+        w["mask_hidden"] = rand(1, 1, 3 * HIDDEN, scale=1.0)
     target_ids = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
     w["d2t"] = target_ids - torch.arange(DRAFT_VOCAB)  # target id = draft id + d2t[draft id]
     w["t2d"] = torch.zeros(VOCAB, dtype=torch.bool)
@@ -138,7 +156,7 @@ def write_nemo(out: Path, weights: dict, family_config: dict, **fields) -> Path:
     config = {**family_config, "draft_vocab_size": DRAFT_VOCAB, "target_hidden_size": HIDDEN,
               "architectures": ["LlamaEagle3DraftModel"], "tie_word_embeddings": False, "attn_implementation": "eager",
               "fc_norm": False, "norm_output": False, "parallel_drafting": False, **fields}
-    return _write(out, config, _renamed(weights, "model.", top=("lm_head.weight", "d2t", "t2d")))
+    return _write(out, config, _renamed(weights, "model.", top=("lm_head.weight", "d2t", "t2d", "mask_hidden")))
 
 
 def write_speculators(out: Path, weights: dict, layer_config: dict, aux_ids=None, **fields) -> Path:

@@ -1,6 +1,6 @@
 """Published head layouts, loaded by the real loader and checked against the EAGLE-3 math written out here
-in plain torch (not the project's model): every layout, each EAGLE-3.1 option, Qwen3 layers, biases and a
-decoupled head_dim. The heads are written by tests/published_heads.py with the trainers' own names."""
+in plain torch (not the project's model): every layout, each EAGLE-3.1 option, Qwen3 layers, biases, a
+decoupled head_dim, heads of several layers, and P-EAGLE heads (all drafts in one forward). The heads are written by tests/published_heads.py with the trainers' own names."""
 
 from __future__ import annotations
 
@@ -49,11 +49,12 @@ class ReferenceHead:
     """One EAGLE-3 draft layer over canonical weights `w`, one position at a time with its own KV list."""
 
     def __init__(self, w, embed, *, head_dim=HIDDEN // HEADS, eps=1e-5, theta=10000.0, norm_before_residual=False,
-                 qk_norm=False, fc_norm=False, input_norm=False, norm_output=False):
+                 qk_norm=False, fc_norm=False, input_norm=False, norm_output=False, layers=1, mask_token=None):
         self.w, self.embed, self.hd, self.eps, self.theta = w, embed, head_dim, eps, theta
         self.nbr, self.qk_norm, self.fc_norm, self.input_norm, self.norm_output = (
             norm_before_residual, qk_norm, fc_norm, input_norm, norm_output)
-        self.keys, self.values = [], []
+        self.layers, self.mask_token = layers, mask_token  # mask_token: a P-EAGLE head's
+        self.kv = [([], []) for _ in range(layers)]  # per layer: the keys and values of every position
 
     def linear(self, x, name):
         y = x @ self.w[name + ".weight"].T
@@ -67,12 +68,8 @@ class ReferenceHead:
                                   for i, c in enumerate(features.chunk(3))])
         return self.linear(features, "fc")
 
-    def step(self, h, token, position):
-        """(h [H], target id, position) -> the state the next step reads, and the draft logits."""
-        m = "midlayer."
-        normed = rms(h, self.w[m + "hidden_norm.weight"], self.eps)
-        residual = normed if self.nbr else h
-        x = torch.cat([rms(self.embed[token], self.w[m + "input_layernorm.weight"], self.eps), normed])
+    def attention(self, x, m, layer, position):
+        """Layer `layer`'s attention (weights under prefix m) of input x at `position` over all it has seen."""
         q = self.linear(x, m + "self_attn.q_proj").view(HEADS, self.hd)
         k = self.linear(x, m + "self_attn.k_proj").view(KV_HEADS, self.hd)
         v = self.linear(x, m + "self_attn.v_proj").view(KV_HEADS, self.hd)
@@ -80,34 +77,55 @@ class ReferenceHead:
             q = rms(q, self.w[m + "self_attn.q_norm.weight"], self.eps)
             k = rms(k, self.w[m + "self_attn.k_norm.weight"], self.eps)
         q, k = rope(q, position, self.theta), rope(k, position, self.theta)
-        self.keys.append(k)
-        self.values.append(v)
-        keys, values = torch.stack(self.keys, 1), torch.stack(self.values, 1)  # [KV_HEADS, T, hd]
+        seen_k, seen_v = self.kv[layer]
+        seen_k.append(k)
+        seen_v.append(v)
+        keys, values = torch.stack(seen_k, 1), torch.stack(seen_v, 1)  # [KV_HEADS, T, hd]
         group = HEADS // KV_HEADS
         heads = []
         for i in range(HEADS):  # query head i reads key/value head i // group
             scores = keys[i // group] @ q[i] / self.hd**0.5
             heads.append(scores.softmax(-1) @ values[i // group])
-        a = residual + self.linear(torch.cat(heads), m + "self_attn.o_proj")
+        return self.linear(torch.cat(heads), m + "self_attn.o_proj")
+
+    def mlp(self, a, m):
         mlp_in = rms(a, self.w[m + "post_attention_layernorm.weight"], self.eps)
         gate = self.linear(mlp_in, m + "mlp.gate_proj")
         up = self.linear(mlp_in, m + "mlp.up_proj")
-        a = a + self.linear(torch.nn.functional.silu(gate) * up, m + "mlp.down_proj")
+        return a + self.linear(torch.nn.functional.silu(gate) * up, m + "mlp.down_proj")
+
+    def step(self, h, token, position):
+        """(h [H], target id, position) -> the state the next step reads, and the draft logits."""
+        m = "midlayer."
+        normed = rms(h, self.w[m + "hidden_norm.weight"], self.eps)
+        residual = normed if self.nbr else h
+        x = torch.cat([rms(self.embed[token], self.w[m + "input_layernorm.weight"], self.eps), normed])
+        a = self.mlp(residual + self.attention(x, m, 0, position), m)
+        for n in range(1, self.layers):  # plain pre-norm Llama layers over H
+            p = f"layers.{n}."
+            a = a + self.attention(rms(a, self.w[p + "input_layernorm.weight"], self.eps), p, n, position)
+            a = self.mlp(a, p)
         final = rms(a, self.w["norm.weight"], self.eps)
         return (final if self.norm_output else a), final @ self.w["lm_head.weight"].T
 
+    def target_id(self, logits):
+        draft = int(logits.argmax())
+        return draft + int(self.w["d2t"][draft])
+
     def drafts(self, features, tokens, k):
-        """The committed pairs (features[i], tokens[i]) at positions 0..m-1, then k rollout steps."""
+        """The committed pairs (features[i], tokens[i]) at positions 0..m-1, then k rollout steps; a P-EAGLE
+        head: then k-1 masked positions (mask_hidden through fc, the mask token), each giving one draft."""
         logits_seen = []
         for i, token in enumerate(tokens):
             state, logits = self.step(self.fuse(features[i]), token, i)
             logits_seen.append(logits)
         out = []
         for n in range(k):
-            draft = int(logits.argmax())
-            target_id = draft + int(self.w["d2t"][draft])
-            out.append(target_id)
-            state, logits = self.step(state, target_id, len(tokens) + n)
+            out.append(self.target_id(logits))
+            if self.mask_token is None:
+                state, logits = self.step(state, out[-1], len(tokens) + n)
+            elif n + 1 < k:
+                _, logits = self.step(self.fuse(self.w["mask_hidden"].reshape(-1)), self.mask_token, len(tokens) + n)
         return out, torch.stack(logits_seen)
 
 
@@ -175,13 +193,31 @@ def _case(name, tmp, tiny_dir):
         layer = {**Qwen3Config(**fields, num_hidden_layers=1).to_diff_dict(), "model_type": "qwen3"}
         head = write_speculators(out, w, layer, norm_before_residual=False, norm_before_fc=input_norm)
         return head, w, {"head_dim": 32, "eps": 1e-6, "qk_norm": True, "input_norm": input_norm}, embed
+    if name == "speculators-3-layers-llama":  # an EAGLE-3 chain head of three layers
+        w = canonical_weights(10, embed=True, layers=3)
+        layer = LlamaConfig(**layer_fields(), num_hidden_layers=3).to_diff_dict()
+        head = write_speculators(out, w, {**layer, "model_type": "llama"})
+        return head, w, {"norm_before_residual": True, "layers": 3}, w["embed_tokens.weight"]
+    if name == "nemo-llama-peagle-2-layers":  # NeMo Automodel's P-EAGLE: model.layers.1.*, mask_hidden on top
+        w = canonical_weights(11, layers=2, mask_hidden=True)
+        head = write_nemo(out, w, _family(LlamaConfig, rms_norm_eps=1e-5).to_dict(), parallel_drafting=True, mask_token_id=3,
+                          num_depths=6, down_sample_ratio=0.7, down_sample_ratio_min=0.2)
+        return head, w, {"layers": 2, "mask_token": 3}, embed
+    if name == "speculators-peagle-2-layers-fc_norm":  # speculators' "peagle", with an EAGLE-3.1 toggle
+        w = canonical_weights(12, embed=True, layers=2, mask_hidden=True, fc_norm=True)
+        layer = LlamaConfig(**layer_fields(), num_hidden_layers=2).to_diff_dict()
+        head = write_speculators(out, w, {**layer, "model_type": "llama"}, speculators_model_type="peagle",
+                                 architectures=["PEagleSpeculator"], mask_token_id=7, fc_norm=True, num_depths=8)
+        return head, w, {"norm_before_residual": True, "layers": 2, "mask_token": 7, "fc_norm": True}, \
+            w["embed_tokens.weight"]
     raise KeyError(name)
 
 
 CASES = ["reference", "specforge", "specforge-fc_norm", "specforge-norm_output", "specforge-3.1",
          "specforge-norm_before_fc-in-eagle_config", "modelopt", "nemo-llama", "nemo-qwen3-3.1", "nemo-phi3",
          "speculators-llama", "speculators-llama-fc_norm", "speculators-llama-norm_output", "speculators-qwen3",
-         "speculators-qwen3-norm_before_fc"]
+         "speculators-qwen3-norm_before_fc", "speculators-3-layers-llama", "nemo-llama-peagle-2-layers",
+         "speculators-peagle-2-layers-fc_norm"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -198,7 +234,10 @@ def test_published_layout_loads_and_matches_the_reference_math(name, tiny_dir, t
         a = model(model.fuse(features)[None], torch.tensor([tokens]), torch.arange(m)[None])
         torch.testing.assert_close(model.draft_logits(a)[0], expected_logits, atol=2e-4, rtol=1e-4)
     engine = DraftEngine(head, tiny_dir / "target")  # and the real engine, rollout included
-    assert engine.propose("s", features, tokens, k, create=True) == expected_drafts
+    assert engine.propose("s", features[:4], tokens[:4], k, create=True) == ReferenceHead(w, embed, **options).drafts(
+        features[:4], tokens[:4], k)[0]
+    # the next round's pairs after the first's: the committed pairs' KV was kept, the drafts' dropped
+    assert engine.propose("s", features[4:], tokens[4:], k) == expected_drafts
 
 
 # -- where the embedding and the lm_head come from -------------------------------------------------------
@@ -280,8 +319,12 @@ def test_a_pickle_free_bin_head_loads_as_its_safetensors(tiny_dir, tmp_path):
 def _refused(tmp_path, kind):
     w = canonical_weights(31)
     out = tmp_path / kind
-    if kind == "nemo-parallel-drafting":
-        return write_nemo(out, w, _family(LlamaConfig).to_dict(), parallel_drafting=True), "parallel_drafting"
+    if kind == "nemo-parallel-drafting-without-mask_hidden":
+        return write_nemo(out, w, _family(LlamaConfig).to_dict(), parallel_drafting=True, mask_token_id=0), \
+            "parallel_drafting is set but it has no mask_hidden"
+    if kind == "nemo-peagle-without-mask_token_id":
+        w = canonical_weights(33, layers=2, mask_hidden=True)
+        return write_nemo(out, w, _family(LlamaConfig).to_dict(), parallel_drafting=True), "without mask_token_id"
     if kind == "modelopt-eagle1":
         head = write_modelopt(out, w)
         config = json.loads((head / "config.json").read_text())
@@ -291,7 +334,7 @@ def _refused(tmp_path, kind):
     if kind == "speculators-two-layers":
         w |= {k.replace("midlayer.", "layers.1."): v.clone() for k, v in w.items() if k.startswith("midlayer.")}
         layer = {**LlamaConfig(**layer_fields(), num_hidden_layers=1).to_diff_dict(), "model_type": "llama"}
-        return write_speculators(out, w, layer), "2 decoder layers"
+        return write_speculators(out, w, layer), "num_hidden_layers is 1 but it has weights of 2 decoder layers"
     if kind == "speculators-four-aux":
         layer = {**LlamaConfig(**layer_fields(), num_hidden_layers=1).to_diff_dict(), "model_type": "llama"}
         return write_speculators(out, w, layer, aux_ids=[2, 3, 4, 5]), "4 fused hidden states"
@@ -310,7 +353,8 @@ def _refused(tmp_path, kind):
     raise KeyError(kind)
 
 
-@pytest.mark.parametrize("kind", ["nemo-parallel-drafting", "modelopt-eagle1", "speculators-two-layers",
+@pytest.mark.parametrize("kind", ["nemo-parallel-drafting-without-mask_hidden", "nemo-peagle-without-mask_token_id",
+                                  "modelopt-eagle1", "speculators-two-layers",
                                   "speculators-four-aux", "partial-rotary", "fc_norm-weights-without-the-flag",
                                   "mla", "no-d2t"])
 def test_a_head_tandem_cannot_run_is_refused_with_the_reason(kind, tiny_dir, tmp_path):
