@@ -37,8 +37,8 @@ from draft_server.weights import (
 )
 from tandem import aux_layers
 
-__all__ = ["REFERENCE", "SPECULATORS", "DraftLoadError", "load_draft", "read_config", "read_target_embedding",
-           "save_draft"]
+__all__ = ["REFERENCE", "SPECULATORS", "DraftLoadError", "head_kind", "load_draft", "read_config",
+           "read_target_embedding", "save_draft"]
 
 
 class DraftLoadError(ValueError):
@@ -63,6 +63,11 @@ def read_config(
         raise DraftLoadError(f"draft {directory}: {exc}") from None
     config.aux_layer_ids = list(ids) if ids is not None else None
     return config, layout
+
+
+def head_kind(draft_dir: str | Path) -> str:
+    """The kind of head in `draft_dir` in words (Eagle3Config.kind), from its config and weight names alone."""
+    return read_config(draft_dir)[0].kind
 
 
 def _explain_keys(config: Eagle3Config, missing: list[str], unexpected: list[str]) -> str:

@@ -67,6 +67,12 @@ class Eagle3Config:
         return int(self.layer.hidden_size)
 
     @property
+    def kind(self) -> str:
+        """The head's kind in words, as bench and profile show it: 'eagle3, 1 layer', 'p-eagle, 2 layers, 5 depths'."""
+        layers = f"{self.num_layers} layer{'s' if self.num_layers > 1 else ''}"
+        return f"p-eagle, {layers}, {self.num_depths} depths" if self.parallel_drafting else f"eagle3, {layers}"
+
+    @property
     def vocab_size(self) -> int:
         return int(self.layer.vocab_size)
 

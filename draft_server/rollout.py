@@ -247,12 +247,13 @@ def parallel_rollout(model: Eagle3Draft, top_n: int, a: torch.Tensor, draws: Dra
                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, torch.Tensor]:
     """A P-EAGLE head's drafts, as rollout returns them, from the outputs of its one forward a [B, rounds, H]
     (Eagle3Draft.parallel_draft): draft n picked from a[:, n] with the uniform of step n."""
-    picks = [pick(model, top_n, model.draft_logits(a[:, n]), draws, n) for n in range(a.shape[1])]
+    logits = model.draft_logits(a)  # [B, rounds, Vd]: one lm_head for all of them
+    if draws is None:  # the argmax of every depth at once
+        return model.to_target_ids(logits.argmax(-1)), None, a
+    picks = [pick(model, top_n, logits[:, n], draws, n) for n in range(a.shape[1])]
     if not picks:
         return a.new_zeros(a.shape[0], 0, dtype=torch.long), None, a
     drafts = torch.stack([d for d, _ in picks], 1)
-    if draws is None:
-        return drafts, None, a
     probs = torch.stack([q[1] for _, q in picks], 1)  # [b, rounds, N]
     return drafts, (torch.stack([q[0] for _, q in picks], 1), probs, (probs > 0).sum(-1)), a
 

@@ -223,6 +223,7 @@ def profile(config: ProfileConfig, echo=print) -> dict:
     run_config = {k: (str(v) if isinstance(v, Path) else v.model_dump() if hasattr(v, "model_dump") else v)
                   for k, v in vars(config).items()}
     run_config["server"] = address if config.server else None
+    run_config["head"] = _head_kind(config.draft)
     report = build_report(records, wall, run_config, send_site)
     trace = build_trace(records)
     report["transport"]["clock_offsets_ns"] = trace["otherData"]["clock_offsets_ns"]
@@ -235,6 +236,18 @@ def profile(config: ProfileConfig, echo=print) -> dict:
     echo(f"wrote {out / 'report.json'}, {out / 'trace.json'} (open in https://ui.perfetto.dev), "
          f"{out / 'traffic.png'}")
     return report
+
+
+def _head_kind(draft: str | None) -> str | None:
+    """The kind of head of a draft directory given here (None: not known, e.g. behind --server)."""
+    if draft is None:
+        return None
+    from draft_server.checkpoint import head_kind
+
+    try:
+        return head_kind(draft)
+    except ValueError:
+        return None
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

@@ -121,6 +121,7 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
     overlap_rounds = overlap_hits = hit_rounds = tree_rounds = 0
     drafted_rounds = 0  # verify rounds that carried drafts
     propose_ns: list[int] = []  # round trips of the proposes that ran
+    propose_compute_ns: list[int] = []  # the draft engine's part of each
     exposed_ns = 0
 
     for rec in done:
@@ -139,6 +140,7 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
                 hit_rounds += r.overlap_hit
                 if r.draft_sent_ns and r.draft_received_ns:
                     propose_ns.append(r.draft_received_ns - r.draft_sent_ns)
+                    propose_compute_ns.append(r.draft.compute_ns)
                 if r.ahead_sent_ns and r.ahead_received_ns:
                     exposed_ns += ahead_exposed_ns(r)
             for name, ns in connection_transport(r).items():
@@ -269,6 +271,11 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
         "ahead_wait_ms_per_round": exposed_ns / 1e6 / rounds,
         "saved_ms_per_round": (hit_rounds * propose_ms - exposed_ns / 1e6) / rounds,
     }
+    report["draft"] = {  # the draft's time per round, by the kind of head (config "head", when known)
+        "head": config.get("head") or "", "proposes": len(propose_compute_ns),
+        "compute_ms_per_propose": statistics.fmean(propose_compute_ns) / 1e6 if propose_compute_ns else 0.0,
+        "compute_ms_per_round": report["latency"]["per_round_ms"]["draft_compute"],
+    }
     if send_site is not None:
         report["transport"]["send_site"] = send_site
     return report
@@ -309,6 +316,11 @@ def summary(report: dict) -> str:
     for stage in STAGES:
         lines.append(f"{stage:<16}{lat['stages'][stage]:>10.3f}{lat['per_round_ms'][stage]:>10.2f}"
                      f"{100 * lat['share'][stage]:>7.1f}%")
+    draft = report.get("draft", {})
+    if draft.get("proposes"):
+        lines.append(f"draft ({draft['head'] or 'head not known'}): {draft['compute_ms_per_propose']:.2f} ms of "
+                     f"draft compute per propose ({draft['proposes']} proposes), {draft['compute_ms_per_round']:.2f} "
+                     f"ms per round waited on it")
     q = report.get("draft_probs", {})
     if q.get("bytes"):
         lines.append(f"q (sampled drafts' distributions): {q['bytes_per_round']:.0f} B per drafted round per session, "

@@ -36,12 +36,16 @@ SMALL = DemoSpec(
 )
 
 
-def check_runs(runs: list[dict], stacks: set[str], ks: list[int], temperatures: list[float], peer: bool) -> None:
+def check_runs(runs: list[dict], stacks: set[str], ks: list[int], temperatures: list[float], peer: bool,
+               peagle: bool = False) -> None:
     for run in runs:
         assert RUN_KEYS <= set(run), run
         assert run["stack"] in ("services", "in-process")
-        assert run["mode"] in ("target-only", "eagle3", "assisted-peer")
-        assert run["overlap"] is (run["mode"] == "eagle3") and run["concurrency"] == 1
+        assert run["mode"] in ("target-only", "eagle3", "assisted-peer", "p-eagle")
+        assert run["overlap"] is (run["mode"] in ("eagle3", "p-eagle")) and run["concurrency"] == 1
+        if run["stack"] == "services" and run["mode"] in ("eagle3", "p-eagle"):  # the draft's time by head kind
+            assert run["head"].startswith("eagle3" if run["mode"] == "eagle3" else "p-eagle")
+            assert run["draft_ms_per_round"] > 0
         assert run["tokens_per_s"] > 0
         if run["mode"] == "target-only":
             assert run["K"] == 0 and run["mean_acceptance_length"] == 1.0 and run["accepted_per_position"] == []
@@ -56,6 +60,8 @@ def check_runs(runs: list[dict], stacks: set[str], ks: list[int], temperatures: 
     expected |= {(s, "eagle3", k, t) for s in stacks for k in ks for t in temperatures}
     if peer:
         expected |= {("in-process", "assisted-peer", k, t) for k in ks for t in temperatures}
+    if peagle:
+        expected |= {("services", "p-eagle", k, t) for k in ks for t in temperatures}
     assert seen == expected
 
 
@@ -129,7 +135,10 @@ def test_demo_head_is_in_the_reference_layout_and_the_draft_service_loads_it(sma
     out = tmp_path / "demo.json"
     assert main(["bench", "--demo", "--stack", "services", "-k", "2", "--temperature", "0", "-n", "2",
                  "--max-new-tokens", "6", "--json", str(out), "--out", str(tmp_path)]) == 0
-    check_runs(json.loads(out.read_text())["runs"], {"services"}, [2], [0.0], peer=True)
+    # and the demo's P-EAGLE head beside it, through services of its own
+    assert DraftEngine(small_demo / "demo" / "draft-peagle", small_demo / "demo" / "target").config.kind == \
+        f"p-eagle, {SMALL.peagle_layers} layer, {SMALL.peagle_depths} depths"
+    check_runs(json.loads(out.read_text())["runs"], {"services"}, [2], [0.0], peer=True, peagle=True)
 
 
 def test_train_draft_is_a_tandem_subcommand(tiny_dir, tmp_path):

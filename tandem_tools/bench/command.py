@@ -85,6 +85,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         demo = ensure_named_demo(args.demo)
         target, draft = demo / "target", demo / "draft"
         assistant = demo / "assistant" if (demo / "assistant").is_dir() else None  # smollm2 has no assistant
+        if args.draft_peagle is None and (demo / "draft-peagle" / "config.json").is_file():
+            args.draft_peagle = str(demo / "draft-peagle")
     elif args.target and args.draft:
         target, draft, assistant = Path(args.target), Path(args.draft), args.assistant and Path(args.assistant)
     else:
@@ -103,6 +105,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, seed=args.seed, threads=args.threads, overlap=args.overlap,
         vllm_python=_vllm_python(args), vllm_peers=args.peer, trees=args.tree,
         tree_depth=args.tree_depth, tree_top_k=args.tree_top_k,
+        peagle=Path(args.draft_peagle) if args.draft_peagle else None,
     )
     out = Path(args.out)
     runs = run_bench(config, out, echo=lambda m: print(m, file=sys.stderr, flush=True))
@@ -175,6 +178,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    "coordinator's gRPC stream too, side by side (needs --target for the chat template)")
     p.add_argument("--draft", help="with --target: the EAGLE-3 head")
     p.add_argument("--assistant", help="with --target: a small LM for the assisted-generation peer")
+    p.add_argument("--draft-peagle", metavar="DIR",
+                   help="a P-EAGLE head for the same target: cases 'p-eagle' through services of their own (with "
+                        "--demo: its draft-peagle/ when built)")
     p.add_argument("--no-peer", action="store_true", help="leave out the assisted-generation peer")
     p.add_argument("--peer", type=_peers, default=[], metavar="vllm,vllm-server",
                    help="vLLM's CPU backend, target-only and EAGLE-3 at each K on the same target, head, prompts and "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem_tools.bench.runners import EAGLE3, EAGLE3_TREE, PEER, TARGET_ONLY
+from tandem_tools.bench.runners import EAGLE3, EAGLE3_TREE, P_EAGLE, PEER, TARGET_ONLY
 from tandem_tools.bench.table import speedups
 
 
@@ -18,7 +18,7 @@ def plot_runs(runs: list[dict], path: Path, title: str = "") -> Path:
 
     panels = sorted({(r["temperature"], r["concurrency"]) for r in runs})
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), squeeze=False, layout="constrained")
-    colors = {TARGET_ONLY: "#7f7f7f", EAGLE3: "#d62728", EAGLE3_TREE: "#9467bd", PEER: "#1f77b4"}
+    colors = {TARGET_ONLY: "#7f7f7f", EAGLE3: "#d62728", EAGLE3_TREE: "#9467bd", P_EAGLE: "#2ca02c", PEER: "#1f77b4"}
     ups = speedups(runs)
     for ax, (temperature, concurrency) in zip(axes[0], panels):
         items = [(r, s) for r, s in zip(runs, ups) if (r["temperature"], r["concurrency"]) == (temperature, concurrency)]
@@ -46,8 +46,8 @@ def plot_runs(runs: list[dict], path: Path, title: str = "") -> Path:
         ax.set_title(f"temperature {temperature:g}, concurrency {concurrency}")
         ax.margins(y=0.18)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    fig.legend(handles, ["target-only", "EAGLE-3", "EAGLE-3, draft tree", "assisted generation (transformers)"],
-               loc="outside lower center", ncol=4, fontsize=9)
+    fig.legend(handles, ["target-only", "EAGLE-3", "EAGLE-3, draft tree", "P-EAGLE head",
+                         "assisted generation (transformers)"], loc="outside lower center", ncol=5, fontsize=9)
     fig.suptitle(title or "tandem bench")
     fig.savefig(path, dpi=110)
     plt.close(fig)

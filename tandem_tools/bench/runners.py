@@ -20,6 +20,7 @@ STACKS = ("services", "in-process")
 PATIENCE_S, PATIENCE_POLL_S = 300.0, 2.0  # how long a call waits out a service marked down, and how often
 T = TypeVar("T")
 TARGET_ONLY, EAGLE3, EAGLE3_TREE, PEER = "target-only", "eagle3", "eagle3-tree", "assisted-peer"
+P_EAGLE = "p-eagle"  # EAGLE-3 with a second head, a P-EAGLE one (--draft-peagle): its own services
 
 
 @dataclass
@@ -63,12 +64,29 @@ class ServicesRunner:
 
     def __init__(self, target: Path, draft: Path, log: Path, startup_timeout: float, overlap: bool = False):
         from coordinator.client import TandemClient
+        from draft_server.checkpoint import head_kind
+        from tandem_tools.profile import free_port
         from tandem_tools.serve import launch
 
         self.log = log
+        self.head = head_kind(draft)
+        self.draft_metrics = f"127.0.0.1:{free_port()}"  # the draft's step times: draft_compute_seconds
         self.proc, self.address = launch(["--target", str(target), "--draft", str(draft), "--port", "0",
-                                          "--overlap", "on" if overlap else "off"], log)
+                                          "--overlap", "on" if overlap else "off",
+                                          "--draft-metrics-port", self.draft_metrics.rsplit(":", 1)[1]], log)
         self.client = TandemClient(self.address, timeout=startup_timeout)
+
+    def draft_compute_seconds(self) -> float:
+        """The draft engine's compute so far, its proposes' and aheads' (tandem:step_compute_seconds)."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://{self.draft_metrics}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        return sum(sample.value for family in text_string_to_metric_families(text)
+                   if family.name == "tandem:step_compute_seconds" for sample in family.samples
+                   if sample.name.endswith("_sum") and sample.labels.get("step") in ("propose", "ahead"))
 
     def run(self, prompt_ids: list[int], mode: str, k: int, temperature: float, seed: int, max_new: int,
             tree=None) -> Outcome:

@@ -18,6 +18,7 @@ from tandem.stats import mean_acceptance_length, percentile
 from tandem_tools.bench.runners import (
     EAGLE3,
     EAGLE3_TREE,
+    P_EAGLE,
     PEER,
     STACKS,
     TARGET_ONLY,
@@ -59,6 +60,7 @@ class BenchConfig:
     trees: Sequence[int] = ()  # EAGLE-2 draft trees of these many nodes (cases "eagle3-tree"), beside the chains
     tree_depth: int | None = None  # none: the largest K, the chain's depth
     tree_top_k: int = 10  # children per expansion (the EAGLE-3 reference's)
+    peagle: Path | None = None  # a second head, a P-EAGLE one: cases "p-eagle" through services of their own
 
 
 @dataclass
@@ -76,6 +78,8 @@ class Case:
     cpu_seconds: dict = field(default_factory=dict)  # the services' CPU seconds in the timed blocks, by process
     overlap_rounds: int = 0  # verify rounds the draft prepared the next one during, and hits among them
     overlap_hits: int = 0
+    head: str | None = None  # the kind of head the case drafted with (services)
+    draft_seconds: float = 0.0  # the draft engine's compute in the timed blocks (services)
 
     @property
     def label(self) -> str:
@@ -102,6 +106,8 @@ class Case:
             "overlap": self.overlap,
             **({"tree": self.tree.nodes, "tree_depth": self.tree.depth, "tree_top_k": self.tree.top_k,
                 "tree_rounds": sum(o.tree_rounds for o in self.outcomes)} if self.tree is not None else {}),
+            **({"head": self.head, "draft_ms_per_round": round(1e3 * self.draft_seconds / rounds, 4) if rounds else 0.0}
+               if self.head is not None else {}),
             "shed_rounds": round(sum(o.shed_rounds for o in self.outcomes) / rounds, 4) if rounds else 0.0,
             "overlap_hit_rate": round(self.overlap_hits / self.overlap_rounds, 4) if self.overlap_rounds else None,
             "tokens_per_s": tokens / self.seconds if self.seconds else 0.0,
@@ -130,6 +136,9 @@ def make_cases(config: BenchConfig, peer: bool, vllm: bool | Sequence[int] = Fal
                 cases.append(Case(stack, TARGET_ONLY, 0, temperature, concurrency))
                 cases += [Case(stack, EAGLE3, k, temperature, concurrency, overlap)
                           for k in config.num_draft_tokens for overlap in config.overlap]
+                if stack == "services" and config.peagle is not None:
+                    cases += [Case(stack, P_EAGLE, k, temperature, concurrency, overlap)
+                              for k in config.num_draft_tokens for overlap in config.overlap]
                 cases += [Case(stack, EAGLE3_TREE, max(config.num_draft_tokens), temperature, concurrency,
                                tree=tree_params(config, n)) for n in config.trees]
             if vllm is not False:  # vLLM's engines draft without overlap
@@ -222,6 +231,11 @@ def _start_runners(config: BenchConfig, out_dir: Path, runners: dict, echo: Call
             if not overlap:  # trees run without overlap
                 runners["services", EAGLE3_TREE, False] = services
             runners.setdefault(("services", TARGET_ONLY, False), services)
+            if config.peagle is not None:
+                echo(f"bench: starting services for the P-EAGLE head {config.peagle} ...")
+                runners["services", P_EAGLE, overlap] = ServicesRunner(
+                    config.target, config.peagle, out_dir / f"serve-peagle{'-overlap' if overlap else ''}.log",
+                    config.startup_timeout, overlap)
     if "in-process" in config.stacks:
         inprocess = InProcessRunner(config.target, config.draft)
         runners["in-process", TARGET_ONLY, False] = runners["in-process", EAGLE3, False] = inprocess
@@ -264,6 +278,8 @@ def _run_block(case: Case, runner, batch: list[list[int]], first: int, concurren
                                              config.max_new_tokens, concurrency)
     else:
         cpu = runner.cpu_seconds() if hasattr(runner, "cpu_seconds") else {}
+        drafting = case.mode != TARGET_ONLY and hasattr(runner, "draft_compute_seconds")
+        draft_before = runner.draft_compute_seconds() if drafting else 0.0
         started = time.perf_counter()
         if concurrency == 1:
             outcomes = [one(i) for i in range(len(batch))]
@@ -271,6 +287,9 @@ def _run_block(case: Case, runner, batch: list[list[int]], first: int, concurren
             with ThreadPoolExecutor(concurrency) as pool:
                 outcomes = list(pool.map(one, range(len(batch))))
         seconds = time.perf_counter() - started
+        if drafting and timed:
+            case.head = runner.head
+            case.draft_seconds += runner.draft_compute_seconds() - draft_before
         if cpu and timed:
             for name, used in runner.cpu_seconds().items():
                 case.cpu_seconds[name] = case.cpu_seconds.get(name, 0.0) + used - cpu.get(name, used)

@@ -22,8 +22,8 @@ def markdown_table(runs: list[dict]) -> str:
     lines = [
         ("| stack | mode | K | temperature | concurrency | overlap (hit rate) | tokens/s | speedup "
          "| latency p50 / p99 (s) | mean acceptance length | acceptance per draft | accepted per position "
-         "| rounds shed | CPU busy (cores) |"),
-        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---|",
+         "| rounds shed | draft ms/round (head) | CPU busy (cores) |"),
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---|---|",
     ]
     for r, s in zip(runs, speedups(runs)):
         positions = " ".join(f"{p:.2f}" for p in r["accepted_per_position"]) or "-"
@@ -34,9 +34,14 @@ def markdown_table(runs: list[dict]) -> str:
             f"| {_overlap_cell(r)} | {r['tokens_per_s']:.1f} | {'-' if s is None else f'{s:.2f}x'} "
             f"| {r['latency_p50_s']:.2f} / {r['latency_p99_s']:.2f} | {r['mean_acceptance_length']:.2f} "
             f"| {_rate(r.get('acceptance_per_draft'))} | {positions} | {_share(r.get('shed_rounds'))} "
-            f"| {_busy(r.get('cpu_busy'))} |"
+            f"| {_draft(r)} | {_busy(r.get('cpu_busy'))} |"
         )
     return "\n".join(lines)
+
+
+def _draft(r: dict) -> str:
+    """The draft engine's compute per verify round, and the kind of head (services cases)."""
+    return f"{r['draft_ms_per_round']:.2f} ({r['head']})" if r.get("head") else "-"
 
 
 def _busy(busy: dict | None) -> str:

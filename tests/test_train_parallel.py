@@ -1,0 +1,64 @@
+"""P-EAGLE training (draft_server/train_parallel.py): COD sampling, and the flat forward with the cross-depth
+mask computing what the one-forward propose computes at inference."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig
+
+from draft_server.checkpoint import SPECULATORS, load_draft, save_draft
+from draft_server.model import DraftKV, Eagle3Config, Eagle3Draft
+from draft_server.train_parallel import cod_sample, parallel_forward
+
+
+def _head(layers: int = 2) -> Eagle3Draft:
+    torch.manual_seed(0)
+    layer = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5)
+    config = Eagle3Config(layer=layer, target_hidden_size=16, draft_vocab_size=64, num_layers=layers,
+                          parallel_drafting=True, mask_token_id=5, num_depths=4)
+    return Eagle3Draft(config).eval()
+
+
+def test_cod_keeps_every_anchor_at_depth_0_and_whole_chains_deeper():
+    lengths = [40, 25, 3]
+    anchor, depth, real = cod_sample(lengths, 39, 5, 0.7, 0.2, torch.Generator().manual_seed(1))
+    for row, length in enumerate(lengths):
+        a, d = anchor[row][real[row]], depth[row][real[row]]
+        assert a[d == 0].tolist() == list(range(39))
+        for k in range(1, int(d.max()) + 1):
+            chains = set(a[d == k].tolist())
+            assert chains <= set(a[d == k - 1].tolist())  # a chain is never cut in the middle
+            assert all(i + 1 + k < length for i in chains)  # every element's target is inside the sequence
+        if length == 40:
+            assert (d == 1).sum() == int(38 * 0.7) and (d == 4).sum() == int(35 * 0.7**4)
+
+
+def test_the_flat_training_forward_is_the_one_forward_propose():
+    """Element (anchor i, depth d) of the masked training forward gives what a propose after the pairs 0..i
+    gives as draft d+1: the mask lets it see exactly the committed context and its own chain."""
+    draft = _head()
+    torch.manual_seed(2)
+    t = 12
+    ids, features = torch.randint(0, 64, (1, t)), torch.randn(1, t, 48)
+    anchor, depth, _ = cod_sample([t], t - 1, 4, 1.0, 1.0, torch.Generator())  # every chain to every depth
+    with torch.no_grad():
+        flat = parallel_forward(draft, ids, features, anchor, depth)[0]
+        for i in (0, 4, 7):
+            kv = DraftKV()
+            rows = draft.parallel_draft(features[0, : i + 1], ids[0, 1 : i + 2], torch.arange(i + 1), kv, 4)
+            assert kv.length == i + 1  # the masked positions' KV is dropped
+            for d in range(4):
+                if i + 1 + d < t:
+                    at = int(((anchor[0] == i) & (depth[0] == d)).nonzero())
+                    torch.testing.assert_close(flat[at], rows[d], atol=1e-5, rtol=1e-5)
+
+
+def test_a_peagle_head_saved_in_either_layout_loads_back(tmp_path):
+    draft = _head(layers=3)
+    for layout in ("reference", SPECULATORS):
+        out = save_draft(draft, tmp_path / layout, layout=layout, include_embeddings=True)
+        loaded = load_draft(out)
+        assert loaded.config.kind == "p-eagle, 3 layers, 4 depths" and loaded.config.mask_token_id == 5
+        for key, tensor in draft.state_dict().items():
+            assert torch.equal(loaded.state_dict()[key], tensor), (layout, key)
