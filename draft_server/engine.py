@@ -25,9 +25,10 @@ alike, and returns the q it drew from with the drafts (draft_server/sampling.py)
 
 P-EAGLE heads (parallel drafting, draft_server/model.py): a propose is one forward, the new pairs and K-1
 masked positions after them, and gives all K drafts (K up to the head's num_depths); the KV keeps the
-pairs. Heads of several layers, and P-EAGLE heads, run each session of a batch alone, eagerly, and answer
-an ahead by appending its pairs and preparing no branch (the ahead's tensors are one layer's, and a
-P-EAGLE propose is about one extend's cost anyway).
+pairs; a batch's proposes share that forward, each session's masked positions right after its own pairs.
+Heads of several layers, and P-EAGLE heads, run eagerly and answer an ahead by appending its pairs and
+preparing no branch (the compiled calls and the ahead's tensors are one layer's, and a P-EAGLE propose is
+about one extend's cost anyway).
 
 Draft trees (EAGLE-2, draft_server/tree.py): a propose with `tree` extends as any propose does, then grows
 a tree of drafts instead of a chain, one session at a time; its KV is dropped as a rollout's is. Aheads
@@ -97,8 +98,8 @@ class DraftEngine(SessionOwner):
         if target_dir is not None:
             check_pair(read_target_shape(target_dir), self.shape())
         # the compiled calls run one layer's KV and the chain's steps
-        self.one_by_one = self.config.num_layers > 1 or self.config.parallel_drafting
-        mode = compile_mode() if not self.one_by_one else None
+        self.eager_only = self.config.num_layers > 1 or self.config.parallel_drafting
+        mode = compile_mode() if not self.eager_only else None
         unpacked = copy.deepcopy(self.model) if mode else None  # the compiled calls' copy: before packing
         if can_pack(self.device, self.dtype):  # a CPU in float32: big projections over prepacked weights
             pack_linears(self.model)
@@ -244,45 +245,59 @@ class DraftEngine(SessionOwner):
 
     @torch.inference_mode()
     def _run_batch(self, steps: list[_Step]) -> list[list[int]]:
-        if len(steps) == 1 or self.one_by_one:
-            return [self._run_one(step) for step in steps]
-        model, device, b = self.model, self.device, len(steps)
+        if len(steps) == 1:
+            return [self._run_one(steps[0])]
+        model, device, b, config = self.model, self.device, len(steps), self.config
         past = [step.session.length for step in steps]
         sizes = [len(step.next_tokens) for step in steps]
-        longest, width = max(past), max(sizes)
         # what the rollout reads from the host, uploaded before any forward: on a GPU an upload waits
         # for the stream, so after the extend it would wait for it
         rounds = max(step.k for step in steps)
+        masked = 0  # a P-EAGLE head's masked positions, after each session's pairs
+        if config.parallel_drafting:
+            rounds = min(rounds, config.num_depths)
+            masked = max(rounds, 1) - 1
+        longest, width = max(past), max(sizes) + masked
         samplers = [step.session.sampler for step in steps]
         draws = draws_for(samplers, [p + m for p, m in zip(past, sizes, strict=True)], rounds, self.draft_vocab, device)
         position = torch.tensor([[p + m] for p, m in zip(past, sizes, strict=True)], device=device)  # [B, 1]
         # the extend: every session's new pairs, right-padded, after its KV, left-padded
         # each step's features to our device first: a fast path's arrive on its device, an inline step's on the CPU
-        fused = model.fuse(torch.cat([step.features.to(device, self.dtype) for step in steps]))  # [sum m, H]
+        features = [step.features.to(device, self.dtype) for step in steps]
+        if masked:
+            mask_hidden = model.mask_hidden.view(1, -1).to(self.dtype).expand(masked, -1)
+            features = [row for f in features for row in (f, mask_hidden)]
+        fused = model.fuse(torch.cat(features))  # [sum (m + masked), H]
         hidden = fused.new_zeros(b, width, fused.shape[-1])
         tokens = torch.zeros(b, width, dtype=torch.long)
         positions = torch.zeros(b, width, dtype=torch.long)
         valid = torch.zeros(b, longest + width, dtype=torch.bool)  # keys a sequence may attend to
-        for i, (rows, step) in enumerate(zip(fused.split(sizes), steps, strict=True)):
-            m = sizes[i]
+        for i, (rows, step) in enumerate(zip(fused.split([m + masked for m in sizes]), steps, strict=True)):
+            m = sizes[i] + masked
             hidden[i, :m] = rows
-            tokens[i, :m] = torch.tensor(step.next_tokens)
+            tokens[i, :m] = torch.tensor(step.next_tokens + [config.mask_token_id] * masked)
             positions[i] = torch.arange(past[i], past[i] + width)
             valid[i, longest - past[i] : longest + m] = True
         kv = DraftKV()
         if longest:
-            kv.k, kv.v = stack_kv(steps, past, longest)
+            for layer in range(config.num_layers):
+                kv.layer(layer).k, kv.layer(layer).v = stack_kv(steps, past, longest, layer)
         valid = valid.to(device)
         causal = torch.ones(width, longest + width, dtype=torch.bool, device=device).tril(diagonal=longest)
         a = model(hidden, tokens.to(device), positions.to(device), kv, (causal[None] & valid[:, None])[:, None])
         for i, step in enumerate(steps):  # the committed pairs' KV is each session's to keep
-            own, m = step.session.kv, sizes[i]
-            k, v = kv.k[i : i + 1, :, longest : longest + m], kv.v[i : i + 1, :, longest : longest + m]
-            own.append(k.clone(), v.clone()) if own.k is None else own.append(k, v)  # no view of the batch kept
+            m = sizes[i]
+            for layer in range(config.num_layers):
+                own, batch = step.session.kv.layer(layer), kv.layer(layer)
+                k, v = batch.k[i : i + 1, :, longest : longest + m], batch.v[i : i + 1, :, longest : longest + m]
+                own.append(k.clone(), v.clone()) if own.k is None else own.append(k, v)  # no view of the batch kept
             step.session.length += m
-        # the rollout: one token per session per step, on top of the batch KV (dropped afterwards)
-        a = torch.stack([a[i, m - 1] for i, m in enumerate(sizes)])[:, None]  # [B, 1, H]
-        drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, rounds, draws, valid)
+        if config.parallel_drafting:  # every draft from the one forward: row i's last pair, then its masked ones
+            a = torch.stack([a[i, m - 1 : m - 1 + rounds] for i, m in enumerate(sizes)])  # [B, rounds, H]
+            drafts, q, rows = parallel_rollout(model, self.q_top_n, a, draws)
+        else:  # the rollout: one token per session per step, on top of the batch KV (dropped afterwards)
+            a = torch.stack([a[i, m - 1] for i, m in enumerate(sizes)])[:, None]  # [B, 1, H]
+            drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, rounds, draws, valid)
         drafts, qs, _ = read_rollout(drafts, q)  # [B * rounds], [b * rounds]
         out, j = [], 0
         for i, step in enumerate(steps):
@@ -379,7 +394,7 @@ class DraftEngine(SessionOwner):
         m, j_max = len(step.next_tokens), len(step.assumed)
         start = session.length
         session.kv.crop(start)
-        if self.one_by_one:  # the pairs only (the module docstring): the next round proposes
+        if self.eager_only:  # the pairs only (the module docstring): the next round proposes
             if m:
                 self._extend(_Step(session, step.features, step.next_tokens, 0))
             return []

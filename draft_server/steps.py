@@ -51,15 +51,17 @@ class _Ahead:
     branches: int
 
 
-def stack_kv(steps: list[_Step], past: list[int], longest: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch's committed KV, [B, kv_heads, longest, head_dim], each sequence left-padded."""
-    reference = next(step.session.kv for step, n in zip(steps, past, strict=True) if n)
+def stack_kv(steps: list[_Step], past: list[int], longest: int, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's committed KV of decoder layer `layer`, [B, kv_heads, longest, head_dim], each sequence
+    left-padded."""
+    reference = next(step.session.kv.layer(layer) for step, n in zip(steps, past, strict=True) if n)
     k = reference.k.new_zeros(len(steps), reference.k.shape[1], longest, reference.k.shape[3])
     v = torch.zeros_like(k)
     for i, step in enumerate(steps):
         if past[i]:
-            k[i, :, longest - past[i] :] = step.session.kv.k[0]
-            v[i, :, longest - past[i] :] = step.session.kv.v[0]
+            own = step.session.kv.layer(layer)
+            k[i, :, longest - past[i] :] = own.k[0]
+            v[i, :, longest - past[i] :] = own.v[0]
     return k, v
 
 

@@ -10,6 +10,8 @@ from published_heads import canonical_weights, layer_fields, write_nemo, write_s
 from transformers import LlamaConfig
 
 from coordinator.client import TandemClient
+from tandem.params import GenerationRequest, SamplingParams
+from tandem_tools.inprocess import InProcessGenerator
 from tests.serving import serve
 from tests.test_services import id_prompts
 
@@ -36,6 +38,7 @@ def _pair(root, tiny_dir, kind):
 def served(request, tiny_dir, tmp_path_factory):
     root = _pair(tmp_path_factory.mktemp("pair") / request.param, tiny_dir, request.param)
     stack = serve(root, root / "serve.log", [])
+    stack.root = root
     yield stack
     stack.stop()
 
@@ -52,3 +55,17 @@ def test_greedy_output_with_the_head_is_target_only_output(served):
         tree = client.generate(prompt_ids=prompts[0], max_new_tokens=20, num_draft_tokens=3,
                                tree={"nodes": 8, "depth": 3, "top_k": 3})
         assert tree.token_ids == client.generate(prompt_ids=prompts[0], max_new_tokens=20, speculate=False).token_ids
+
+
+def test_sampled_output_with_the_head_is_the_in_process_one(served):
+    """Speculative sampling with the head's q (a P-EAGLE head's q of each depth from its one forward): the
+    services give what both engines give in this process, seed for seed."""
+    generator = InProcessGenerator(served.root / "target", served.root / "draft", draft_cost=0)
+    with TandemClient(served.grpc, timeout=120) as client:
+        for seed, prompt in enumerate(id_prompts(2, 512, seed=12)):
+            params = {"max_new_tokens": 20, "num_draft_tokens": 3, "temperature": 1.0, "top_p": 0.9, "seed": seed}
+            got = client.generate(prompt_ids=prompt, **params)
+            sampling = {k: params.pop(k) for k in ("temperature", "top_p", "seed")}
+            want = generator.generate(GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(**sampling),
+                                                        **params), overlap=True)
+            assert got.token_ids == want.token_ids and got.stats["num_draft_tokens"] > 0

@@ -62,3 +62,27 @@ def test_a_peagle_head_saved_in_either_layout_loads_back(tmp_path):
         assert loaded.config.kind == "p-eagle, 3 layers, 4 depths" and loaded.config.mask_token_id == 5
         for key, tensor in draft.state_dict().items():
             assert torch.equal(loaded.state_dict()[key], tensor), (layout, key)
+
+
+def test_a_batch_of_proposes_drafts_what_each_propose_alone_drafts(tiny_dir, tmp_path):
+    """Several sessions' proposes in one batch (padded, a P-EAGLE head's masked positions after each session's
+    own pairs; every layer's KV stacked) give each session what it gets alone, round after round."""
+    from published_heads import canonical_weights, layer_fields, write_speculators
+
+    from draft_server.engine import DraftEngine
+    from tandem.protocol import Propose
+
+    layer = {**LlamaConfig(**layer_fields(), num_hidden_layers=2).to_diff_dict(), "model_type": "llama"}
+    for name, fields in (("eagle3", {}), ("peagle", {"speculators_model_type": "peagle", "mask_token_id": 3,
+                                                     "num_depths": 4})):
+        head = write_speculators(tmp_path / name, canonical_weights(51, layers=2, mask_hidden=bool(fields)), layer,
+                                 **fields)
+        batched, alone = DraftEngine(head, tiny_dir / "target"), DraftEngine(head, tiny_dir / "target")
+        torch.manual_seed(3)
+        sizes = [[5, 9, 2], [1, 3, 4], [2, 1, 6]]  # per round, per session: new pairs
+        for r, round_sizes in enumerate(sizes):
+            steps = [Propose(f"s{i}", torch.randn(m, 192), torch.randint(0, 512, (m,)).tolist(), 3 + i, open=r == 0)
+                     for i, m in enumerate(round_sizes)]
+            got = batched.run(steps)
+            want = [alone.run([step])[0] for step in steps]
+            assert [list(d) for d in got] == [list(d) for d in want], (name, r)
