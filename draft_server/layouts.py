@@ -183,7 +183,8 @@ def parse(raw: dict, keys: Iterable[str], directory: str = "draft") -> tuple[Eag
     if layers != set(range(len(layers))):
         _refuse(where, f"weights of decoder layers {sorted(layers)}: expected layers 0..{len(layers) - 1}")
     if layer_count is not None and layer_count[1] != len(layers):
-        _refuse(where, f"{layer_count[0]} is {layer_count[1]} but it has weights of {len(layers)} decoder layers")
+        _refuse(where, f"{layer_count[0]} is {layer_count[1]} but it has weights of {len(layers)} decoder "
+                       f"layer{'s' if len(layers) > 1 else ''}")
     masked = any(k.removeprefix("model.") == "mask_hidden" for k in keys)
     if masked != parallel:
         _refuse(where, "it has a mask_hidden weight but its config does not set parallel_drafting" if masked else

@@ -80,6 +80,8 @@ def test_profile_writes_a_report_with_the_documented_fields(run):
     assert acceptance["mean_acceptance_length"] == pytest.approx(
         1 + acceptance["num_accepted_tokens"] / totals["rounds"])
     assert report["transport"]["name"] == "grpc"
+    draft = report["draft"]  # the draft's time per round, with the kind of head it drafted with
+    assert draft["head"] == "eagle3, 1 layer" and draft["proposes"] > 0 and draft["compute_ms_per_propose"] > 0
 
 
 def test_feature_bytes_on_the_target_link_are_positions_times_3h_times_dtype_size(run, reference):
@@ -185,6 +187,7 @@ def test_the_summary_table_is_printed(run):
     line = next(line for line in stdout.splitlines() if line.startswith("target->coordinator"))
     assert f"{report['links']['target->coordinator']['bytes_per_token']:.1f}" in line
     assert "target_compute" in stdout and "transport" in stdout
+    assert f"draft (eagle3, 1 layer): {report['draft']['compute_ms_per_propose']:.2f} ms" in stdout
     assert str(out / "trace.json") in stdout
     assert Path(out / "report.json").is_file()
 
