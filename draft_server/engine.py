@@ -301,12 +301,13 @@ class DraftEngine(SessionOwner):
         drafts, qs, _ = read_rollout(drafts, q)  # [B * rounds], [b * rounds]
         out, j = [], 0
         for i, step in enumerate(steps):
-            mine = drafts[i * rounds : i * rounds + step.k]
-            step.session.proposed = [(mine, rows[i, : step.k])]
+            k = min(step.k, rounds)  # a P-EAGLE head drafts up to its num_depths
+            mine = drafts[i * rounds : i * rounds + k]
+            step.session.proposed = [(mine, rows[i, :k])]
             if samplers[i] is None:
                 out.append(_drafts(mine, None))
             else:  # the sampled rows come in batch order
-                out.append(_drafts(mine, qs[j * rounds : j * rounds + step.k]))
+                out.append(_drafts(mine, qs[j * rounds : j * rounds + k]))
                 j += 1
         return out
 

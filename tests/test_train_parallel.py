@@ -81,7 +81,8 @@ def test_a_batch_of_proposes_drafts_what_each_propose_alone_drafts(tiny_dir, tmp
         torch.manual_seed(3)
         sizes = [[5, 9, 2], [1, 3, 4], [2, 1, 6]]  # per round, per session: new pairs
         for r, round_sizes in enumerate(sizes):
-            steps = [Propose(f"s{i}", torch.randn(m, 192), torch.randint(0, 512, (m,)).tolist(), 3 + i, open=r == 0)
+            # K 5, 4, 3: past the P-EAGLE head's 4 depths for the first session
+            steps = [Propose(f"s{i}", torch.randn(m, 192), torch.randint(0, 512, (m,)).tolist(), 5 - i, open=r == 0)
                      for i, m in enumerate(round_sizes)]
             got = batched.run(steps)
             want = [alone.run([step])[0] for step in steps]
