@@ -26,7 +26,8 @@ alike, and returns the q it drew from with the drafts (draft_server/sampling.py)
 P-EAGLE heads (parallel drafting, draft_server/model.py): a propose is one forward, the new pairs and K-1
 masked positions after them, and gives all K drafts (K up to the head's num_depths); the KV keeps the
 pairs; a batch's proposes share that forward, each session's masked positions right after its own pairs.
-Heads of several layers, and P-EAGLE heads, run eagerly and answer an ahead by appending its pairs and
+A greedy tree request with a P-EAGLE head takes its first level (the top_k of depth 1) and the chain below
+its likeliest node from that one forward (tree.parallel_tree). Heads of several layers, and P-EAGLE heads, run eagerly and answer an ahead by appending its pairs and
 preparing no branch (the compiled calls and the ahead's tensors are one layer's, and a P-EAGLE propose is
 about one extend's cost anyway).
 
@@ -61,7 +62,7 @@ from draft_server.rollout import (
 )
 from draft_server.sampling import DraftSampler
 from draft_server.steps import Outcomes, _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
-from draft_server.tree import SiblingRates, grow_tree
+from draft_server.tree import SiblingRates, grow_tree, parallel_tree
 from tandem.defaults import DRAFT_Q_TOP_N
 from tandem.dtypes import TORCH_DTYPES
 from tandem.packed import can_pack, pack_linears
@@ -379,9 +380,18 @@ class DraftEngine(SessionOwner):
             draws = replace(draws, uniforms=torch.tensor([[sampler.uniform(first + n, j) for n in range(
                 step.tree.depth)] for j in range(k)], dtype=torch.float64, device=self.device))
             values = self.sibling_rates.log_values(step.tree.depth, k).to(self.device)
-        a, position = self._extend(step)
-        tree = grow_tree(self.model, a, session.kv, position, step.tree, sampler and sampler.temperature, draws,
-                         self.q_top_n, values)
+        if self.config.parallel_drafting and sampler is None:  # the tree from the one forward (tree.py)
+            model, m = self.model, len(step.next_tokens)
+            positions = torch.arange(session.length, session.length + m, device=self.device)
+            a = model.parallel_draft(step.features.to(self.device, self.dtype),
+                                     torch.tensor(step.next_tokens, device=self.device), positions, session.kv,
+                                     max(1, min(step.tree.depth, self.config.num_depths)))
+            session.length += m
+            tree = parallel_tree(model, a, step.tree)
+        else:
+            a, position = self._extend(step)
+            tree = grow_tree(self.model, a, session.kv, position, step.tree, sampler and sampler.temperature, draws,
+                             self.q_top_n, values)
         tokens, q, (parents,) = read_rollout(tree.tokens, tree.q, tree.parents)  # q: one per node, or None
         session.proposed = []  # no chain for an ahead to assume
         if sampler is not None:

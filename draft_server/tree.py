@@ -169,6 +169,24 @@ def _children(model: Eagle3Draft, out: torch.Tensor, k: int, temperature: float 
     return children, ranked.cummin(1).values, (torch.stack(q_ids, 1), torch.stack(q_probs, 1))
 
 
+def parallel_tree(model: Eagle3Draft, a: torch.Tensor, params: TreeParams) -> Tree:
+    """A greedy tree from a P-EAGLE head's one forward, `a` [D, H] its outputs for depths 1..D: its first
+    level the top_k tokens of depth 1, and under the likeliest of them the chain of the deeper depths'
+    argmaxes (a P-EAGLE head's masked depths guess the top path; they read no token of the tree). The chain
+    is kept whole within `nodes`, the first level filled with the rest."""
+    logp = torch.log_softmax(model.draft_logits(a).float(), -1)  # [D, Vd]
+    depth = min(a.shape[0], params.depth, params.nodes)
+    width = max(1, min(params.top_k, model.config.draft_vocab_size, params.nodes - (depth - 1)))
+    first = logp[0].topk(width)
+    chain = logp[1:depth].max(-1)  # [depth - 1]
+    tokens = torch.cat([first.indices, chain.indices])
+    device = a.device
+    parents = torch.cat([torch.full((width,), -1, device=device),
+                         torch.tensor([0, *range(width, width + depth - 2)], device=device)[: depth - 1]])
+    scores = torch.cat([first.values, first.values[0] + chain.values.cumsum(0)])
+    return Tree(model.to_target_ids(tokens), parents.long(), scores)
+
+
 def grow_tree(model: Eagle3Draft, a: torch.Tensor, kv: DraftKV, position: torch.Tensor, params: TreeParams,
               temperature: float | None = None, draws: Draws | None = None, top_n: int = 0,
               values: torch.Tensor | None = None) -> Tree:

@@ -87,3 +87,21 @@ def test_a_batch_of_proposes_drafts_what_each_propose_alone_drafts(tiny_dir, tmp
             got = batched.run(steps)
             want = [alone.run([step])[0] for step in steps]
             assert [list(d) for d in got] == [list(d) for d in want], (name, r)
+
+
+def test_a_peagle_tree_is_the_first_level_and_the_chain_from_the_one_forward(tiny_dir, tmp_path):
+    from published_heads import canonical_weights, layer_fields, write_speculators
+
+    from draft_server.engine import DraftEngine
+    from tandem.params import TreeParams
+
+    layer = {**LlamaConfig(**layer_fields(), num_hidden_layers=1).to_diff_dict(), "model_type": "llama"}
+    head = write_speculators(tmp_path / "peagle", canonical_weights(52, mask_hidden=True), layer,
+                             speculators_model_type="peagle", mask_token_id=3, num_depths=5)
+    trees, chains = DraftEngine(head, tiny_dir / "target"), DraftEngine(head, tiny_dir / "target")
+    torch.manual_seed(4)
+    features, tokens = torch.randn(6, 192), torch.randint(0, 512, (6,)).tolist()
+    tree = trees.propose("s", features, tokens, 4, create=True, tree=TreeParams(nodes=8, depth=4, top_k=3))
+    chain = chains.propose("s", features, tokens, 4, create=True)
+    assert tree.parents == [-1, -1, -1, 0, 3, 4] and len(set(tree[:3])) == 3
+    assert [tree[0], *tree[3:]] == list(chain)  # the top path is the chain's drafts
