@@ -336,8 +336,7 @@ def test_cli_make_tiny_writes_both_layouts(tmp_path):
     "change, message",
     [
         ({"fc_norm": True}, "sets fc_norm but it has no fc_norm"),  # a flag the weights do not carry
-        ({"transformer_layer_config": {"num_hidden_layers": 2}}, "num_hidden_layers is 2 but it has weights of 1 "
-                                                                  "decoder layer"),
+        ({"transformer_layer_config": {"num_hidden_layers": 2}}, "is 2 but it has weights of 1 decoder layer"),
         ({"eagle_aux_hidden_state_layer_ids": [1, 2, 3, 4]}, "captures three"),
     ],
 )
