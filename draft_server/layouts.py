@@ -25,8 +25,8 @@ speculators vllm-project/speculators (models/eagle3/config.py, core.py): specula
 
 Heads of N decoder layers: layer 0 the fused one, layers 1..N-1 plain Llama layers (keys layers.{i}.*,
 model.layers.{i}.* in NeMo's); N is counted from the weights, and speculators' transformer_layer_config
-num_hidden_layers (the reference's num_hidden_layers) must agree (NeMo's config is the target's, its
-num_hidden_layers the target's depth).
+num_hidden_layers must agree (the other layouts' num_hidden_layers is not read: NeMo's config is the
+target's, with the target's depth).
 
 P-EAGLE (parallel drafting; speculators PR #480, NeMo's peagle_draft.py): NeMo and the reference layout set
 `parallel_drafting` true, speculators writes speculators_model_type "peagle"; both hold the key
@@ -166,8 +166,6 @@ def parse(raw: dict, keys: Iterable[str], directory: str = "draft") -> tuple[Eag
         layer_raw, qk_norm = dict(raw), False
         norm_before_residual = _flag(raw, "norm_before_residual")
         parallel = _flag(raw, "parallel_drafting")
-        if layout != NEMO and raw.get("num_hidden_layers") is not None:
-            layer_count = ("num_hidden_layers", int(raw["num_hidden_layers"]))
         if layout == MODELOPT:
             eagle = raw.get("eagle_config") or {}
             if eagle.get("use_aux_hidden_state") is False:
