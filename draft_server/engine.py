@@ -70,6 +70,7 @@ from tandem.pairing import DraftShape, check_pair
 from tandem.params import SamplingParams, TreeParams
 from tandem.protocol import Ahead, Branch, Drafts, DraftStep, Propose
 from tandem.sessions import InvalidRequest, SessionOwner, SessionTable, build_batch
+from tandem.staging import upload
 
 
 class DraftEngine(SessionOwner):
@@ -105,6 +106,10 @@ class DraftEngine(SessionOwner):
         if can_pack(self.device, self.dtype):  # a CPU in float32: big projections over prepacked weights
             pack_linears(self.model)
         self.feature_size = 3 * self.config.target_hidden_size
+        self._mask_row = None  # a P-EAGLE head's fuse(mask_hidden), once
+        if self.config.parallel_drafting:
+            with torch.inference_mode():
+                self._mask_row = self.model.mask_row()
         self.sessions: SessionTable[_Session] = SessionTable("draft")
         self._running = threading.Lock()  # one batch at a time: in-process callers may come from several threads
         self.q_top_n = q_top_n  # sampled drafts: q is cut to this many likeliest tokens (0: not cut)
@@ -337,9 +342,9 @@ class DraftEngine(SessionOwner):
         model, session, m, device = self.model, step.session, len(step.next_tokens), self.device
         k = min(step.k, self.config.num_depths)
         draws = draws_for([session.sampler], [session.length + m], k, self.draft_vocab, device)
-        tokens = torch.tensor(step.next_tokens, device=device)
-        positions = torch.arange(session.length, session.length + m, device=device)
-        a = model.parallel_draft(step.features.to(device, self.dtype), tokens, positions, session.kv, max(k, 1))
+        tokens, positions = upload([(list_, torch.long) for list_ in model.parallel_inputs(
+            step.next_tokens, session.length, max(k, 1))], device)
+        a = model.parallel_draft(step.features.to(device, self.dtype), tokens, positions, session.kv, self._mask_row)
         session.length += m
         drafts, q, rows = parallel_rollout(model, self.q_top_n, a[None, :k], draws)
         drafts, qs, _ = read_rollout(drafts, q)  # [K], [K]
@@ -382,10 +387,10 @@ class DraftEngine(SessionOwner):
             values = self.sibling_rates.log_values(step.tree.depth, k).to(self.device)
         if self.config.parallel_drafting and sampler is None:  # the tree from the one forward (tree.py)
             model, m = self.model, len(step.next_tokens)
-            positions = torch.arange(session.length, session.length + m, device=self.device)
-            a = model.parallel_draft(step.features.to(self.device, self.dtype),
-                                     torch.tensor(step.next_tokens, device=self.device), positions, session.kv,
-                                     max(1, min(step.tree.depth, self.config.num_depths)))
+            tokens, positions = upload([(list_, torch.long) for list_ in model.parallel_inputs(
+                step.next_tokens, session.length, max(1, min(step.tree.depth, self.config.num_depths)))], self.device)
+            a = model.parallel_draft(step.features.to(self.device, self.dtype), tokens, positions, session.kv,
+                                     self._mask_row)
             session.length += m
             tree = parallel_tree(model, a, step.tree)
         else:

@@ -250,18 +250,29 @@ class Eagle3Draft(nn.Module):
             a = layer(a, cos, sin, None if kv is None else kv.layer(int(index)), attn_mask)
         return self.norm(a) if self.config.norm_output else a
 
-    def parallel_draft(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, kv: DraftKV,
-                       depths: int) -> torch.Tensor:
-        """P-EAGLE: a session's m new pairs (features [m, 3Ht], tokens [m] target ids, positions [m]) appended
-        to its KV, and `depths - 1` masked positions after them, in one forward -> the outputs whose logits
-        give the drafts d_1..d_depths [depths, H]. The KV keeps the pairs only."""
+    def parallel_inputs(self, next_tokens: list[int], length: int, depths: int) -> tuple[list[int], list[int]]:
+        """A P-EAGLE propose's tokens and positions (host lists): the m new pairs' tokens at length.., then
+        `depths - 1` masked positions."""
         masked = depths - 1
+        tokens = [*next_tokens, *[self.config.mask_token_id] * masked]
+        return tokens, list(range(length, length + len(tokens)))
+
+    def mask_row(self) -> torch.Tensor:
+        """fuse(mask_hidden) [1, H]: the hidden input of every masked position."""
+        return self.fuse(self.mask_hidden.view(1, -1))
+
+    def parallel_draft(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, kv: DraftKV,
+                       mask_row: torch.Tensor | None = None) -> torch.Tensor:
+        """P-EAGLE: a session's m new pairs (features [m, 3Ht]) appended to its KV and the masked positions
+        after them in one forward (tokens, positions [m + masked] as parallel_inputs makes them; `mask_row`:
+        mask_row(), computed once by the caller) -> the outputs whose logits give d_1..d_{masked+1}
+        [masked + 1, H]. The KV keeps the pairs only."""
         m = features.shape[0]
+        masked = tokens.shape[0] - m
         length = kv.length
-        features = torch.cat([features, self.mask_hidden.view(1, -1).to(features.dtype).expand(masked, -1)])
-        tokens = torch.cat([tokens, tokens.new_full((masked,), self.config.mask_token_id)])
-        positions = torch.cat([positions, positions[-1] + torch.arange(1, masked + 1, device=positions.device)])
-        a = self(self.fuse(features)[None], tokens[None], positions[None], kv)[0]  # [m + masked, H]
+        row = self.mask_row() if mask_row is None else mask_row
+        hidden = torch.cat([self.fuse(features), row.to(features.dtype).expand(masked, -1)])
+        a = self(hidden[None], tokens[None], positions[None], kv)[0]  # [m + masked, H]
         kv.crop(length + m)
         return a[m - 1:]
 

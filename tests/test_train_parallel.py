@@ -46,7 +46,8 @@ def test_the_flat_training_forward_is_the_one_forward_propose():
         flat = parallel_forward(draft, ids, features, anchor, depth)[0]
         for i in (0, 4, 7):
             kv = DraftKV()
-            rows = draft.parallel_draft(features[0, : i + 1], ids[0, 1 : i + 2], torch.arange(i + 1), kv, 4)
+            tokens, positions = draft.parallel_inputs(ids[0, 1 : i + 2].tolist(), 0, 4)
+            rows = draft.parallel_draft(features[0, : i + 1], torch.tensor(tokens), torch.tensor(positions), kv)
             assert kv.length == i + 1  # the masked positions' KV is dropped
             for d in range(4):
                 if i + 1 + d < t:
