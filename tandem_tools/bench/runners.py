@@ -65,15 +65,15 @@ class ServicesRunner:
     def __init__(self, target: Path, draft: Path, log: Path, startup_timeout: float, overlap: bool = False):
         from coordinator.client import TandemClient
         from draft_server.checkpoint import head_kind
-        from tandem_tools.profile import free_port
-        from tandem_tools.serve import launch
+        from tandem_tools.serve import launch, metrics_addresses
 
         self.log = log
         self.head = head_kind(draft)
-        self.draft_metrics = f"127.0.0.1:{free_port()}"  # the draft's step times: draft_compute_seconds
+        printed: list[str] = []
         self.proc, self.address = launch(["--target", str(target), "--draft", str(draft), "--port", "0",
-                                          "--overlap", "on" if overlap else "off",
-                                          "--draft-metrics-port", self.draft_metrics.rsplit(":", 1)[1]], log)
+                                          "--overlap", "on" if overlap else "off", "--metrics-port", "0"], log,
+                                         lines=printed)
+        self.draft_metrics = metrics_addresses(printed)["draft"]  # the draft's step times: draft_compute_seconds
         self.client = TandemClient(self.address, timeout=startup_timeout)
 
     def draft_compute_seconds(self) -> float:
