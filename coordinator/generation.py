@@ -127,6 +127,7 @@ class Generations:
         service.admission.named = "max_sessions + max_waiting"
         self._scheduler: tuple[tuple, Scheduler] | None = None  # (the stubs it steps, it)
         self._grammars: tuple[object, Grammars | None] | None = None  # (the tokenizer, its grammars)
+        self._grammars_lock = threading.Lock()
         self.owner = uuid.uuid4().hex  # this coordinator, to the services it steps
         self._lock = threading.Lock()
         budget = settings.spec_token_budget  # 0: no load policy, neither adaptive K nor the gate
@@ -168,7 +169,7 @@ class Generations:
 
     def grammars(self, pair: Pair) -> Grammars | None:
         """The grammars of the pair's tokenizer (None: the target has none), made again for a new tokenizer."""
-        with self._lock:
+        with self._grammars_lock:  # not self._lock: scheduler() asks for them holding it
             if self._grammars is None or self._grammars[0] is not pair.tokenizer:
                 made = None
                 if pair.tokenizer is not None:

@@ -66,12 +66,12 @@ def grammar_text(spec: GrammarSpec) -> str:
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
             raise InvalidRequest("a choice is a non-empty list of non-empty strings")
         return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
-    text = spec.value
-    if "::=" in text:  # GBNF (llama.cpp's, xgrammar's EBNF): llguidance reads Lark
-        try:
-            text = llg.gbnf_to_lark(text)
-        except Exception as exc:  # noqa: BLE001 - its message names the problem
-            raise InvalidRequest(f"the grammar is not valid GBNF: {exc}") from None
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:  # GBNF (llama.cpp's, xgrammar's EBNF, vLLM's guided_grammar) becomes Lark; Lark stays as it is
+        text = any_to_lark(spec.value)
+    except Exception as exc:  # noqa: BLE001 - its message names the problem
+        raise InvalidRequest(f"the grammar is not valid GBNF or Lark: {exc}") from None
     return llg.LLMatcher.grammar_from_lark(text)
 
 

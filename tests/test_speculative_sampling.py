@@ -129,7 +129,8 @@ def test_sampled_drafts_keep_the_targets_law(generator, hf_target, oracle, name,
     assert generator.target.num_sessions == 0
 
 
-PENALISED = SamplingParams(temperature=1.0, presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.4)
+PENALISED = SamplingParams(temperature=1.0, presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.4,
+                           min_p=0.02)
 
 
 def penalised(logits: torch.Tensor, prefix: tuple[int, ...]) -> torch.Tensor:

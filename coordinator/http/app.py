@@ -186,9 +186,12 @@ class Front:
                 prompt_ids=ids,
                 max_new_tokens=max_new or pair.target_info.max_context,  # unset: what fits (fit_to_pair)
                 sampling=model_sampling(pair.target_info.generation_config, temperature=params.temperature,
-                                        top_p=params.top_p, top_k=params.top_k, seed=seed, logprobs=logprobs),
+                                        top_p=params.top_p, top_k=params.top_k, seed=seed, logprobs=logprobs,
+                                        presence_penalty=params.presence_penalty,
+                                        frequency_penalty=params.frequency_penalty,
+                                        repetition_penalty=params.repetition_penalty, min_p=params.min_p),
                 stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos, speculate=params.speculate,
-                **optional,
+                grammar=params.grammar, min_tokens=params.min_tokens, **optional,
             )
             return ClientRequest(generation, params.stops, max_new_tokens_given=max_new is not None,
                                  include_stop_str=params.include_stop_str_in_output,
