@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import shutil
+from typing import Literal
 
 import httpx
 import openai
@@ -34,8 +35,7 @@ ASKING = {
     "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "spaces_between_special_tokens": False,
     "guided_whitespace_pattern": " ", "structural_tag": "{}", "priority": 1,
     "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "store": True, "metadata": {"a": "b"},
-    "service_tier": "flex", "tools": [TOOL], "tool_choice": "auto", "parallel_tool_calls": False,
-    "functions": [TOOL["function"]], "function_call": "auto", "audio": {"voice": "alloy", "format": "wav"},
+    "service_tier": "flex", "functions": [TOOL["function"]], "function_call": "auto", "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
     "include_reasoning": False, "verbosity": "low", "web_search_options": {}, "echo": True, "chat_template": CHATML,
     "mm_processor_kwargs": {"a": 1}, "media_io_kwargs": {"video": {}}, "moderation": {"model": "omni"},
@@ -46,7 +46,7 @@ NEUTRAL = {
     "logit_bias": {}, "allowed_token_ids": [], "bad_words": [], "logits_processors": [], "use_beam_search": False,
     "length_penalty": 1.0, "spaces_between_special_tokens": True,
     "priority": 0, "kv_transfer_params": {}, "vllm_xargs": {}, "store": False, "metadata": {}, "service_tier": "auto",
-    "tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "modalities": ["text"],
+    "functions": [], "function_call": "none", "modalities": ["text"],
     "include_reasoning": True, "echo": False, "mm_processor_kwargs": {}, "media_io_kwargs": {},
     "prompt_cache_options": {}, "suffix": "",
 }
@@ -355,7 +355,7 @@ def test_tokenize_and_detokenize_round_trip(stack, client, tokenizer):
     ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert rendered["tokens"] == list(ids)
     assert rendered["count"] == chat(stack).json()["usage"]["prompt_tokens"]
-    assert_400(post(stack, "/tokenize", {"messages": MESSAGES, "tools": [TOOL]}), "tools")
+    assert post(stack, "/tokenize", {"messages": MESSAGES, "tools": [TOOL]}).status_code == 200  # rendered with them
     assert_400(post(stack, "/detokenize", {"tokens": [10**7]}), "tokens")
     assert post(stack, "/tokenize", {"prompt": "x", "model": "gpt-4"}).json()["error"]["code"] == "model_not_found"
     assert httpx.get(f"{stack.url}/version").json() == {"version": importlib.metadata.version("tandem")}
@@ -522,3 +522,90 @@ def test_langchain_with_structured_output(stack):
             assert isinstance(answer, City)
         else:
             assert isinstance(answer, dict)
+
+
+# -- tools ----------------------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string", "maxLength": 8},
+                                                                          "days": {"type": "integer", "minimum": 1,
+                                                                                   "maximum": 7}},
+                                                           "required": ["city", "days"],
+                                                           "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_calls_are_returned_and_streamed(client, tool_choice):
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for seed in range(3):
+        kwargs = {"model": "target", "messages": MESSAGES, "tools": [WEATHER, TIME], "tool_choice": tool_choice,
+                  "max_tokens": 200, "seed": seed}
+        answer = client.chat.completions.create(**kwargs)
+        message = answer.choices[0].message
+        assert answer.choices[0].finish_reason == "tool_calls" and message.tool_calls, message
+        for call in message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        if isinstance(tool_choice, dict):
+            assert [c.function.name for c in message.tool_calls] == ["get_weather"]
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        streamed = [c for chunk in chunks for choice in chunk.choices for c in (choice.delta.tool_calls or [])]
+        assert [(c.function.name, c.function.arguments) for c in streamed] == [
+            (c.function.name, c.function.arguments) for c in message.tool_calls]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_tool_choice_answers_text_where_the_model_writes_no_call(client):
+    answer = client.chat.completions.create(model="target", messages=MESSAGES, tools=[WEATHER], max_tokens=8,
+                                            temperature=0)
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content
+
+
+def test_tool_calls_parse_as_vllms_hermes_and_llama3_json_parsers():
+    from coordinator.http import tools
+
+    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>' \
+           '\n<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>'
+    content, calls = tools.parse(text, "auto", None, "hermes")
+    assert content == "Let me look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "utc"})]
+    assert len(tools.parse(text, "auto", None, "hermes", parallel=False)[1]) == 1
+    content, calls = tools.parse('<|python_tag|>{"name": "get_time", "parameters": {"zone": "cet"}}', "auto", None,
+                                 "llama3_json")
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"zone": "cet"}
+    assert tools.parse("no call here", "auto", None, "hermes") == ("no call here", [])
+    assert tools.parser_for("{{ '<tool_call>' }}") == "hermes" and tools.parser_for("<|python_tag|>") == "llama3_json"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+])
+def test_bad_tools_are_a_400_naming_them(stack, body, param):
+    assert_400(chat(stack, **body), param)
+
+
+def test_langchain_bind_tools(stack):
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_time(zone: Literal["utc", "cet"]) -> str:
+        """The time in a zone."""
+        return zone
+
+    llm = ChatOpenAI(base_url=f"{stack.url}/v1", api_key="none", model="target", temperature=0, max_tokens=60,
+                     max_retries=0)
+    for choice in ("required", "get_time"):
+        tools = llm.bind_tools([get_time], tool_choice=choice, parallel_tool_calls=False, strict=True)
+        message = tools.invoke("What time is it?")
+        assert [call["name"] for call in message.tool_calls][:1] == ["get_time"], message
+        assert message.tool_calls[0]["args"]["zone"] in ("utc", "cet")

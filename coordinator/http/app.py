@@ -40,6 +40,7 @@ from coordinator.http.protocol import (
     http_error,
 )
 from coordinator.http.tokens import detokenize_answer, tokenize, tokenize_answer, version
+from coordinator.http.tools import parser_for, template_messages
 from coordinator.model_defaults import model_sampling
 from coordinator.monitor import Pair
 from tandem.errors import Abort
@@ -146,7 +147,8 @@ class Front:
                 choice.close()
             return error_response(http_error(exc))
         pair = self.generations.monitor.current
-        answer = Answer(self.model_name(), pair.tokenizer if pair is not None else None, params, chat, choices, first)
+        answer = Answer(self.model_name(), pair.tokenizer if pair is not None else None, params, chat, choices, first,
+                        parser_for(self.chat_template or (pair.target_info.chat_template if pair else None)))
         if params.stream:
             return StreamingResponse(answer.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -166,9 +168,10 @@ class Front:
     def render(self, pair: Pair, params) -> list[int]:
         """A chat request's (or a chat /tokenize's) conversation as the prompt's token ids."""
         text = render_chat(
-            self.chat_template or pair.target_info.chat_template, [m.model_dump(exclude_none=True) for m in params.messages],
+            self.chat_template or pair.target_info.chat_template,
+            template_messages([m.model_dump(exclude_none=True) for m in params.messages]),
             dict(pair.target_info.special_tokens), params.generation_prompt, params.continue_final_message,
-            params.documents, params.chat_template_kwargs,
+            params.documents, params.chat_template_kwargs, params.tools,
         )
         return tokenize(pair, text, params.add_special_tokens)
 

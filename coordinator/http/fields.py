@@ -41,7 +41,7 @@ def _empty(v) -> bool:
 
 _never = _is()
 
-TOOLS = "tool calling is not supported yet"
+TOOLS = "the deprecated function-calling fields are not supported"
 
 # Both endpoints. The penalties, min_p, min_tokens and the structured outputs (response_format,
 # structured_outputs, guided_json / guided_regex / guided_choice / guided_grammar) are implemented
@@ -68,11 +68,8 @@ COMMON: dict[str, Refused] = {
 
 CHAT: dict[str, Refused] = {
     **COMMON,
-    "tools": Refused(_empty, TOOLS),
-    "tool_choice": Refused(_is("none"), f"{TOOLS}: send \"none\" or leave it out"),
-    "parallel_tool_calls": Refused(_never, TOOLS),
-    "functions": Refused(_empty, TOOLS),
-    "function_call": Refused(_is("none"), f"{TOOLS}: send \"none\" or leave it out"),
+    "functions": Refused(_empty, f"{TOOLS}: send `tools`"),
+    "function_call": Refused(_is("none"), f"{TOOLS}: send `tool_choice`"),
     "audio": Refused(_never, "audio output is not supported"),
     "modalities": Refused(lambda v: v == ["text"], "text is the only modality: send [\"text\"]"),
     "prediction": Refused(_never, "predicted outputs are not supported yet"),

@@ -33,7 +33,7 @@ from pydantic import (
     model_validator,
 )
 
-from coordinator.http import fields
+from coordinator.http import fields, tools
 from coordinator.http.fields import Unsupported
 from tandem.errors import status_of
 from tandem.params import MAX_LOGPROBS, GrammarSpec
@@ -298,6 +298,7 @@ class Conversation(BaseModel):
     continue_final_message: bool = False  # the last (assistant) message left open, to be continued
     chat_template_kwargs: dict | None = None  # more variables for the template
     documents: list[dict] | None = None  # for templates that render retrieved documents
+    tools: list[dict] | None = None  # function tools, rendered by the template (tools.py)
     add_special_tokens: bool = False  # on top of the template's own (it writes BOS itself)
 
     @model_validator(mode="after")
@@ -320,6 +321,33 @@ class ChatRequest(Conversation, _Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tool_choice: str | dict | None = None  # tools.py
+    parallel_tool_calls: bool = True
+    _tool_mode: str = PrivateAttr("none")
+    _tool_named: str | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _tools(self):
+        functions = tools.check_tools(self.tools or [])
+        self._tool_mode, self._tool_named = tools.choice_mode(self.tool_choice, functions)
+        forced = tools.tool_grammar(self._tool_mode, self._tool_named, functions, self.parallel_tool_calls)
+        if forced is not None:
+            if self._grammar is not None:
+                raise Unsupported("tool_choice", f"`tool_choice` {self._tool_mode} forces the answer's form: it "
+                                  "cannot be given with a structured output", "invalid_value")
+            self._grammar = forced
+        if self.tool_mode != "none" and self.logprobs:
+            raise Unsupported("logprobs", "`logprobs` with tool calls is not supported yet", "unsupported_parameter")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none (text), auto (parsed), required or named (forced by a grammar): tools.py."""
+        return self._tool_mode
+
+    @property
+    def tool_named(self) -> str | None:
+        return self._tool_named
 
     @field_validator("top_logprobs")
     @classmethod

@@ -21,7 +21,7 @@ from coordinator.http.protocol import Conversation, bad_request
 from coordinator.monitor import Pair
 
 # A chat /tokenize renders as a chat request does, so what that refuses this does too.
-CHAT_REFUSED = {name: fields.CHAT[name] for name in ("tools", "chat_template", "mm_processor_kwargs")}
+CHAT_REFUSED = {name: fields.CHAT[name] for name in ("chat_template", "mm_processor_kwargs")}
 
 
 def tokenize(pair: Pair, text: str, special: bool = True) -> list[int]:
