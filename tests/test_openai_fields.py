@@ -39,7 +39,7 @@ ASKING = {
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
     "include_reasoning": False, "verbosity": "low", "web_search_options": {}, "echo": True, "chat_template": CHATML,
     "mm_processor_kwargs": {"a": 1}, "media_io_kwargs": {"video": {}}, "moderation": {"model": "omni"},
-    "prompt_cache_options": {"ttl": "1h"}, "prompt_cache_retention": "24h", "suffix": "\n", "prompt_embeds": "AAAA",
+    "prompt_cache_options": {"ttl": "1h"}, "prompt_cache_retention": "24h", "prompt_embeds": "AAAA",
 }
 # Their neutral values, which ask for nothing: accepted, and the answer is the plain request's.
 NEUTRAL = {
@@ -48,7 +48,7 @@ NEUTRAL = {
     "priority": 0, "kv_transfer_params": {}, "vllm_xargs": {}, "store": False, "metadata": {}, "service_tier": "auto",
     "functions": [], "function_call": "none", "modalities": ["text"],
     "include_reasoning": True, "echo": False, "mm_processor_kwargs": {}, "media_io_kwargs": {},
-    "prompt_cache_options": {}, "suffix": "",
+    "prompt_cache_options": {},
 }
 # Accepted identifiers that by their definition change nothing in the answer.
 IDENTIFIERS = {"user": "u1", "safety_identifier": "s1", "prompt_cache_key": "k1", "cache_salt": "salt"}
@@ -609,3 +609,20 @@ def test_langchain_bind_tools(stack):
         message = tools.invoke("What time is it?")
         assert [call["name"] for call in message.tool_calls][:1] == ["get_time"], message
         assert message.tool_calls[0]["args"]["zone"] in ("utc", "cet")
+
+
+def test_suffix_fills_in_the_middle_where_the_tokenizer_can(stack, tiny_dir):
+    from tokenizers import AddedToken, Tokenizer
+
+    from coordinator.http.tokens import fim_prompt
+
+    # the tiny tokenizer has no fill-in-the-middle tokens: a 400 naming suffix
+    assert_400(completion(stack, suffix="\n    return x\n"), "suffix", "unsupported_value")
+    assert completion(stack, suffix="").status_code == 200  # empty: a plain completion
+    tokenizer = Tokenizer.from_file(str(tiny_dir / "target" / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in ("<|fim_prefix|>", "<|fim_suffix|>",
+                                                                        "<|fim_middle|>")])
+    pre, suf, mid = (tokenizer.token_to_id(t) for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
+    ids = fim_prompt(tokenizer, "def f(x):", "    return x")
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids
+    assert ids == [pre, *encode("def f(x):"), suf, *encode("    return x"), mid]

@@ -39,7 +39,7 @@ from coordinator.http.protocol import (
     bad_request,
     http_error,
 )
-from coordinator.http.tokens import detokenize_answer, tokenize, tokenize_answer, version
+from coordinator.http.tokens import detokenize_answer, fim_prompt, tokenize, tokenize_answer, version
 from coordinator.http.tools import parser_for, template_messages
 from coordinator.model_defaults import model_sampling
 from coordinator.monitor import Pair
@@ -181,7 +181,12 @@ class Front:
                 ids = self.render(pair, params)
                 max_new, logprobs = params.max_new_tokens, params.wanted_logprobs
             else:
-                ids = tokenize(pair, prompt, params.add_special_tokens) if isinstance(prompt, str) else list(prompt)
+                if params.suffix:
+                    if not isinstance(prompt, str):
+                        raise bad_request("`suffix` needs the prompt as text", "suffix")
+                    ids = fim_prompt(pair.tokenizer, prompt, params.suffix)
+                else:
+                    ids = tokenize(pair, prompt, params.add_special_tokens) if isinstance(prompt, str) else list(prompt)
                 max_new, logprobs = params.max_tokens, params.logprobs
             ids = _truncated(ids, params.truncate_prompt_tokens, pair.target_info.max_context)
             optional = {"num_draft_tokens": params.num_draft_tokens} if params.num_draft_tokens is not None else {}

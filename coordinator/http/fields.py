@@ -90,7 +90,6 @@ CHAT: dict[str, Refused] = {
 COMPLETION: dict[str, Refused] = {
     **COMMON,
     "echo": Refused(_is(False), "not supported: send false"),
-    "suffix": Refused(_is(""), "fill-in-the-middle is not supported yet"),
     "prompt_embeds": Refused(_never, "prompt embeddings are not supported"),
 }
 

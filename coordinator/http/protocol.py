@@ -260,6 +260,7 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
     add_special_tokens: bool = True  # vLLM's: BOS and the like around the prompt's text
+    suffix: str | None = None  # fill in the middle, between the prompt and it (tokens.fim_prompt)
 
     @field_validator("prompt")
     @classmethod
