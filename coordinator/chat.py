@@ -69,7 +69,8 @@ CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 def render_chat(template: str, messages: list[dict], special_tokens: dict[str, str],
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                documents: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+                documents: list[dict] | None = None, template_kwargs: dict | None = None,
+                tools: list[dict] | None = None) -> str:
     """The prompt text; InvalidRequest when the model has no template, a keyword clashes with what the
     renderer passes, or the template refuses the conversation (its raise_exception: e.g. roles out of
     order). `continue_final_message`: the last message left open for the model to continue, cut as
@@ -80,7 +81,8 @@ def render_chat(template: str, messages: list[dict], special_tokens: dict[str, s
     if continue_final_message and add_generation_prompt:
         raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true")
     given = {"messages": messages, "add_generation_prompt": add_generation_prompt, **special_tokens,
-             **({"documents": documents} if documents is not None else {})}
+             **({"documents": documents} if documents is not None else {}),
+             **({"tools": tools} if tools else {})}
     kwargs = template_kwargs or {}
     passed = {*given, *compile_template(template).globals}  # raise_exception and the like too
     clash = sorted(set(kwargs) & passed)

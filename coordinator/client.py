@@ -21,7 +21,7 @@ import grpc
 from pydantic import BaseModel
 
 from tandem import security
-from tandem.convert import stats_from_pb
+from tandem.convert import grammar_to_pb, stats_from_pb
 from tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 DEFAULT_MAX_MESSAGE_MIB = 16
@@ -75,10 +75,18 @@ def build_request(
     speculate: bool | None = None,
     messages: Sequence[dict] | None = None,
     tree: dict | object | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float | None = None,
+    min_p: float = 0.0,
+    min_tokens: int = 0,
+    grammar: dict | object | None = None,
 ) -> coordinator_pb2.GenerateRequest:
     """`messages`: a conversation ([{"role": "user", "content": ...}, ...]) in place of a prompt; the
     coordinator renders it with the target's chat template. `tree`: an EAGLE-2 draft tree instead of a
-    chain, as {"nodes": N, "depth": D, "top_k": K} (or a TreeParams); a key left out takes the default."""
+    chain, as {"nodes": N, "depth": D, "top_k": K} (or a TreeParams); a key left out takes the default.
+    `grammar`: a structured output, as a GrammarSpec or one key of the wire's Grammar ({"json_schema": text},
+    {"regex": ...}, {"choice": [...]}, {"grammar": lark}, {"json_object": True})."""
     if sum(x is not None for x in (prompt, prompt_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt, prompt_ids and messages")
     sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k)
@@ -86,6 +94,9 @@ def build_request(
         sampling.top_p = top_p
     if seed is not None:
         sampling.seed = seed
+    sampling.presence_penalty, sampling.frequency_penalty, sampling.min_p = presence_penalty, frequency_penalty, min_p
+    if repetition_penalty is not None:
+        sampling.repetition_penalty = repetition_penalty
     request = coordinator_pb2.GenerateRequest(
         prompt=prompt or "",
         prompt_ids=list(prompt_ids or []),
@@ -104,6 +115,11 @@ def build_request(
     if tree is not None:
         fields = tree if isinstance(tree, dict) else tree.model_dump()
         request.tree.CopyFrom(common_pb2.TreeParams(**fields))
+    if min_tokens:
+        request.min_tokens = min_tokens
+    if grammar is not None:
+        request.grammar.CopyFrom(coordinator_pb2.Grammar(**grammar) if isinstance(grammar, dict)
+                                 else grammar_to_pb(grammar))
     return request
 
 

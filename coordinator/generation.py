@@ -21,6 +21,7 @@ from coordinator.monitor import LATE_PATIENCE_S, Monitor, Pair
 from coordinator.probe import RequestObserver, RequestProbe
 from coordinator.scheduler import Scheduler, pack_draft, pack_target
 from tandem.config import CoordinatorSettings
+from tandem.constraint import Grammars
 from tandem.defaults import DECODE_STEPS, OVERLAP_SAMPLED, SPEC_DRAFT_COST
 from tandem.errors import Abort, InvalidRequest, OutOfRange
 from tandem.gates import AcceptanceGate, TreeGate
@@ -67,8 +68,9 @@ class Call:
     streamed: bool = True  # the client reads the tokens as they come (else the answer at the end)
 
 
-def fit_to_pair(client: ClientRequest, pair: Pair) -> GenerationRequest:
-    """InvalidRequest / OutOfRange naming what is wrong: nothing a model could choke on gets past here."""
+def fit_to_pair(client: ClientRequest, pair: Pair, grammars: Grammars | None = None) -> GenerationRequest:
+    """InvalidRequest / OutOfRange naming what is wrong: nothing a model could choke on gets past here (a
+    grammar is compiled here, into `grammars`' cache, so that a bad one is the client's error)."""
     request, vocab_size, max_context = client.generation, pair.target_info.vocab_size, pair.target_info.max_context
     for what, ids in (("prompt_ids", request.prompt_ids), ("stop_token_ids", request.stop_token_ids)):
         bad = [i for i in ids if not 0 <= i < vocab_size]
@@ -89,6 +91,10 @@ def fit_to_pair(client: ClientRequest, pair: Pair) -> GenerationRequest:
         # a context longer than the KV budget (vLLM refuses to start so; here a request may not grow past it)
         request = request.model_copy(update={"max_new_tokens": max(1, kv_tokens - n)})
     check_stop_strings(client.stop, pair.tokenizer is not None)
+    if request.grammar is not None:
+        if grammars is None:
+            raise InvalidRequest("structured outputs need the target's tokenizer, and the target has none")
+        grammars.matcher(request.grammar)
     return request
 
 
@@ -120,6 +126,8 @@ class Generations:
         service.admission.limit = settings.max_sessions + settings.max_waiting
         service.admission.named = "max_sessions + max_waiting"
         self._scheduler: tuple[tuple, Scheduler] | None = None  # (the stubs it steps, it)
+        self._grammars: tuple[object, Grammars | None] | None = None  # (the tokenizer, its grammars)
+        self._grammars_lock = threading.Lock()
         self.owner = uuid.uuid4().hex  # this coordinator, to the services it steps
         self._lock = threading.Lock()
         budget = settings.spec_token_budget  # 0: no load policy, neither adaptive K nor the gate
@@ -153,10 +161,22 @@ class Generations:
                          if pair.draft is not None else None)
                 scheduler = Scheduler(target, draft, list(pair.target_info.eos_token_ids),
                                       pair.target_info.max_context, self.speculation, self.settings.max_sessions,
-                                      self.settings.max_waiting, lambda error: self.monitor.fault("draft", error))
+                                      self.settings.max_waiting, lambda error: self.monitor.fault("draft", error),
+                                      self.grammars(pair), pair.target_info.vocab_size)
                 scheduler.on_preempt = self.metrics.preemptions.inc
                 self._scheduler = (made_for, scheduler)
             return self._scheduler[1]
+
+    def grammars(self, pair: Pair) -> Grammars | None:
+        """The grammars of the pair's tokenizer (None: the target has none), made again for a new tokenizer."""
+        with self._grammars_lock:  # not self._lock: scheduler() asks for them holding it
+            if self._grammars is None or self._grammars[0] is not pair.tokenizer:
+                made = None
+                if pair.tokenizer is not None:
+                    info = pair.target_info
+                    made = Grammars(pair.tokenizer.to_str(), info.vocab_size, list(info.eos_token_ids))
+                self._grammars = (pair.tokenizer, made)
+            return self._grammars[1]
 
     def pair(self, patience: float = 0.0) -> Pair:
         """The services for a new generation (Monitor.pair: `patience` for a target down for late checks)."""
@@ -171,7 +191,7 @@ class Generations:
         with self.service.admission.admit():
             pair = self.pair(LATE_PATIENCE_S)
             client = build(pair)
-            request = fit_to_pair(client, pair)
+            request = fit_to_pair(client, pair, self.grammars(pair) if client.generation.grammar else None)
             handle = self.scheduler(pair).submit(request, call.timeout, pair.draft is not None and request.speculate,
                                                  probe)
             call.on_cancel(handle.cancel)  # the client went away or its deadline passed: both sessions freed

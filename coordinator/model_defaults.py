@@ -1,7 +1,7 @@
-"""The model's default sampling: the temperature, top_p and top_k of the target checkpoint's
-generation_config.json (TargetInfo.generation_config), for the requests that leave them unset, as vLLM
-applies them (its --generation-config auto). Without them, OpenAI's defaults: temperature 1, top_p 1,
-no top-k. No torch here."""
+"""The model's default sampling: the temperature, top_p, top_k, repetition_penalty and min_p of the target
+checkpoint's generation_config.json (TargetInfo.generation_config), for the requests that leave them unset,
+as vLLM applies them (its --generation-config auto). Without them, OpenAI's defaults: temperature 1, top_p 1,
+no top-k, no penalty. No torch here."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from functools import lru_cache
 
 from tandem.params import SamplingParams
 
-OPENAI_DEFAULTS: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+OPENAI_DEFAULTS: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0,
+                                           "min_p": 0.0}
 # The gRPC API's, a GenerateRequest without SamplingParams: greedy.
-GREEDY: dict[str, float | int] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+GREEDY: dict[str, float | int] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0,
+                                  "min_p": 0.0}
 
 
 def _valid(name: str, value) -> bool:
@@ -24,12 +26,16 @@ def _valid(name: str, value) -> bool:
         return value >= 0
     if name == "top_p":
         return 0 < value <= 1
+    if name == "repetition_penalty":
+        return value > 0
+    if name == "min_p":
+        return 0 <= value <= 1
     return value == int(value) and value >= -1  # top_k; -1 disables it, as 0 does
 
 
 @lru_cache(maxsize=8)
 def checkpoint_sampling(generation_config: str) -> dict[str, float | int]:
-    """The temperature, top_p and top_k the checkpoint sets (none of them: empty)."""
+    """The temperature, top_p, top_k, repetition_penalty and min_p the checkpoint sets (none of them: empty)."""
     try:
         config = json.loads(generation_config) if generation_config else {}
     except json.JSONDecodeError:

@@ -47,6 +47,7 @@ import grpc
 
 from coordinator.links import BackendError, ServiceLink
 from tandem import convert
+from tandem.constraint import Grammars
 from tandem.errors import Abort
 from tandem.params import GenerationRequest
 from tandem.policy import Speculation
@@ -102,8 +103,10 @@ class _Request:
 class Scheduler:
     def __init__(self, target: ServiceLink, draft: ServiceLink | None, eos_token_ids: list[int], max_context: int,
                  speculation: Speculation, max_running: int, max_waiting: int,
-                 on_draft_fault: Callable[[BackendError], None] | None = None):
+                 on_draft_fault: Callable[[BackendError], None] | None = None, grammars: Grammars | None = None,
+                 vocab_size: int | None = None):
         self.target, self.draft = target, draft
+        self.grammars, self.vocab_size = grammars, vocab_size  # structured outputs (tandem/constraint.py)
         self.eos_token_ids, self.max_context = eos_token_ids, max_context
         self.speculation = speculation
         self.max_running, self.max_waiting = max_running, max_waiting
@@ -181,7 +184,7 @@ class Scheduler:
                 continue
             r.sessions = Sessions(want_timing=r.probe is not None)
             r.loop = rounds(r.generation, self.eos_token_ids, r.has_draft, r.sessions, self.max_context,
-                            self.speculation, r.resume)
+                            self.speculation, r.resume, self.grammars, self.vocab_size)
             self._running.append(r)
             self._advance(r, None)
 

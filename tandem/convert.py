@@ -6,11 +6,12 @@ never see a message. No torch here (the coordinator and the client use it).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 from tandem.errors import InvalidRequest
 from tandem.pairing import DraftShape, TargetShape
-from tandem.params import GenerationRequest, SamplingParams, TreeParams
+from tandem.params import GenerationRequest, GrammarSpec, SamplingParams, TreeParams
 from tandem.protocol import (
     Ahead,
     Branch,
@@ -34,7 +35,33 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        min_p=msg.min_p,
     )
+
+
+def grammar_from_pb(msg: coordinator_pb2.Grammar) -> GrammarSpec | None:
+    """None for an empty Grammar; InvalidRequest for one that sets both a kind and a choice."""
+    kind = msg.WhichOneof("kind")
+    if kind is not None and msg.choice:
+        raise InvalidRequest(f"a grammar is one of json_schema, json_object, regex, grammar and choice; got {kind} "
+                             "and choice")
+    if msg.choice:
+        return GrammarSpec(kind="choice", value=json.dumps(list(msg.choice)))
+    if kind is None:
+        return None
+    return GrammarSpec(kind=kind, value="" if kind == "json_object" else getattr(msg, kind))
+
+
+def grammar_to_pb(spec: GrammarSpec) -> coordinator_pb2.Grammar:
+    if spec.kind == "choice":
+        return coordinator_pb2.Grammar(choice=json.loads(spec.value))
+    if spec.kind == "json_object":
+        return coordinator_pb2.Grammar(json_object=True) if not spec.value else coordinator_pb2.Grammar(
+            json_schema=spec.value)
+    return coordinator_pb2.Grammar(**{spec.kind: spec.value})
 
 
 def tree_from_pb(msg: common_pb2.TreeParams) -> TreeParams:
@@ -64,6 +91,10 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    msg.presence_penalty, msg.frequency_penalty, msg.min_p = (params.presence_penalty, params.frequency_penalty,
+                                                              params.min_p)
+    if params.repetition_penalty != 1.0:
+        msg.repetition_penalty = params.repetition_penalty
     return msg
 
 
@@ -107,6 +138,8 @@ def generation_request_from_pb(
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         tree=tree_from_pb(msg.tree) if msg.HasField("tree") else None,
+        grammar=grammar_from_pb(msg.grammar) if msg.HasField("grammar") else None,
+        min_tokens=msg.min_tokens,
         **optional,
     )
 
@@ -173,12 +206,12 @@ def target_step_to_pb(step: Prefill | Verify) -> target_pb2.SessionStep:
         request = target_pb2.TargetRequest(prefill=target_pb2.Prefill(
             session_id=step.session_id, prompt_ids=step.prompt_ids, sampling=sampling_to_pb(step.sampling),
             want_features=step.want_features, want_timing=step.want_timing, max_new_tokens=step.max_new_tokens,
-            verify_tokens=step.verify_tokens))
+            verify_tokens=step.verify_tokens, allowed=step.allowed or b""))
     else:
         request = target_pb2.TargetRequest(verify=target_pb2.Verify(
             token=step.token, drafts=step.drafts, want_features=step.want_features, q=draft_probs_to_pb(step.q),
             parents=step.parents, decode=step.decode if step.decode > 1 else 0,
-            stop_ids=step.stop_ids if step.decode > 1 else ()))
+            stop_ids=step.stop_ids if step.decode > 1 else (), allowed=step.allowed or b""))
     return target_pb2.SessionStep(session_id=step.session_id, request=request)
 
 

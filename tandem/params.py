@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -36,6 +37,40 @@ class SamplingParams(BaseModel):
     # logprob of each generated token under the target's distribution, with this many likeliest
     # alternatives (0: the token's own only); None: no logprobs, nothing computed for them
     logprobs: int | None = None
+    # vLLM's penalties (sampling_params.py), applied to the logits before temperature at every position the
+    # target scores, a verify's drafts included: presence and frequency over the generated tokens before the
+    # position, repetition over the prompt's and those (> 1 discourages; a positive logit divided, a
+    # negative one multiplied). Neutral: 0, 0, 1.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # after temperature: tokens below min_p times the likeliest token's probability are dropped (0: off)
+    min_p: float = 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v: float, info) -> float:
+        if not -2.0 <= v <= 2.0:  # OpenAI's and vLLM's range
+            raise ValueError(f"{info.field_name} must be in [-2, 2], got {v}")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition(cls, v: float) -> float:
+        if not v > 0 or not math.isfinite(v):
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got {v}")
+        return v
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, v: float) -> float:
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {v}")
+        return v
 
     @field_validator("temperature")
     @classmethod
@@ -100,6 +135,18 @@ def parse_tree(text: str) -> TreeParams:
     return TreeParams(**dict(zip(("nodes", "depth", "top_k"), values, strict=False)))
 
 
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+class GrammarSpec(BaseModel):
+    """A structured output: the generated text must match it (tandem/constraint.py). `value`: a JSON schema
+    (its JSON text), a regular expression, a JSON list of the choices' strings, or a Lark grammar (a GBNF one
+    is converted); empty for json_object (any JSON object)."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    value: str = ""
+
+
 class GenerationRequest(BaseModel):
     """One generation, as the round loop sees it: token ids in, token ids out."""
 
@@ -113,6 +160,13 @@ class GenerationRequest(BaseModel):
     # a draft tree instead of a chain of num_draft_tokens (None: a chain); the K policy may still run a
     # round as a chain or target-only where that pays (tandem/policy.py)
     tree: TreeParams | None = None
+    grammar: GrammarSpec | None = None  # structured output: every token keeps the text within it
+    min_tokens: int = Field(default=0, ge=0)  # no stop id (EOS, stop_token_ids) before this many tokens
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the round loop masks the target's tokens (tandem/constraint.py)."""
+        return self.grammar is not None or self.min_tokens > 0
 
     @field_validator("prompt_ids")
     @classmethod

@@ -135,6 +135,7 @@ class Prefill:
     max_new_tokens: int | None = None  # sizes the session's share of the target's KV budget
     verify_tokens: int | None = None  # the widest verify it may send (a tree's); None: a chain's
     want_timing: bool = False  # every answer of the session carries its StepTiming
+    allowed: bytes | None = None  # the mask of t's position (tandem/constraint.py); None: every token
 
 
 @dataclass
@@ -150,6 +151,9 @@ class Verify:
     parents: list[int] | None = None  # a draft tree (Drafts.parents); None: a chain
     decode: int = 1
     stop_ids: Sequence[int] = ()
+    # a constrained generation's masks (tandem/constraint.py): one row per position scored, t's first, then
+    # each draft's (a tree's: each node's); None: every token allowed
+    allowed: bytes | None = None
 
 
 @dataclass

@@ -25,12 +25,15 @@ from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from tandem.params import GenerationRequest, SamplingParams, TreeParams
+from tandem.constraint import Constraint, Grammars
+from tandem.errors import InvalidRequest
+from tandem.params import MAX_DRAFT_TOKENS, GenerationRequest, SamplingParams, TreeParams
 from tandem.policy import KPolicy, Speculation
 from tandem.protocol import (
     Ahead,
     Branch,
     DraftBackend,
+    DraftProbs,
     Drafts,
     DraftStep,
     Features,
@@ -183,6 +186,8 @@ def rounds(
     max_context: int | None = None,
     speculation: Speculation = FIXED_K,
     resume: Resume | None = None,
+    grammars: Grammars | None = None,
+    vocab_size: int | None = None,
 ) -> Generator[Steps | RoundEvent, list | None, None]:
     """One generation: yields the steps it needs (a list, answered with a list of results, an exception
     instance for a step that failed) and its RoundEvents (answered with None), until a stop condition.
@@ -192,6 +197,11 @@ def rounds(
     A target step that failed raises here. A draft that fails is lost and the rest of the request runs
     with k=0: the target alone decides every token, so only the speed-up is lost. With overlap, drafts
     only choose what the target checks, so the output is the same either way.
+
+    A constrained request (a grammar, min_tokens) sends the target a mask for every position it scores
+    (tandem/constraint.py, `grammars` compiling the grammar over the target's `vocab_size`): drafts its
+    masks forbid are cut before the verify, and every round is one token target-only (the next mask
+    depends on the last token).
     """
     session = sessions.session_id
     stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(eos_token_ids))
@@ -207,6 +217,9 @@ def rounds(
     sessions.draft_alive = drafter is not None
     stats = resume.stats if resume is not None else \
         GenerationStats(accepted_per_position=[0] * (request.num_draft_tokens if drafter else 0))
+    constraint = make_constraint(request, grammars, vocab_size, stop_ids)
+    if constraint is not None and produced:
+        constraint.commit(produced, stop_ids)  # a resumed generation's matcher is where its tokens left it
 
     def alive() -> bool:
         return drafter is not None and drafter.alive
@@ -215,10 +228,13 @@ def rounds(
         widest = 1 + policy.tree.nodes if alive() and policy.tree is not None else None  # a tree's verify
         sessions.target = True
         (prefill,) = yield [Prefill(session, prompt, request.sampling, alive(), max_new_tokens=limit - len(produced),
-                                    verify_tokens=widest, want_timing=sessions.want_timing)]
+                                    verify_tokens=widest, want_timing=sessions.want_timing,
+                                    allowed=constraint.first() if constraint else None)]
         prefill = _raised(prefill)
         token = prefill.token
         new_tokens, finish = stopper.take([token])
+        if constraint:
+            constraint.commit(new_tokens, stop_ids)
         yield RoundEvent(new_tokens, stats, finish, _cut(prefill.logprobs, new_tokens))
         if alive():
             drafter.feed(prefill.features, [*prompt[1:], token])
@@ -237,10 +253,22 @@ def rounds(
                 drafts, ahead = yield from drafter.draft(k, branches, tree)
             if k > 0 and not alive():
                 stats.num_rounds_without_draft += 1
-            # verify (target-only: up to decode_steps tokens in one step of the target)
-            decode = min(speculation.decode_steps, limit - stopper.produced) if not alive() else 1
+            allowed = None
+            if constraint and constraint.active:  # a draft the masks forbid ends the chain here
+                if drafts.parents is not None:
+                    allowed = constraint.tree(drafts, drafts.parents)
+                else:
+                    room = min(MAX_DRAFT_TOKENS, limit - stopper.produced - 1) if drafts else 0
+                    kept, forced, allowed = constraint.chain(drafts, room)
+                    stats.num_constrained_cuts += len(drafts) - kept
+                    stats.num_forced_drafts += len(forced)
+                    if kept < len(drafts) or forced:
+                        drafts = _forced(drafts.head(kept), forced)
+            # verify (target-only: up to decode_steps tokens in one step of the target; one while masked)
+            decode = min(speculation.decode_steps, limit - stopper.produced) if not alive() and allowed is None \
+                else 1
             verify = Verify(session, token, list(drafts), alive(), drafts.q, drafts.parents,
-                            decode, sorted(stop_ids) if decode > 1 else ())
+                            decode, sorted(stop_ids) if decode > 1 else (), allowed)
             answers = yield [verify] if ahead is None else [verify, ahead]
             verdict = _raised(answers[0])
             # commit
@@ -259,9 +287,31 @@ def rounds(
                 drafter.feed(verdict.features, committed)
             token = verdict.bonus
             new_tokens, finish = stopper.take(committed)
+            if constraint:
+                constraint.commit(new_tokens, stop_ids)
+                stats.constraint_seconds = constraint.seconds
             yield RoundEvent(new_tokens, stats, finish, _cut(verdict.logprobs, new_tokens))
     finally:
         policy.close()
+
+
+def make_constraint(request: GenerationRequest, grammars: Grammars | None, vocab_size: int | None,
+                    stop_ids: set[int]) -> Constraint | None:
+    """The request's Constraint, None when unconstrained; InvalidRequest naming what is missing or wrong."""
+    if not request.constrained:
+        return None
+    if vocab_size is None or (request.grammar is not None and grammars is None):
+        raise InvalidRequest("structured outputs need the target's tokenizer, and this server has none"
+                             if request.grammar is not None else "min_tokens needs the target's vocabulary size")
+    matcher = grammars.matcher(request.grammar) if request.grammar is not None else None
+    return Constraint(matcher, vocab_size, stop_ids, request.min_tokens)
+
+
+def _forced(drafts: Drafts, forced: list[int]) -> Drafts:
+    """The kept drafts and the grammar's forced ones after them; a sampled chain's q one-hot on each forced
+    one (what it was drawn from: the draft's q masked to the one token the grammar allows)."""
+    q = None if drafts.q is None else [*drafts.q, *(DraftProbs([token], [1.0]) for token in forced)]
+    return Drafts([*drafts, *forced], q)
 
 
 def _raised(result):
@@ -295,12 +345,14 @@ def run_rounds(
     request: GenerationRequest,
     max_context: int | None = None,
     speculation: Speculation = FIXED_K,
+    grammars: Grammars | None = None,
 ) -> Iterator[RoundEvent]:
     """The round loop over in-process engines, a batch of one: each step list goes to the engines as it
     comes (a draft step beside a verify, an ahead, on a worker thread). Closing the iterator early (a
     client went away, a stop string matched) releases both sessions."""
     sessions = Sessions()
-    loop = rounds(request, target.eos_token_ids, draft is not None, sessions, max_context, speculation)
+    loop = rounds(request, target.eos_token_ids, draft is not None, sessions, max_context, speculation,
+                  grammars=grammars, vocab_size=getattr(target, "vocab_size", None))
     pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-draft") if draft is not None else None
     try:
         item = next(loop)

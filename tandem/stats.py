@@ -51,6 +51,11 @@ class GenerationStats(BaseModel):
     num_overlap_rounds: int = 0
     num_overlap_hits: int = 0
     num_tree_rounds: int = 0  # verify rounds that checked a draft tree (EAGLE-2) rather than a chain
+    # a constrained generation (tandem/constraint.py): drafts cut before their verify because the grammar
+    # (or min_tokens) forbade them, drafts it forced, and the seconds spent computing masks
+    num_constrained_cuts: int = 0
+    num_forced_drafts: int = 0  # drafts the grammar forced (one token allowed) in place of the draft's
+    constraint_seconds: float = 0.0
 
     def count_round(self, drafted: int, accepted: int, tree: bool = False) -> None:
         """One verify round that checked `drafted` drafts (a chain's, or a tree's nodes) and accepted

@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from draft_server.engine import DraftEngine
+from tandem.constraint import Grammars
 from tandem.defaults import DECODE_STEPS, SPEC_DRAFT_COST
 from tandem.gates import AcceptanceGate, TreeGate
 from tandem.pairing import TargetShape, check_pair
@@ -59,6 +60,7 @@ class InProcessGenerator:
         self.speculation = Speculation(gate=AcceptanceGate(draft_cost) if draft_cost else None,
                                        trees=TreeGate() if tree_policy else None, decode_steps=DECODE_STEPS)
         self._tokenizer = None
+        self._grammars: Grammars | None = None
         self.target_dir = Path(target_dir)
 
     @property
@@ -69,10 +71,21 @@ class InProcessGenerator:
             self._tokenizer = AutoTokenizer.from_pretrained(self.target_dir)
         return self._tokenizer
 
+    @property
+    def grammars(self) -> Grammars | None:
+        """Structured outputs over the target's tokenizer.json (None: it has none)."""
+        if self._grammars is None:
+            path = self.target_dir / "tokenizer.json"
+            if not path.exists():
+                return None
+            self._grammars = Grammars(path.read_text(), self.target.vocab_size, self.target.eos_token_ids)
+        return self._grammars
+
     def stream(self, request: GenerationRequest, overlap: bool = False) -> Iterator[RoundEvent]:
         """`overlap`: the draft's ahead steps run on a worker thread while the target verifies."""
         speculation = replace(self.speculation, overlap=overlap)
-        return run_rounds(self.target, self.draft, request, self.target.max_context, speculation)
+        grammars = self.grammars if request.grammar is not None else None
+        return run_rounds(self.target, self.draft, request, self.target.max_context, speculation, grammars)
 
     def generate(self, request: GenerationRequest, detokenize: bool = False, overlap: bool = False) -> GenerationResult:
         tokens: list[int] = []

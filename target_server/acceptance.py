@@ -55,7 +55,13 @@ from tandem.protocol import DraftProbs, TokenLogprob, check_tree, tree_children
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [N, V] -> the distribution the target samples from, after temperature/top-k/top-p. [N, V] fp32."""
+    """logits [N, V] -> the distribution the target samples from, after temperature, min-p, top-k, top-p (vLLM's
+    order). [N, V] fp32."""
+    if params.min_p > 0:
+        logits = logits.float() / params.temperature
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
+        params = params.model_copy(update={"temperature": 1.0, "min_p": 0.0})
     if params.top_k <= 0 and params.top_p >= 1.0:  # the temperature alone: the warper's division, without its wrapping
         return torch.softmax(logits.float() / params.temperature, dim=-1)
     warpers = LogitsProcessorList([TemperatureLogitsWarper(params.temperature)])

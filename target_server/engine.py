@@ -43,6 +43,7 @@ from tandem.sessions import (
     SessionTable,
     build_batch,
 )
+from target_server import logits as processing
 from target_server.acceptance import (
     accept,
     accept_argmax,
@@ -212,16 +213,13 @@ class TargetEngine(SessionOwner):
                 decode_rest(self, [steps[i] for i in decodes], [results[i] for i in decodes])
         return results
 
-    def prefill(self, session_id: str, prompt_ids: list[int], params: SamplingParams, want_features: bool = True,
-                max_new_tokens: int | None = None, verify_tokens: int | None = None) -> PrefillResult:
-        """One prefill alone (run() with a batch of one), raising its error."""
-        return _raised(self.run([Prefill(session_id, prompt_ids, params, want_features, max_new_tokens,
-                                         verify_tokens)])[0])
+    def prefill(self, session_id: str, prompt_ids: list[int], params: SamplingParams, *args, **kwargs) -> PrefillResult:
+        """One prefill alone (run() with a batch of one; the rest as Prefill's fields), raising its error."""
+        return _raised(self.run([Prefill(session_id, prompt_ids, params, *args, **kwargs)])[0])
 
-    def verify(self, session_id: str, token: int, drafts: list[int], want_features: bool = True,
-               q=None, parents: list[int] | None = None, decode: int = 1, stop_ids: Sequence[int] = ()) -> VerifyResult:
-        """One verify alone (run() with a batch of one), raising its error."""
-        return _raised(self.run([Verify(session_id, token, drafts, want_features, q, parents, decode, stop_ids)])[0])
+    def verify(self, session_id: str, token: int, drafts: list[int], *args, **kwargs) -> VerifyResult:
+        """One verify alone (run() with a batch of one; the rest as Verify's fields), raising its error."""
+        return _raised(self.run([Verify(session_id, token, drafts, *args, **kwargs)])[0])
 
     def _prefill_step(self, p: Prefill) -> Step:
         """The session's share of the KV budget starts at its prompt and the room a verify of `verify_tokens`
@@ -252,9 +250,11 @@ class TargetEngine(SessionOwner):
         limit = self.max_context
         if p.max_new_tokens is not None:
             limit = min(limit, len(prompt_ids) + p.max_new_tokens + width)
-        session = Session(params=p.sampling, generator=generator, reserved=self.kv_budget.reserve(reserve),
-                          width=width, limit=limit)
-        return Step("prefill", session, prompt_ids, p.want_features)
+        step = processing.checked(Step("prefill", None, prompt_ids, p.want_features, allowed=p.allowed), self.vocab_size)
+        step.session = Session(params=p.sampling, generator=generator, reserved=self.kv_budget.reserve(reserve),
+                               width=width, limit=limit)
+        processing.open_session(step.session, prompt_ids, self.vocab_size, self.device)
+        return step
 
     def _reserve_for(self, session: Session, grown: int) -> None:
         """Grow a session's share of the KV budget to hold `grown` tokens and the next verify's width; while
@@ -301,7 +301,8 @@ class TargetEngine(SessionOwner):
             raise InvalidRequest(f"verify would grow the session to {grown} tokens, past the {session.limit} its "
                                  "prefill asked for (prompt + max_new_tokens + one verify)")
         self._reserve_for(session, grown)
-        return Step("verify", session, [v.token, *drafts], v.want_features, dense, parents)
+        return processing.checked(Step("verify", session, [v.token, *drafts], v.want_features, dense, parents,
+                                       v.allowed), self.vocab_size)
 
     # -- one batched forward ------------------------------------------------------------------
 
@@ -341,17 +342,20 @@ class TargetEngine(SessionOwner):
             self._grow(step.session, step.session.length + len(step.ids))
         logits, features = self.burst.run(steps, self.runner.forward, self.kv_pool)  # [N, V]: prefills' last rows, verifies' all
         rows = [1 if step.kind == "prefill" else len(step.ids) for step in steps]
+        scored = processing.process(steps, logits, rows)  # penalties and masks; `logits` stays raw (logprobs)
         best = None
         if any(step.session.params.greedy for step in steps):
-            best = logits.argmax(-1).tolist()  # the batch's one host sync (greedy)
+            best = scored.argmax(-1).tolist()  # the batch's one host sync (greedy)
         kept, results, start = [], [], 0
-        for step, logit, feature, n in zip(steps, logits.split(rows), features, rows, strict=True):
+        for step, logit, raw, feature, n in zip(steps, scored.split(rows), logits.split(rows), features, rows,
+                                                strict=True):
             argmax = best[start : start + n] if best is not None else None
-            results.append(self._finish(step, logit, feature, argmax, kept.append))
+            results.append(self._finish(step, logit, feature, argmax, kept.append, raw))
             start += n
         self.runner.commit(steps, past, kept, self.kv_pool)
         for step, keep in zip(steps, kept, strict=True):
             step.session.length += len(keep)
+            processing.commit(step, keep)
         return results
 
     def _grow(self, session: Session, length: int) -> None:
@@ -367,11 +371,12 @@ class TargetEngine(SessionOwner):
 
     def _finish(
         self, step: Step, logits: torch.Tensor, features: torch.Tensor, argmax: list[int] | None,
-        commit: Callable[[range | list[int]], None],
+        commit: Callable[[range | list[int]], None], raw: torch.Tensor,
     ) -> PrefillResult | VerifyResult:
         """Sample or accept from one sequence's logits (prefill: [1, V], verify: [K+1, V], a tree's one row
         per node), their argmax already on the host for a greedy session; `commit(kept)` is told which of
-        its new tokens it keeps (a chain's first ones, a tree's root and accepted path)."""
+        its new tokens it keeps (a chain's first ones, a tree's root and accepted path). `logits` are processed
+        (target_server/logits.py), `raw` the model's, for logprobs."""
         session = step.session
         greedy = session.params.greedy
         if step.kind == "prefill":
@@ -379,7 +384,7 @@ class TargetEngine(SessionOwner):
             token = argmax[-1] if greedy else pick(logits[-1], session.params, session.generator)
             out = PrefillResult(token=token, features=features if step.want_features else None)
             if session.params.logprobs is not None:
-                out.logprobs = token_logprobs(logits[-1:], [out.token], session.params.logprobs)
+                out.logprobs = token_logprobs(raw[-1:], [out.token], session.params.logprobs)
             commit(keep)
             return out
         drafts = step.ids[1:]
@@ -400,7 +405,7 @@ class TargetEngine(SessionOwner):
                            warming=self.buckets_compiling > 0)
         top = session.params.logprobs
         if top is not None:  # the rows of t and the accepted drafts: where d_1..d_a and b are
-            out.logprobs = token_logprobs(_rows(logits, keep), [*out.accepted, bonus], top)
+            out.logprobs = token_logprobs(_rows(raw, keep), [*out.accepted, bonus], top)
         commit(keep)
         return out
 

@@ -136,11 +136,12 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
                 self.timed.add(step.session_id)
             return Prefill(step.session_id, list(p.prompt_ids), sampling_from_pb(p.sampling), p.want_features,
                            p.max_new_tokens if p.HasField("max_new_tokens") else None,
-                           p.verify_tokens if p.HasField("verify_tokens") else None), True
+                           p.verify_tokens if p.HasField("verify_tokens") else None,
+                           allowed=p.allowed or None), True
         if kind == "verify":
             v = step.request.verify
             return Verify(step.session_id, v.token, list(v.drafts), v.want_features, draft_probs_from_pb(v.q),
-                          parents_from_pb(v.parents), v.decode, list(v.stop_ids)), False
+                          parents_from_pb(v.parents), v.decode, list(v.stop_ids), v.allowed or None), False
         raise InvalidRequest("a target step needs a prefill or a verify")
 
     def _answer(self, done: list) -> target_pb2.TargetBatchResult:

@@ -28,6 +28,9 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     ready: torch.cuda.Event | None = None  # CUDA: recorded at the end of the batch that computed its last features
     released: bool = False  # its blocks freed (ended, cancelled, evicted): a step of it still queued fails alone
+    # penalties (target_server/logits.py): the generated tokens' counts [V] and the prompt's tokens [V]
+    counts: torch.Tensor | None = None
+    prompt_seen: torch.Tensor | None = None
 
 
 @dataclass
@@ -40,3 +43,4 @@ class Step:
     want_features: bool
     q: torch.Tensor | dict[int, torch.Tensor] | None = None  # sampled drafts' q: dense_q, a tree's tree_q
     parents: list[int] | None = None  # a verify of a draft tree: Drafts.parents of ids[1:]; None: a chain
+    allowed: bytes | None = None  # a constrained generation's mask rows (tandem/constraint.py), one per scored row

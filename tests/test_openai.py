@@ -316,7 +316,7 @@ def test_unknown_fields_are_ignored_and_user_too(client):
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "logprobs": 50}, "logprobs"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": ""}, "prompt"),
     ({}, "prompt"),
 ])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import shutil
+from typing import Literal
 
 import httpx
 import openai
@@ -22,37 +23,32 @@ from coordinator.http.protocol import ChatRequest, CompletionRequest, StreamOpti
 from tandem.sessions import InvalidRequest
 from tests.test_openai import CHATML, start_stack, stop_stack
 
-# The checkpoint's sampling defaults; the repetition_penalty is there as Qwen's is, and not applied.
+# The checkpoint's sampling defaults, the repetition_penalty as Qwen's (applied, as vLLM applies it).
 GENERATION_CONFIG = {"temperature": 0.7, "top_p": 0.8, "top_k": 5, "repetition_penalty": 1.05}
-SAMPLING = {k: GENERATION_CONFIG[k] for k in ("temperature", "top_p", "top_k")}
+SAMPLING = dict(GENERATION_CONFIG)
 MESSAGES = [{"role": "user", "content": "def main("}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 # A value of each refused field that asks for something Tandem lacks.
 ASKING = {
-    "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.05, "logit_bias": {"5": 10},
-    "min_p": 0.1, "min_tokens": 4, "allowed_token_ids": [1, 2], "bad_words": ["x"], "logits_processors": ["m.P"],
+    "logit_bias": {"5": 10}, "allowed_token_ids": [1, 2], "bad_words": ["x"], "logits_processors": ["m.P"],
     "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "spaces_between_special_tokens": False,
-    "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "[a-z]+",
-    "guided_choice": ["a", "b"], "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "xgrammar",
-    "guided_whitespace_pattern": " ", "structural_tag": "{}", "structured_outputs": {"regex": "a"}, "priority": 1,
+    "guided_whitespace_pattern": " ", "structural_tag": "{}", "priority": 1,
     "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "store": True, "metadata": {"a": "b"},
-    "service_tier": "flex", "tools": [TOOL], "tool_choice": "auto", "parallel_tool_calls": False,
-    "functions": [TOOL["function"]], "function_call": "auto", "audio": {"voice": "alloy", "format": "wav"},
+    "service_tier": "flex", "functions": [TOOL["function"]], "function_call": "auto", "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
     "include_reasoning": False, "verbosity": "low", "web_search_options": {}, "echo": True, "chat_template": CHATML,
     "mm_processor_kwargs": {"a": 1}, "media_io_kwargs": {"video": {}}, "moderation": {"model": "omni"},
-    "prompt_cache_options": {"ttl": "1h"}, "prompt_cache_retention": "24h", "suffix": "\n", "prompt_embeds": "AAAA",
+    "prompt_cache_options": {"ttl": "1h"}, "prompt_cache_retention": "24h", "prompt_embeds": "AAAA",
 }
 # Their neutral values, which ask for nothing: accepted, and the answer is the plain request's.
 NEUTRAL = {
-    "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {}, "min_p": 0,
-    "min_tokens": 0, "allowed_token_ids": [], "bad_words": [], "logits_processors": [], "use_beam_search": False,
-    "length_penalty": 1.0, "spaces_between_special_tokens": True, "response_format": {"type": "text"},
+    "logit_bias": {}, "allowed_token_ids": [], "bad_words": [], "logits_processors": [], "use_beam_search": False,
+    "length_penalty": 1.0, "spaces_between_special_tokens": True,
     "priority": 0, "kv_transfer_params": {}, "vllm_xargs": {}, "store": False, "metadata": {}, "service_tier": "auto",
-    "tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "modalities": ["text"],
+    "functions": [], "function_call": "none", "modalities": ["text"],
     "include_reasoning": True, "echo": False, "mm_processor_kwargs": {}, "media_io_kwargs": {},
-    "prompt_cache_options": {}, "suffix": "",
+    "prompt_cache_options": {},
 }
 # Accepted identifiers that by their definition change nothing in the answer.
 IDENTIFIERS = {"user": "u1", "safety_identifier": "s1", "prompt_cache_key": "k1", "cache_salt": "salt"}
@@ -359,7 +355,7 @@ def test_tokenize_and_detokenize_round_trip(stack, client, tokenizer):
     ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert rendered["tokens"] == list(ids)
     assert rendered["count"] == chat(stack).json()["usage"]["prompt_tokens"]
-    assert_400(post(stack, "/tokenize", {"messages": MESSAGES, "tools": [TOOL]}), "tools")
+    assert post(stack, "/tokenize", {"messages": MESSAGES, "tools": [TOOL]}).status_code == 200  # rendered with them
     assert_400(post(stack, "/detokenize", {"tokens": [10**7]}), "tokens")
     assert post(stack, "/tokenize", {"prompt": "x", "model": "gpt-4"}).json()["error"]["code"] == "model_not_found"
     assert httpx.get(f"{stack.url}/version").json() == {"version": importlib.metadata.version("tandem")}
@@ -398,3 +394,235 @@ def test_the_target_sends_its_generation_config_and_grpc_applies_it_without_samp
     assert client_request_from_pb(given, pair).generation.sampling.greedy  # given: as given
     info.generation_config = ""
     assert client_request_from_pb(coordinator_pb2.GenerateRequest(prompt_ids=[1, 2]), pair).generation.sampling.greedy
+
+
+# -- structured outputs and penalties through the front ------------------------------------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    from tandem_tools.inprocess import InProcessGenerator
+
+    return InProcessGenerator(tiny_dir / "target", tiny_dir / "draft", draft_cost=0)
+
+
+def target_alone(reference, prompt_ids: list[int], max_tokens: int, **fields) -> list[int]:
+    from tandem.params import GenerationRequest, SamplingParams
+
+    sampling = SamplingParams(**{k: fields.pop(k) for k in list(fields) if k in SamplingParams.model_fields})
+    request = GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=max_tokens, sampling=sampling, speculate=False,
+                                **fields)
+    return reference.generate(request).token_ids
+
+
+@pytest.mark.parametrize(("body", "grammar"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}},
+     {"kind": "json_schema", "value": json.dumps(PERSON)}),
+    ({"guided_regex": "[a-z]{3,6}( [a-z]{2,5}){0,2}"}, {"kind": "regex", "value": "[a-z]{3,6}( [a-z]{2,5}){0,2}"}),
+    ({"structured_outputs": {"choice": ["alpha", "beta", "gamma"]}},
+     {"kind": "choice", "value": json.dumps(["alpha", "beta", "gamma"])}),
+    ({"guided_grammar": 'root ::= "(" [0-9]+ ")"'}, {"kind": "grammar", "value": 'root ::= "(" [0-9]+ ")"'}),
+])
+def test_greedy_structured_output_through_the_services_is_the_targets_alone(stack, reference, body, grammar):
+    from tandem.params import GrammarSpec
+
+    prompt = [17, 250, 33, 104, 9]
+    got = completion(stack, prompt=prompt, max_tokens=40, temperature=0, repetition_penalty=1, return_token_ids=True,
+                     **body).json()
+    want = target_alone(reference, prompt, 40, grammar=GrammarSpec(**grammar))
+    assert got["choices"][0]["token_ids"] == want, got
+
+
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 1.5}, {"frequency_penalty": 1.2},
+                                     {"repetition_penalty": 1.6},
+                                     {"min_p": 0.2, "temperature": 0.9, "seed": 3, "top_p": 1, "top_k": 0}])
+def test_penalised_output_through_the_services_is_the_targets_alone(stack, reference, penalty):
+    """Greedy with speculation; the sampled min_p target-only on both sides (a seed fixes a sampled output
+    for one way of drafting: the law under speculation is tests/test_speculative_sampling.py's)."""
+    prompt = [17, 250, 33, 104, 9]
+    body = {"temperature": 0, "repetition_penalty": 1, **penalty}
+    if "min_p" in penalty:
+        body["speculate"] = False
+    got = completion(stack, prompt=prompt, max_tokens=24, ignore_eos=True, return_token_ids=True, **body).json()
+    want = target_alone(reference, prompt, 24, ignore_eos=True, **{k: v for k, v in body.items() if k != "speculate"})
+    assert got["choices"][0]["token_ids"] == want, got
+
+
+def test_min_tokens_through_the_front(stack, tokenizer):
+    got = completion(stack, prompt="def main(", max_tokens=12, min_tokens=12, temperature=0,
+                     stop_token_ids=list(range(1, 400))).json()
+    assert got["usage"]["completion_tokens"] == 12 and got["choices"][0]["finish_reason"] == "length"
+    assert_400(completion(stack, max_tokens=4, min_tokens=5), "min_tokens", "invalid_value")
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"guided_regex": "[a-"}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"guided_decoding_backend": "xgrammar", "guided_regex": "a"}, "guided_decoding_backend"),
+])
+def test_a_bad_structured_output_is_a_400_naming_it(stack, body, param):
+    response = chat(stack, **body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert param in error["message"] or error["param"] == param or (
+        param in ("guided_regex", "response_format") and ("regex" in error["message"] or "schema" in
+                                                           error["message"])), error
+
+
+@pytest.mark.slow
+def test_the_sdks_parse_gives_100_valid_answers(client):
+    """client.beta.chat.completions.parse with a pydantic model: the strict JSON schema the SDK sends keeps
+    every answer of the (random) tiny model valid, sampled at the checkpoint's defaults."""
+    import jsonschema
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=6)
+        kind: str = Field(pattern="^(cat|dog|fish)$")
+        legs: int = Field(ge=0, le=8)
+
+    schema = Pet.model_json_schema()
+    for seed in range(100):
+        answer = client.beta.chat.completions.parse(model="target", messages=MESSAGES, response_format=Pet,
+                                                    max_tokens=120, seed=seed)
+        message = answer.choices[0].message
+        assert answer.choices[0].finish_reason == "stop", message.content
+        jsonschema.validate(json.loads(message.content), schema)
+        assert isinstance(message.parsed, Pet)
+
+
+def test_langchain_with_structured_output(stack):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        """A city."""
+
+        name: str = Field(max_length=8)
+        population: int = Field(ge=0, le=1000)
+
+    llm = ChatOpenAI(base_url=f"{stack.url}/v1", api_key="none", model="target", temperature=0, max_tokens=80,
+                     max_retries=0)
+    for method in ("json_schema", "json_mode"):
+        structured = llm.with_structured_output(City if method == "json_schema" else City.model_json_schema(),
+                                                method=method)
+        answer = structured.invoke("Name a city as JSON.")
+        if method == "json_schema":
+            assert isinstance(answer, City)
+        else:
+            assert isinstance(answer, dict)
+
+
+# -- tools ----------------------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string", "maxLength": 8},
+                                                                          "days": {"type": "integer", "minimum": 1,
+                                                                                   "maximum": 7}},
+                                                           "required": ["city", "days"],
+                                                           "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_calls_are_returned_and_streamed(client, tool_choice):
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for seed in range(3):
+        kwargs = {"model": "target", "messages": MESSAGES, "tools": [WEATHER, TIME], "tool_choice": tool_choice,
+                  "max_tokens": 200, "seed": seed}
+        answer = client.chat.completions.create(**kwargs)
+        message = answer.choices[0].message
+        assert answer.choices[0].finish_reason == "tool_calls" and message.tool_calls, message
+        for call in message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        if isinstance(tool_choice, dict):
+            assert [c.function.name for c in message.tool_calls] == ["get_weather"]
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        streamed = [c for chunk in chunks for choice in chunk.choices for c in (choice.delta.tool_calls or [])]
+        assert [(c.function.name, c.function.arguments) for c in streamed] == [
+            (c.function.name, c.function.arguments) for c in message.tool_calls]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_tool_choice_answers_text_where_the_model_writes_no_call(client):
+    answer = client.chat.completions.create(model="target", messages=MESSAGES, tools=[WEATHER], max_tokens=8,
+                                            temperature=0)
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content
+
+
+def test_tool_calls_parse_as_vllms_hermes_and_llama3_json_parsers():
+    from coordinator.http import tools
+
+    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>' \
+           '\n<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>'
+    content, calls = tools.parse(text, "auto", None, "hermes")
+    assert content == "Let me look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "utc"})]
+    assert len(tools.parse(text, "auto", None, "hermes", parallel=False)[1]) == 1
+    content, calls = tools.parse('<|python_tag|>{"name": "get_time", "parameters": {"zone": "cet"}}', "auto", None,
+                                 "llama3_json")
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"zone": "cet"}
+    assert tools.parse("no call here", "auto", None, "hermes") == ("no call here", [])
+    assert tools.parser_for("{{ '<tool_call>' }}") == "hermes" and tools.parser_for("<|python_tag|>") == "llama3_json"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+])
+def test_bad_tools_are_a_400_naming_them(stack, body, param):
+    assert_400(chat(stack, **body), param)
+
+
+def test_langchain_bind_tools(stack):
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_time(zone: Literal["utc", "cet"]) -> str:
+        """The time in a zone."""
+        return zone
+
+    llm = ChatOpenAI(base_url=f"{stack.url}/v1", api_key="none", model="target", temperature=0, max_tokens=60,
+                     max_retries=0)
+    for choice in ("required", "get_time"):
+        tools = llm.bind_tools([get_time], tool_choice=choice, parallel_tool_calls=False, strict=True)
+        message = tools.invoke("What time is it?")
+        assert [call["name"] for call in message.tool_calls][:1] == ["get_time"], message
+        assert message.tool_calls[0]["args"]["zone"] in ("utc", "cet")
+
+
+def test_suffix_fills_in_the_middle_where_the_tokenizer_can(stack, tiny_dir):
+    from tokenizers import AddedToken, Tokenizer
+
+    from coordinator.http.tokens import fim_prompt
+
+    # the tiny tokenizer has no fill-in-the-middle tokens: a 400 naming suffix
+    assert_400(completion(stack, suffix="\n    return x\n"), "suffix", "unsupported_value")
+    assert completion(stack, suffix="").status_code == 200  # empty: a plain completion
+    tokenizer = Tokenizer.from_file(str(tiny_dir / "target" / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in ("<|fim_prefix|>", "<|fim_suffix|>",
+                                                                        "<|fim_middle|>")])
+    pre, suf, mid = (tokenizer.token_to_id(t) for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
+    ids = fim_prompt(tokenizer, "def f(x):", "    return x")
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids
+    assert ids == [pre, *encode("def f(x):"), suf, *encode("    return x"), mid]

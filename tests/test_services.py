@@ -155,6 +155,28 @@ def test_target_only_mode_matches_in_process(client, reference):
     assert got["stats"]["num_draft_tokens"] == 0
 
 
+def test_grammars_and_penalties_over_grpc_give_the_targets_tokens(client, reference):
+    """The gRPC request's grammar, min_tokens and penalties: greedy with speculation through the services,
+    the target alone in-process."""
+    from tandem.params import GrammarSpec
+
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+                         "required": ["n"], "additionalProperties": False})
+    cases = [({"grammar": {"json_schema": schema}}, {"grammar": GrammarSpec(kind="json_schema", value=schema)}),
+             ({"grammar": {"regex": "[a-z]{2,9}"}}, {"grammar": GrammarSpec(kind="regex", value="[a-z]{2,9}")}),
+             ({"grammar": {"choice": ["on", "off"]}}, {"grammar": GrammarSpec(kind="choice", value='["on", "off"]')}),
+             ({"repetition_penalty": 1.5, "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 20},
+              {"sampling": SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.5),
+               "min_tokens": 20})]
+    ids = reference.tokenizer("def main(")["input_ids"]
+    for remote_fields, local in cases:
+        got = client.generate(prompt="def main(", max_new_tokens=24, **remote_fields)
+        want = reference.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=24, speculate=False, **local))
+        assert got.token_ids == want.token_ids, remote_fields
+    with pytest.raises(TandemError, match="regex"):
+        client.generate(prompt="def main(", max_new_tokens=4, grammar={"regex": "[a-"})
+
+
 def test_cli_generate_server_json_matches_in_process(stack, reference):
     args = ["--prompt", "def main(", "--max-new-tokens", "24", "--json"]
     out = subprocess.run([sys.executable, "-m", "tandem_tools.cli", "generate", "--server", stack.address, *args],

@@ -23,7 +23,8 @@ import torch
 from helpers import SamplingOracleDraft, chi_square_p
 
 from draft_server.sampling import DraftSampler, draft_q, draw
-from tandem.params import GenerationRequest, SamplingParams
+from tandem.constraint import Grammars, unpack_rows, words
+from tandem.params import GenerationRequest, GrammarSpec, SamplingParams
 from tandem.policy import Speculation
 from tandem.protocol import DraftProbs
 from tandem.rounds import run_rounds
@@ -44,7 +45,8 @@ SETTINGS = {
 }
 
 
-def sample_runs(target, draft, params: SamplingParams, runs: int, mode: str) -> tuple[list[tuple[int, ...]], int]:
+def sample_runs(target, draft, params: SamplingParams, runs: int, mode: str, grammar: GrammarSpec | None = None,
+                grammars=None) -> tuple[list[tuple[int, ...]], int]:
     """`runs` seeded generations of NEW_TOKENS tokens, and the overlap hits among their rounds. batched: 8
     at a time, so that the target verifies them in shared forwards; overlap: the draft prepares each next
     round during the verify (a hit verifies the drafts it prepared, with their q)."""
@@ -54,8 +56,9 @@ def sample_runs(target, draft, params: SamplingParams, runs: int, mode: str) -> 
         # an ahead runs only while a next round can follow: overlap needs a few more tokens
         new_tokens = NEW_TOKENS + 2 if mode == "overlap" else NEW_TOKENS
         request = GenerationRequest(prompt_ids=PROMPT, max_new_tokens=new_tokens, num_draft_tokens=K,
-                                    ignore_eos=True, sampling=params.model_copy(update={"seed": seed}))
-        events = run_rounds(target, draft, request, speculation=speculation)
+                                    ignore_eos=True, sampling=params.model_copy(update={"seed": seed}),
+                                    grammar=grammar)
+        events = run_rounds(target, draft, request, speculation=speculation, grammars=grammars)
         tokens, event = [], None
         for event in events:
             tokens += event.new_tokens
@@ -69,16 +72,20 @@ def sample_runs(target, draft, params: SamplingParams, runs: int, mode: str) -> 
         return list(pool.map(one, range(runs))), sum(hits)
 
 
-def conditional_p_value(model, params: SamplingParams, samples: list[tuple[int, ...]], position: int) -> float:
+def conditional_p_value(model, params: SamplingParams, samples: list[tuple[int, ...]], position: int,
+                        process=None) -> float:
     """Goodness of fit of the token at `position` given the tokens before it, to the target's own
     conditional law: chi-square summed over the observed prefixes (cells with an expected count below 5
-    pooled per prefix; a token the target cannot produce makes the statistic infinite)."""
+    pooled per prefix; a token the target cannot produce makes the statistic infinite). `process(logits,
+    prefix)`: the target's logits at that prefix as the request's penalties or grammar make them."""
     groups: dict[tuple[int, ...], Counter] = {}
     for s in samples:
         groups.setdefault(s[:position], Counter())[s[position]] += 1
     prefixes = list(groups)
     with torch.inference_mode():
         logits = model(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1]
+        if process is not None:
+            logits = torch.stack([process(row, prefix) for row, prefix in zip(logits, prefixes, strict=True)])
         probs = target_probs(logits, params)  # [prefixes, V]
     stat, df = 0.0, 0
     for prefix, row in zip(prefixes, probs, strict=True):
@@ -120,6 +127,48 @@ def test_sampled_drafts_keep_the_targets_law(generator, hf_target, oracle, name,
     p_values = {j: conditional_p_value(hf_target, params, samples, j) for j in POSITIONS}
     assert min(p_values.values()) > ALPHA, (p_values, hits)
     assert generator.target.num_sessions == 0
+
+
+PENALISED = SamplingParams(temperature=1.0, presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.4,
+                           min_p=0.02)
+
+
+def penalised(logits: torch.Tensor, prefix: tuple[int, ...]) -> torch.Tensor:
+    """vLLM's penalties, written out: repetition over the prompt and the generated tokens, then frequency and
+    presence over the generated ones."""
+    counts = torch.bincount(torch.tensor(prefix, dtype=torch.long), minlength=logits.numel()).float()
+    seen = counts > 0
+    seen[PROMPT] = True
+    r = PENALISED.repetition_penalty
+    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    return logits - PENALISED.frequency_penalty * counts - PENALISED.presence_penalty * (counts > 0).float()
+
+
+def test_penalised_sampling_keeps_the_penalised_targets_law(generator, hf_target, oracle):
+    """The penalties at a verify's draft positions count the drafts before them: with a draft that knows
+    nothing of them, the output law is the penalised target's."""
+    samples, _ = sample_runs(generator.target, oracle, PENALISED, RUNS, "alone")
+    p_values = {j: conditional_p_value(hf_target, PENALISED, samples, j, penalised) for j in POSITIONS}
+    assert min(p_values.values()) > ALPHA, p_values
+
+
+def test_constrained_sampling_keeps_the_masked_targets_law(generator, hf_target, oracle):
+    """A regex: drafts it forbids are cut, forced ones drafted; the output law is the target's masked by it."""
+    grammar = GrammarSpec(kind="regex", value="[a-z ]{1,60}")
+    grammars = Grammars((generator.target_dir / "tokenizer.json").read_text(), generator.target.vocab_size,
+                        generator.target.eos_token_ids)
+    params = SETTINGS["t1"]
+    samples, _ = sample_runs(generator.target, oracle, params, RUNS, "alone", grammar, grammars)
+
+    def masked(logits, prefix):
+        matcher = grammars.matcher(grammar)
+        assert matcher.consume_tokens(list(prefix)), prefix
+        allowed = torch.from_numpy(unpack_rows(matcher.compute_bitmask()[: 4 * words(logits.numel())],
+                                               logits.numel())[0])
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    p_values = {j: conditional_p_value(hf_target, params, samples, j, masked) for j in POSITIONS}
+    assert min(p_values.values()) > ALPHA, p_values
 
 
 def test_the_check_sees_a_residual_drawn_from_p(generator, hf_target, oracle, monkeypatch):

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from coordinator.http import tools
 from coordinator.http.choice import Choice
 from coordinator.http.protocol import (
     CompletionLogprobs,
@@ -35,8 +36,10 @@ class Answer:
     """The response to one request, whole or as server-sent events."""
 
     def __init__(self, model: str, tokenizer, params, chat: bool, choices: list[Choice],
-                 first: list[TextDelta | None]):
+                 first: list[TextDelta | None], parser: str = "hermes"):
         self.params, self.chat, self.choices, self.first = params, chat, choices, first
+        self.tool_mode = params.tool_mode if chat else "none"  # tools.py: tool calls parsed from the text
+        self.parser = parser
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{params.request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
@@ -99,7 +102,7 @@ class Answer:
             out.update({"token_ids": token_ids} if self.chat else
                        {"prompt_token_ids": choice.prompt_ids, "token_ids": token_ids})
         if self.chat:
-            out["message"] = {"role": "assistant", "content": "".join(text)}
+            out["message"], out["finish_reason"] = self._message("".join(text), finish)
             if self.wants_logprobs:
                 out["logprobs"] = {"content": chat_logprobs(token_ids, logprobs, self.token_text)}
         else:
@@ -107,6 +110,17 @@ class Answer:
             if self.wants_logprobs:
                 out["logprobs"] = merge_completion_logprobs([CompletionLogprobs(self.token_text).add(token_ids, logprobs)])
         return out
+
+    def _message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """A chat answer's message and finish reason: its tool calls parsed out where it has tools."""
+        if self.tool_mode == "none":
+            return {"role": "assistant", "content": text}, finish
+        content, calls = tools.parse(text, self.tool_mode, self.params.tool_named, self.parser,
+                                     self.params.parallel_tool_calls)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return message, ("tool_calls" if calls and finish == "stop" else finish)
 
     async def events(self) -> AsyncIterator[str]:
         """SSE: chunks as the choices' deltas come, then (stream_options.include_usage) the usage, then [DONE].
@@ -122,6 +136,7 @@ class Answer:
                     yield self._sse(object_, [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                "logprobs": None, "finish_reason": None}], **ids)
             running, last, opened = len(self.choices), None, set()
+            held = [""] * len(self.choices)  # with tools: a choice's text, parsed at its end
             while running:
                 index, item = await queue.get()
                 if item is None:
@@ -135,6 +150,10 @@ class Answer:
                 self.completion_tokens += len(delta.token_ids)
                 if delta.finish_reason is not None:
                     self.stats[index] = delta.stats
+                if self.tool_mode != "none":  # the calls are known once the answer is whole
+                    held[index] += delta.text
+                    if delta.finish_reason is None:
+                        continue
                 tokens_shown = self.wants_logprobs or self.wants_ids
                 if not delta.text and delta.finish_reason is None and not (tokens_shown and delta.token_ids):
                     continue  # nothing to show yet (text held back: half a character, a possible stop string)
@@ -144,7 +163,13 @@ class Answer:
                     if not self.chat and index not in opened:
                         piece["prompt_token_ids"] = self.choices[index].prompt_ids
                 opened.add(index)
-                if self.chat:
+                if self.chat and self.tool_mode != "none":
+                    message, piece["finish_reason"] = self._message(held[index], delta.finish_reason)
+                    piece["delta"] = {"content": message["content"]} if message["content"] else {}
+                    if "tool_calls" in message:
+                        piece["delta"]["tool_calls"] = [{"index": j, **call}
+                                                        for j, call in enumerate(message["tool_calls"])]
+                elif self.chat:
                     piece["delta"] = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
                     if self.wants_logprobs:
                         piece["logprobs"] = {"content": chat_logprobs(delta.token_ids, delta.logprobs or [],

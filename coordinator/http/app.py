@@ -39,7 +39,8 @@ from coordinator.http.protocol import (
     bad_request,
     http_error,
 )
-from coordinator.http.tokens import detokenize_answer, tokenize, tokenize_answer, version
+from coordinator.http.tokens import detokenize_answer, fim_prompt, tokenize, tokenize_answer, version
+from coordinator.http.tools import parser_for, template_messages
 from coordinator.model_defaults import model_sampling
 from coordinator.monitor import Pair
 from tandem.errors import Abort
@@ -146,7 +147,8 @@ class Front:
                 choice.close()
             return error_response(http_error(exc))
         pair = self.generations.monitor.current
-        answer = Answer(self.model_name(), pair.tokenizer if pair is not None else None, params, chat, choices, first)
+        answer = Answer(self.model_name(), pair.tokenizer if pair is not None else None, params, chat, choices, first,
+                        parser_for(self.chat_template or (pair.target_info.chat_template if pair else None)))
         if params.stream:
             return StreamingResponse(answer.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -166,9 +168,10 @@ class Front:
     def render(self, pair: Pair, params) -> list[int]:
         """A chat request's (or a chat /tokenize's) conversation as the prompt's token ids."""
         text = render_chat(
-            self.chat_template or pair.target_info.chat_template, [m.model_dump(exclude_none=True) for m in params.messages],
+            self.chat_template or pair.target_info.chat_template,
+            template_messages([m.model_dump(exclude_none=True) for m in params.messages]),
             dict(pair.target_info.special_tokens), params.generation_prompt, params.continue_final_message,
-            params.documents, params.chat_template_kwargs,
+            params.documents, params.chat_template_kwargs, params.tools,
         )
         return tokenize(pair, text, params.add_special_tokens)
 
@@ -178,7 +181,12 @@ class Front:
                 ids = self.render(pair, params)
                 max_new, logprobs = params.max_new_tokens, params.wanted_logprobs
             else:
-                ids = tokenize(pair, prompt, params.add_special_tokens) if isinstance(prompt, str) else list(prompt)
+                if params.suffix:
+                    if not isinstance(prompt, str):
+                        raise bad_request("`suffix` needs the prompt as text", "suffix")
+                    ids = fim_prompt(pair.tokenizer, prompt, params.suffix)
+                else:
+                    ids = tokenize(pair, prompt, params.add_special_tokens) if isinstance(prompt, str) else list(prompt)
                 max_new, logprobs = params.max_tokens, params.logprobs
             ids = _truncated(ids, params.truncate_prompt_tokens, pair.target_info.max_context)
             optional = {"num_draft_tokens": params.num_draft_tokens} if params.num_draft_tokens is not None else {}
@@ -186,9 +194,12 @@ class Front:
                 prompt_ids=ids,
                 max_new_tokens=max_new or pair.target_info.max_context,  # unset: what fits (fit_to_pair)
                 sampling=model_sampling(pair.target_info.generation_config, temperature=params.temperature,
-                                        top_p=params.top_p, top_k=params.top_k, seed=seed, logprobs=logprobs),
+                                        top_p=params.top_p, top_k=params.top_k, seed=seed, logprobs=logprobs,
+                                        presence_penalty=params.presence_penalty,
+                                        frequency_penalty=params.frequency_penalty,
+                                        repetition_penalty=params.repetition_penalty, min_p=params.min_p),
                 stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos, speculate=params.speculate,
-                **optional,
+                grammar=params.grammar, min_tokens=params.min_tokens, **optional,
             )
             return ClientRequest(generation, params.stops, max_new_tokens_given=max_new is not None,
                                  include_stop_str=params.include_stop_str_in_output,

@@ -41,18 +41,13 @@ def _empty(v) -> bool:
 
 _never = _is()
 
-PENALTIES = "penalties are not supported yet"
-STRUCTURED = "structured outputs are not supported yet"
-TOOLS = "tool calling is not supported yet"
+TOOLS = "the deprecated function-calling fields are not supported"
 
-# Both endpoints.
+# Both endpoints. The penalties, min_p, min_tokens and the structured outputs (response_format,
+# structured_outputs, guided_json / guided_regex / guided_choice / guided_grammar) are implemented
+# (protocol.py, tandem/constraint.py).
 COMMON: dict[str, Refused] = {
-    "presence_penalty": Refused(_is(0), f"{PENALTIES}: send 0 or leave it out"),
-    "frequency_penalty": Refused(_is(0), f"{PENALTIES}: send 0 or leave it out"),
-    "repetition_penalty": Refused(_is(1), f"{PENALTIES}: send 1 or leave it out"),
     "logit_bias": Refused(_empty, "not supported yet"),
-    "min_p": Refused(_is(0), "not supported yet: send 0 or leave it out"),
-    "min_tokens": Refused(_is(0), "not supported yet: send 0 or leave it out"),
     "allowed_token_ids": Refused(_empty, "not supported yet"),
     "bad_words": Refused(_empty, "not supported yet"),
     "logits_processors": Refused(_empty, "logits processors are not supported"),
@@ -60,16 +55,9 @@ COMMON: dict[str, Refused] = {
     "length_penalty": Refused(_is(1), "applies to beam search, which is not supported: send 1"),
     "prompt_logprobs": Refused(_never, "prompt logprobs are not supported yet"),
     "spaces_between_special_tokens": Refused(_is(True), "spaces between special tokens are not supported: send true"),
-    "response_format": Refused(lambda v: isinstance(v, dict) and v.get("type", "text") == "text",
-                               f"{STRUCTURED}: only {{\"type\": \"text\"}}"),
-    "guided_json": Refused(_never, STRUCTURED),
-    "guided_regex": Refused(_never, STRUCTURED),
-    "guided_choice": Refused(_never, STRUCTURED),
-    "guided_grammar": Refused(_never, STRUCTURED),
-    "guided_decoding_backend": Refused(_never, STRUCTURED),
-    "guided_whitespace_pattern": Refused(_never, STRUCTURED),
-    "structural_tag": Refused(_never, STRUCTURED),
-    "structured_outputs": Refused(_never, STRUCTURED),
+    "guided_whitespace_pattern": Refused(_never, "a JSON grammar's whitespace is json.dumps' (\", \" and \": \"); "
+                                         "another pattern is not supported"),
+    "structural_tag": Refused(_never, "structural tags are not supported"),
     "priority": Refused(_is(0), "priority scheduling is not supported: send 0"),
     "kv_transfer_params": Refused(_empty, "disaggregated serving (KV transfer) is not supported"),
     "vllm_xargs": Refused(_empty, "vLLM's custom extensions are not supported"),
@@ -80,11 +68,8 @@ COMMON: dict[str, Refused] = {
 
 CHAT: dict[str, Refused] = {
     **COMMON,
-    "tools": Refused(_empty, TOOLS),
-    "tool_choice": Refused(_is("none"), f"{TOOLS}: send \"none\" or leave it out"),
-    "parallel_tool_calls": Refused(_never, TOOLS),
-    "functions": Refused(_empty, TOOLS),
-    "function_call": Refused(_is("none"), f"{TOOLS}: send \"none\" or leave it out"),
+    "functions": Refused(_empty, f"{TOOLS}: send `tools`"),
+    "function_call": Refused(_is("none"), f"{TOOLS}: send `tool_choice`"),
     "audio": Refused(_never, "audio output is not supported"),
     "modalities": Refused(lambda v: v == ["text"], "text is the only modality: send [\"text\"]"),
     "prediction": Refused(_never, "predicted outputs are not supported yet"),
@@ -105,7 +90,6 @@ CHAT: dict[str, Refused] = {
 COMPLETION: dict[str, Refused] = {
     **COMMON,
     "echo": Refused(_is(False), "not supported: send false"),
-    "suffix": Refused(_is(""), "fill-in-the-middle is not supported yet"),
     "prompt_embeds": Refused(_never, "prompt embeddings are not supported"),
 }
 

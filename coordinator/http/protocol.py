@@ -19,15 +19,24 @@ accepted_per_position (rounds in which draft k+1 was accepted) added.
 
 from __future__ import annotations
 
+import json
 from typing import ClassVar
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from coordinator.http import fields
+from coordinator.http import fields, tools
 from coordinator.http.fields import Unsupported
 from tandem.errors import status_of
-from tandem.params import MAX_LOGPROBS
+from tandem.params import MAX_LOGPROBS, GrammarSpec
 from tandem.protocol import TokenLogprob
 from tandem.stats import GenerationStats, mean_acceptance_length
 
@@ -86,6 +95,7 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     REFUSED: ClassVar[dict[str, fields.Refused]] = fields.COMMON
+    _grammar: GrammarSpec | None = PrivateAttr(None)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -115,6 +125,22 @@ class _Sampling(BaseModel):
     # Tandem's extensions: K, draft tokens per round, and target-only decoding
     num_draft_tokens: int | None = None
     speculate: bool = True
+    # Penalties (OpenAI's presence and frequency, vLLM's repetition; None: the checkpoint's), vLLM's min_p
+    # and min_tokens: lossless under speculation (target_server/logits.py)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    min_tokens: int = Field(0, ge=0)
+    # Structured outputs (tandem/constraint.py): OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* fields; at most one of them
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -127,6 +153,29 @@ class _Sampling(BaseModel):
             raise Unsupported("best_of", f"`best_of` {self.best_of}: the best of more samples than are returned is "
                               f"not supported; send 1 or n ({self.n})", "unsupported_value")
         return self
+
+    @model_validator(mode="after")
+    def _structured(self):
+        given = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None and
+                 not (name == "response_format" and self.response_format.get("type", "text") == "text")]
+        if len(given) > 1:
+            raise Unsupported(given[1], f"give one structured output, not {' and '.join(f'`{g}`' for g in given)}",
+                              "invalid_value")
+        if self.guided_decoding_backend not in (None, "auto", "guidance", "llguidance"):
+            raise Unsupported("guided_decoding_backend", f"`guided_decoding_backend` {self.guided_decoding_backend!r}:"
+                              " the grammar engine is llguidance; send \"auto\" or \"guidance\"", "unsupported_value")
+        self._grammar = grammar_spec(self, given[0]) if given else None
+        max_new = self.max_tokens if not hasattr(self, "max_completion_tokens") else (
+            self.max_completion_tokens or self.max_tokens)
+        if max_new is not None and self.min_tokens > max_new:
+            raise Unsupported("min_tokens", f"`min_tokens` {self.min_tokens} is more than the {max_new} max_tokens",
+                              "invalid_value")
+        return self
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """The structured output asked for (None: free text)."""
+        return self._grammar
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -148,6 +197,62 @@ class _Sampling(BaseModel):
         return self.include_usage and self.stream_options.continuous_usage_stats
 
 
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
+# vLLM's StructuredOutputsParams keys Tandem implements; the others (structural_tag, whitespace options) are a 400
+STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                   "json_object": "json_object"}
+
+
+def _schema_text(schema, field: str) -> str:
+    if isinstance(schema, str):
+        return schema
+    if not isinstance(schema, (dict, bool)):
+        raise Unsupported(field, f"`{field}`: a JSON schema is an object", "invalid_value")
+    return json.dumps(schema)
+
+
+def grammar_spec(request, field: str) -> GrammarSpec | None:
+    """The GrammarSpec of a request's structured-output field; Unsupported naming what is wrong."""
+    value = getattr(request, field)
+    if field == "response_format":
+        kind = value.get("type")
+        if kind == "json_object":
+            return GrammarSpec(kind="json_object")
+        if kind != "json_schema":
+            raise Unsupported(field, f"`response_format` type {kind!r}: send \"text\", \"json_object\" or "
+                              "\"json_schema\"", "invalid_value")
+        inner = value.get("json_schema")
+        if not isinstance(inner, dict) or "schema" not in inner:
+            raise Unsupported(field, "`response_format` json_schema needs `json_schema.schema`", "invalid_value")
+        return GrammarSpec(kind="json_schema", value=_schema_text(inner["schema"], "response_format"))
+    if field == "structured_outputs":
+        asked = {k: v for k, v in value.items() if v is not None and v is not False}
+        unknown = sorted(set(asked) - set(STRUCTURED_KEYS))
+        if unknown:
+            raise Unsupported(field, f"`structured_outputs.{unknown[0]}` is not supported; give one of "
+                              f"{', '.join(STRUCTURED_KEYS)}", "unsupported_parameter")
+        if len(asked) != 1:
+            raise Unsupported(field, f"`structured_outputs` gives one of {', '.join(STRUCTURED_KEYS)}, got "
+                              f"{sorted(asked) or 'none'}", "invalid_value")
+        ((key, inner),) = asked.items()
+        kind = STRUCTURED_KEYS[key]
+    else:
+        kind, inner = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                       "guided_grammar": "grammar"}[field], value
+    if kind == "json_object":
+        return GrammarSpec(kind="json_object")
+    if kind == "json_schema":
+        return GrammarSpec(kind="json_schema", value=_schema_text(inner, field))
+    if kind == "choice":
+        if not isinstance(inner, list) or not inner or not all(isinstance(c, str) and c for c in inner):
+            raise Unsupported(field, f"`{field}`: a choice is a non-empty list of non-empty strings", "invalid_value")
+        return GrammarSpec(kind="choice", value=json.dumps(inner))
+    if not isinstance(inner, str) or not inner:
+        raise Unsupported(field, f"`{field}`: a {kind} is a non-empty string", "invalid_value")
+    return GrammarSpec(kind=kind, value=inner)
+
+
 class CompletionRequest(_Sampling):
     REFUSED: ClassVar[dict[str, fields.Refused]] = fields.COMPLETION
 
@@ -155,6 +260,7 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
     add_special_tokens: bool = True  # vLLM's: BOS and the like around the prompt's text
+    suffix: str | None = None  # fill in the middle, between the prompt and it (tokens.fim_prompt)
 
     @field_validator("prompt")
     @classmethod
@@ -193,6 +299,7 @@ class Conversation(BaseModel):
     continue_final_message: bool = False  # the last (assistant) message left open, to be continued
     chat_template_kwargs: dict | None = None  # more variables for the template
     documents: list[dict] | None = None  # for templates that render retrieved documents
+    tools: list[dict] | None = None  # function tools, rendered by the template (tools.py)
     add_special_tokens: bool = False  # on top of the template's own (it writes BOS itself)
 
     @model_validator(mode="after")
@@ -215,6 +322,33 @@ class ChatRequest(Conversation, _Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tool_choice: str | dict | None = None  # tools.py
+    parallel_tool_calls: bool = True
+    _tool_mode: str = PrivateAttr("none")
+    _tool_named: str | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _tools(self):
+        functions = tools.check_tools(self.tools or [])
+        self._tool_mode, self._tool_named = tools.choice_mode(self.tool_choice, functions)
+        forced = tools.tool_grammar(self._tool_mode, self._tool_named, functions, self.parallel_tool_calls)
+        if forced is not None:
+            if self._grammar is not None:
+                raise Unsupported("tool_choice", f"`tool_choice` {self._tool_mode} forces the answer's form: it "
+                                  "cannot be given with a structured output", "invalid_value")
+            self._grammar = forced
+        if self.tool_mode != "none" and self.logprobs:
+            raise Unsupported("logprobs", "`logprobs` with tool calls is not supported yet", "unsupported_parameter")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none (text), auto (parsed), required or named (forced by a grammar): tools.py."""
+        return self._tool_mode
+
+    @property
+    def tool_named(self) -> str | None:
+        return self._tool_named
 
     @field_validator("top_logprobs")
     @classmethod

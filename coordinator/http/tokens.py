@@ -21,7 +21,28 @@ from coordinator.http.protocol import Conversation, bad_request
 from coordinator.monitor import Pair
 
 # A chat /tokenize renders as a chat request does, so what that refuses this does too.
-CHAT_REFUSED = {name: fields.CHAT[name] for name in ("tools", "chat_template", "mm_processor_kwargs")}
+CHAT_REFUSED = {name: fields.CHAT[name] for name in ("chat_template", "mm_processor_kwargs")}
+
+
+# Fill-in-the-middle tokens (prefix, suffix, middle), as the model families that have them spell them; the prompt
+# is written prefix-suffix-middle (PSM), the order they were trained with.
+FIM_TOKENS = [("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, SmolLM, StarCoder2
+              ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder
+              ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
+              ("▁<PRE>", "▁<SUF>", "▁<MID>")]  # Code Llama
+
+
+def fim_prompt(tokenizer, prompt: str, suffix: str) -> list[int]:
+    """`suffix` (completions): the prompt's ids for the middle between `prompt` and `suffix`; a 400 naming
+    `suffix` when the tokenizer has no fill-in-the-middle tokens."""
+    for names in FIM_TOKENS:
+        ids = [tokenizer.token_to_id(name) for name in names] if tokenizer is not None else [None]
+        if None not in ids:
+            pre, suf, mid = ids
+            encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids
+            return [pre, *encode(prompt), suf, *encode(suffix), mid]
+    raise bad_request("`suffix`: the model's tokenizer has no fill-in-the-middle tokens "
+                      f"({', '.join(n[0] for n in FIM_TOKENS)} and the like)", "suffix", "unsupported_value")
 
 
 def tokenize(pair: Pair, text: str, special: bool = True) -> list[int]:

@@ -26,7 +26,7 @@ from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 from tandem.v1 import profile_pb2 as tandem_dot_v1_dot_profile__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btandem/v1/coordinator.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x17tandem/v1/profile.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x86\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x1d\n\x10num_draft_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x16\n\tspeculate\x18\t \x01(\x08H\x02\x88\x01\x01\x12\x0f\n\x07profile\x18\n \x01(\x08\x12(\n\x08messages\x18\x0b \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12#\n\x04tree\x18\x0c \x01(\x0b\x32\x15.tandem.v1.TreeParamsB\x11\n\x0f_max_new_tokensB\x13\n\x11_num_draft_tokensB\x0c\n\n_speculate\"\xc4\x02\n\x0fGenerationStats\x12\x12\n\nnum_rounds\x18\x01 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x03\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x05 \x03(\x03\x12 \n\x18num_rounds_without_draft\x18\x06 \x01(\x03\x12\x1c\n\x14num_rounds_load_shed\x18\x07 \x01(\x03\x12\x1a\n\x12num_overlap_rounds\x18\x08 \x01(\x03\x12\x18\n\x10num_overlap_hits\x18\t \x01(\x03\x12\x18\n\x10overlap_hit_rate\x18\n \x01(\x01\x12\x17\n\x0fnum_tree_rounds\x18\x0b \x01(\x03\"\xa1\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12)\n\x05stats\x18\x04 \x01(\x0b\x32\x1a.tandem.v1.GenerationStats\x12*\n\x07profile\x18\x05 \x01(\x0b\x32\x19.tandem.v1.RequestProfile\"\x13\n\x11ServerInfoRequest\"\xd2\x01\n\x12ServerInfoResponse\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x13\n\x0bmax_context\x18\x04 \x01(\x03\x12\x15\n\rhas_tokenizer\x18\x05 \x01(\x08\x12\x16\n\x0e\x64raft_attached\x18\x06 \x01(\x08\x12 \n\x18target_buckets_compiling\x18\x07 \x01(\x03\x12\x17\n\x0f\x64raft_compiling\x18\x08 \x01(\x08\x32\xea\x01\n\x0b\x43oordinator\x12\x43\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse\x12K\n\x0eGenerateStream\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12I\n\nServerInfo\x12\x1c.tandem.v1.ServerInfoRequest\x1a\x1d.tandem.v1.ServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btandem/v1/coordinator.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x17tandem/v1/profile.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xbf\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x1d\n\x10num_draft_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x16\n\tspeculate\x18\t \x01(\x08H\x02\x88\x01\x01\x12\x0f\n\x07profile\x18\n \x01(\x08\x12(\n\x08messages\x18\x0b \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12#\n\x04tree\x18\x0c \x01(\x0b\x32\x15.tandem.v1.TreeParams\x12#\n\x07grammar\x18\r \x01(\x0b\x32\x12.tandem.v1.Grammar\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x42\x11\n\x0f_max_new_tokensB\x13\n\x11_num_draft_tokensB\x0c\n\n_speculate\"s\n\x07Grammar\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x0e\n\x06\x63hoice\x18\x05 \x03(\tB\x06\n\x04kind\"\x99\x03\n\x0fGenerationStats\x12\x12\n\nnum_rounds\x18\x01 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x03\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x05 \x03(\x03\x12 \n\x18num_rounds_without_draft\x18\x06 \x01(\x03\x12\x1c\n\x14num_rounds_load_shed\x18\x07 \x01(\x03\x12\x1a\n\x12num_overlap_rounds\x18\x08 \x01(\x03\x12\x18\n\x10num_overlap_hits\x18\t \x01(\x03\x12\x18\n\x10overlap_hit_rate\x18\n \x01(\x01\x12\x17\n\x0fnum_tree_rounds\x18\x0b \x01(\x03\x12\x1c\n\x14num_constrained_cuts\x18\x0c \x01(\x03\x12\x1a\n\x12\x63onstraint_seconds\x18\r \x01(\x01\x12\x19\n\x11num_forced_drafts\x18\x0e \x01(\x03\"\xa1\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12)\n\x05stats\x18\x04 \x01(\x0b\x32\x1a.tandem.v1.GenerationStats\x12*\n\x07profile\x18\x05 \x01(\x0b\x32\x19.tandem.v1.RequestProfile\"\x13\n\x11ServerInfoRequest\"\xd2\x01\n\x12ServerInfoResponse\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x13\n\x0bmax_context\x18\x04 \x01(\x03\x12\x15\n\rhas_tokenizer\x18\x05 \x01(\x08\x12\x16\n\x0e\x64raft_attached\x18\x06 \x01(\x08\x12 \n\x18target_buckets_compiling\x18\x07 \x01(\x03\x12\x17\n\x0f\x64raft_compiling\x18\x08 \x01(\x08\x32\xea\x01\n\x0b\x43oordinator\x12\x43\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse\x12K\n\x0eGenerateStream\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12I\n\nServerInfo\x12\x1c.tandem.v1.ServerInfoRequest\x1a\x1d.tandem.v1.ServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,15 +36,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=91
   _globals['_CHATMESSAGE']._serialized_end=135
   _globals['_GENERATEREQUEST']._serialized_start=138
-  _globals['_GENERATEREQUEST']._serialized_end=528
-  _globals['_GENERATIONSTATS']._serialized_start=531
-  _globals['_GENERATIONSTATS']._serialized_end=855
-  _globals['_GENERATERESPONSE']._serialized_start=858
-  _globals['_GENERATERESPONSE']._serialized_end=1019
-  _globals['_SERVERINFOREQUEST']._serialized_start=1021
-  _globals['_SERVERINFOREQUEST']._serialized_end=1040
-  _globals['_SERVERINFORESPONSE']._serialized_start=1043
-  _globals['_SERVERINFORESPONSE']._serialized_end=1253
-  _globals['_COORDINATOR']._serialized_start=1256
-  _globals['_COORDINATOR']._serialized_end=1490
+  _globals['_GENERATEREQUEST']._serialized_end=585
+  _globals['_GRAMMAR']._serialized_start=587
+  _globals['_GRAMMAR']._serialized_end=702
+  _globals['_GENERATIONSTATS']._serialized_start=705
+  _globals['_GENERATIONSTATS']._serialized_end=1114
+  _globals['_GENERATERESPONSE']._serialized_start=1117
+  _globals['_GENERATERESPONSE']._serialized_end=1278
+  _globals['_SERVERINFOREQUEST']._serialized_start=1280
+  _globals['_SERVERINFOREQUEST']._serialized_end=1299
+  _globals['_SERVERINFORESPONSE']._serialized_start=1302
+  _globals['_SERVERINFORESPONSE']._serialized_end=1512
+  _globals['_COORDINATOR']._serialized_start=1515
+  _globals['_COORDINATOR']._serialized_end=1749
 # @@protoc_insertion_point(module_scope)

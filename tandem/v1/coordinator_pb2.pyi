@@ -17,7 +17,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "num_draft_tokens", "sampling", "stop_token_ids", "stop", "ignore_eos", "speculate", "profile", "messages", "tree")
+    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "num_draft_tokens", "sampling", "stop_token_ids", "stop", "ignore_eos", "speculate", "profile", "messages", "tree", "grammar", "min_tokens")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,8 @@ class GenerateRequest(_message.Message):
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -42,10 +44,26 @@ class GenerateRequest(_message.Message):
     profile: bool
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     tree: _common_pb2.TreeParams
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., speculate: _Optional[bool] = ..., profile: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
+    grammar: Grammar
+    min_tokens: int
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., speculate: _Optional[bool] = ..., profile: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., min_tokens: _Optional[int] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "grammar", "choice")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    grammar: str
+    choice: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("num_rounds", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length", "accepted_per_position", "num_rounds_without_draft", "num_rounds_load_shed", "num_overlap_rounds", "num_overlap_hits", "overlap_hit_rate", "num_tree_rounds")
+    __slots__ = ("num_rounds", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length", "accepted_per_position", "num_rounds_without_draft", "num_rounds_load_shed", "num_overlap_rounds", "num_overlap_hits", "overlap_hit_rate", "num_tree_rounds", "num_constrained_cuts", "constraint_seconds", "num_forced_drafts")
     NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +75,9 @@ class GenerationStats(_message.Message):
     NUM_OVERLAP_HITS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     NUM_TREE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CONSTRAINED_CUTS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FORCED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     num_rounds: int
     num_draft_tokens: int
     num_accepted_tokens: int
@@ -68,7 +89,10 @@ class GenerationStats(_message.Message):
     num_overlap_hits: int
     overlap_hit_rate: float
     num_tree_rounds: int
-    def __init__(self, num_rounds: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_rounds_without_draft: _Optional[int] = ..., num_rounds_load_shed: _Optional[int] = ..., num_overlap_rounds: _Optional[int] = ..., num_overlap_hits: _Optional[int] = ..., overlap_hit_rate: _Optional[float] = ..., num_tree_rounds: _Optional[int] = ...) -> None: ...
+    num_constrained_cuts: int
+    constraint_seconds: float
+    num_forced_drafts: int
+    def __init__(self, num_rounds: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_rounds_without_draft: _Optional[int] = ..., num_rounds_load_shed: _Optional[int] = ..., num_overlap_rounds: _Optional[int] = ..., num_overlap_hits: _Optional[int] = ..., overlap_hit_rate: _Optional[float] = ..., num_tree_rounds: _Optional[int] = ..., num_constrained_cuts: _Optional[int] = ..., constraint_seconds: _Optional[float] = ..., num_forced_drafts: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats", "profile")

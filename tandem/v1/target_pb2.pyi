@@ -76,7 +76,7 @@ class TargetRequest(_message.Message):
     def __init__(self, prefill: _Optional[_Union[Prefill, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ...) -> None: ...
 
 class Prefill(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "want_features", "want_timing", "max_new_tokens", "verify_tokens")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "want_features", "want_timing", "max_new_tokens", "verify_tokens", "allowed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class Prefill(_message.Message):
     WANT_TIMING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -91,10 +92,11 @@ class Prefill(_message.Message):
     want_timing: bool
     max_new_tokens: int
     verify_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., want_features: _Optional[bool] = ..., want_timing: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., verify_tokens: _Optional[int] = ...) -> None: ...
+    allowed: bytes
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., want_features: _Optional[bool] = ..., want_timing: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., verify_tokens: _Optional[int] = ..., allowed: _Optional[bytes] = ...) -> None: ...
 
 class Verify(_message.Message):
-    __slots__ = ("token", "drafts", "want_features", "q", "parents", "decode", "stop_ids")
+    __slots__ = ("token", "drafts", "want_features", "q", "parents", "decode", "stop_ids", "allowed")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,7 @@ class Verify(_message.Message):
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_FIELD_NUMBER: _ClassVar[int]
     token: int
     drafts: _containers.RepeatedScalarFieldContainer[int]
     want_features: bool
@@ -109,7 +112,8 @@ class Verify(_message.Message):
     parents: _containers.RepeatedScalarFieldContainer[int]
     decode: int
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., want_features: _Optional[bool] = ..., q: _Optional[_Iterable[_Union[_common_pb2.DraftProbs, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ..., decode: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    allowed: bytes
+    def __init__(self, token: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., want_features: _Optional[bool] = ..., q: _Optional[_Iterable[_Union[_common_pb2.DraftProbs, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ..., decode: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., allowed: _Optional[bytes] = ...) -> None: ...
 
 class TargetBatch(_message.Message):
     __slots__ = ("steps", "release")
