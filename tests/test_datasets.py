@@ -10,7 +10,7 @@ import pytest
 from tandem_tools.bench.runners import EAGLE3, Outcome
 from tandem_tools.bench.schedule import Case
 from tandem_tools.bench.table import category_table
-from tandem_tools.datasets import chat_items, read_mtbench, read_sharegpt, sharegpt_path
+from tandem_tools.datasets import chat_items, main, read_mtbench, read_sharegpt, sharegpt_path
 
 
 def record(i: int, turns=("human", "gpt")) -> dict:
@@ -30,6 +30,10 @@ def test_a_sharegpt_file_cut_inside_a_record_gives_the_records_before_the_cut(tm
     got = read_sharegpt(full)
     assert not got.truncated and len(got.records) == 3
     assert len(read_sharegpt(full, limit=2).records) == 2
+    # and as valid JSON, for clients that json.load the file (vllm bench serve)
+    out = tmp_path / "valid.json"
+    assert main([str(out), "--path", str(cut)]) == 0
+    assert [r["id"] for r in json.loads(out.read_text())] == ["c0", "c1"]
 
 
 def test_bad_sharegpt_files_are_named(tmp_path):
