@@ -150,3 +150,24 @@ def test_bench_on_a_dataset_file_gives_acceptance_by_category(tiny_dir, tmp_path
     assert main(["bench", "--target", str(tiny_dir / "target"), "--draft", str(tiny_dir / "draft"), "--dataset",
                  str(path), "--prompts", str(path)]) != 0
     assert "give --dataset or --prompts, not both" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_smollm2_heads_training_data_is_sharegpt_without_mt_bench(tiny_dir):
+    from transformers import AutoTokenizer
+
+    from tandem_tools.datasets import normalized
+    from tandem_tools.smollm2 import SmolSpec, sharegpt_pool
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "target")
+    spec = SmolSpec(answered_prompts=40, text_conversations=60, max_prompt_tokens=96)
+    pool = sharegpt_pool(tokenizer, spec)
+    assert len(pool) == 100 and pool == sharegpt_pool(tokenizer, spec)  # a fixed order
+    firsts = [normalized(m[0]["content"]) for m in pool]
+    assert len(set(firsts)) == 100
+    assert not set(firsts) & {normalized(t) for q in read_mtbench() for t in q["turns"]}
+    for messages in pool:
+        assert [m["role"] for m in messages] == ["user", "assistant"]
+        ids = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+        assert len(ids) <= 96
