@@ -165,14 +165,18 @@ def _layer_fields(config: Eagle3Config) -> dict:
 
 
 def save_draft(
-    model: Eagle3Draft, out_dir: str | Path, layout: str = REFERENCE, include_embeddings: bool = False
+    model: Eagle3Draft, out_dir: str | Path, layout: str = REFERENCE, include_embeddings: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Write `model` as a published EAGLE-3 head would be: config.json + model.safetensors. Its layer ids are
-    written as hidden-states ids, with that convention recorded (aux_layers.RECORD_FIELD)."""
+    """Write `model` as a published EAGLE-3 head would be: config.json + model.safetensors, its floating
+    weights in `dtype` (d2t and t2d as they are). Its layer ids are written as hidden-states ids, with that
+    convention recorded (aux_layers.RECORD_FIELD)."""
     out = Path(out_dir)
     config = model.config
     layer = _layer_fields(config)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
+             for k, v in model.state_dict().items()}
+    dtype_name = str(dtype).removeprefix("torch.")
     if not include_embeddings:
         state.pop("embed_tokens.weight")
     ids = {}
@@ -194,7 +198,7 @@ def save_draft(
             "num_hidden_layers": config.num_layers,
             "draft_vocab_size": config.draft_vocab_size,
             "target_hidden_size": config.target_hidden_size,
-            "torch_dtype": "float32",
+            "torch_dtype": dtype_name,
             **options,  # top-level, as SpecForge writes them
             **parallel,
         }

@@ -48,6 +48,18 @@ class Teacher:
         return self.capture.take(), logits
 
     @torch.inference_mode()
+    def outputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ids [B, T], right-padded -> features [B, T, 3Ht], the final (normed) hidden state [B, T, Ht] and
+        the argmax of the logits [B, T]: logits over any subset of the vocabulary are hidden @ rows.T."""
+        hidden = self.model.get_decoder()(input_ids=ids.to(self.device), use_cache=False).last_hidden_state
+        best = self.model.get_output_embeddings()(hidden).argmax(-1)
+        return self.capture.take(), hidden, best
+
+    def output_rows(self, t2d: torch.Tensor) -> torch.Tensor:
+        """The output embedding's rows of the draft vocabulary [Vd, Ht] (float32)."""
+        return self.model.get_output_embeddings().weight.detach()[t2d.to(self.device)].float()
+
+    @torch.inference_mode()
     def continue_sequences(
         self, prompts: torch.Tensor, new_tokens: int, temperature: float = 0.0, generator=None
     ) -> torch.Tensor:
@@ -203,14 +215,14 @@ def self_distilled(
     return sequences
 
 
-def _bar(total: int, desc: str, progress: bool):
+def _bar(total: int, desc: str, progress: bool, unit: str = "seq"):
     if not progress:
         return None
     import sys
 
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="seq", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
 
 
 def chat_prompts(target_dir: str | Path, conversations: Sequence[Sequence[dict]]) -> list[list[int]]:
@@ -300,9 +312,14 @@ def pad_batch(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.T
 
 @dataclass
 class Batches:
-    """Fixed groups of sequences with the frozen target's outputs, cached while they fit in `cache_bytes`.
+    """Fixed groups of sequences with the frozen target's outputs, computed once (`fill`, or on first use)
+    and cached while they fit in `cache_bytes`, so that epochs after the first cost the head only.
 
-    Each batch: ids [B, T], lengths [B], features [B, T, 3Ht], the target's softmax over the draft
+    The cache keeps, per batch, the features and the final hidden state in the target's dtype and the
+    target's argmax; the softmax over the draft vocabulary is hidden @ its output rows at use, which keeps a
+    token's entry at (3 + 1) x Ht values instead of 3 x Ht + Vd.
+
+    Each batch: ids [B, T], lengths [B], features [B, T, 3Ht] (float32), the target's softmax over the draft
     vocabulary [B, T, Vd], and its argmax over the whole vocabulary [B, T] (target ids)."""
 
     teacher: Teacher
@@ -312,26 +329,101 @@ class Batches:
     cache_bytes: int
     _cache: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     _cached_bytes: int = 0
+    _rows: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return math.ceil(len(self.sequences) / self.batch_size)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+    def fill(self, progress: bool = False) -> int:
+        """Run the target over every batch that fits in the cache, now -> how many are cached."""
+        bar = _bar(len(self), "target features", progress, unit="batch")
+        for index in range(len(self)):
+            if self._stored(index) is None:
+                break
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return len(self._cache)
+
+    def _stored(self, index: int) -> tuple[torch.Tensor, ...] | None:
         if index in self._cache:
             return self._cache[index]
         ids, lengths = pad_batch(self.sequences[index * self.batch_size : (index + 1) * self.batch_size])
-        features, logits = self.teacher(ids)
-        device = features.device
-        # new tensors made outside inference mode, so that autograd may save them; the head trains in float32
-        batch = (
-            ids.to(device),
-            lengths.to(device),
-            features.float(),
-            torch.softmax(logits[..., self.t2d.to(device)].float(), dim=-1),  # the draft proposes only these
-            logits.argmax(-1).clone(),
-        )
-        size = sum(t.numel() * t.element_size() for t in batch)
-        if self._cached_bytes + size <= self.cache_bytes:
-            self._cache[index] = batch
-            self._cached_bytes += size
-        return batch
+        features, hidden, best = self.teacher.outputs(ids)
+        # new tensors made outside inference mode, so that autograd may save them
+        stored = (ids.to(features.device), lengths.to(features.device), features.clone(), hidden.clone(),
+                  best.clone())
+        size = sum(t.numel() * t.element_size() for t in stored)
+        if self._cached_bytes + size > self.cache_bytes:
+            self._uncached = stored
+            return None
+        self._cache[index] = stored
+        self._cached_bytes += size
+        return stored
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        stored = self._stored(index)
+        if stored is None:
+            stored, self._uncached = self._uncached, None
+        ids, lengths, features, hidden, best = stored
+        if self._rows is None:
+            self._rows = self.teacher.output_rows(self.t2d)
+        # the head trains in float32; the draft proposes only the t2d tokens
+        probs = torch.softmax(hidden.float() @ self._rows.T, dim=-1)
+        return ids, lengths, features.float(), probs, best
+
+
+# -- the target's answers to chat prompts, kept on disk ----------------------------------------------------
+
+
+def answer_prompts(
+    teacher: Teacher,
+    prompts: Sequence[Sequence[int]],
+    new_tokens: int,
+    *,
+    batch_size: int = 32,
+    sampled_every: int = 4,
+    temperature: float = 0.8,
+    seed: int = 0,
+    cache: str | Path | None = None,
+    progress: bool = False,
+) -> list[list[int]]:
+    """The target's own answers to rendered chat prompts (EAGLE-3 trains on them): each prompt followed by
+    at most `new_tokens` tokens of answer, ending at EOS.
+
+    The prompts go in fixed batches of `batch_size`, in their order; every `sampled_every`-th batch is sampled
+    at `temperature` (seeded by its number), the others are greedy, so the first n batches come out the same
+    whatever the number asked for. With `cache` (a JSONL file) each batch is appended as it is done and a
+    later call with the same arguments starts after the batches already there."""
+    import json
+
+    prompts = [list(map(int, p)) for p in prompts]
+    done: list[list[int]] = []
+    path = Path(cache) if cache is not None else None
+    if path is not None and path.is_file():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if len(done) < len(prompts) and row["prompt"] == prompts[len(done)]:
+                done.append(row["ids"])
+            else:
+                raise ValueError(f"{path} holds answers to other prompts: remove it, or give the same ones")
+        done = done[: len(done) - len(done) % batch_size] if len(done) < len(prompts) else done
+    bar = _bar(len(prompts), "target answers", progress)
+    if bar is not None:
+        bar.update(len(done))
+    for start in range(len(done), len(prompts), batch_size):
+        number = start // batch_size
+        sampled = sampled_every > 0 and number % sampled_every == sampled_every - 1
+        generator = torch.Generator(device=teacher.device).manual_seed(seed * 100_003 + number)
+        batch = prompts[start : start + batch_size]
+        answers = teacher.answer(batch, new_tokens, temperature if sampled else 0.0, generator)
+        done.extend(answers)
+        if path is not None:
+            with open(path, "a") as out:
+                out.write("".join(json.dumps({"prompt": p, "ids": a}) + "\n" for p, a in zip(batch, answers)))
+        if bar is not None:
+            bar.update(len(batch))
+    if bar is not None:
+        bar.close()
+    return done

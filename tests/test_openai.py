@@ -155,6 +155,13 @@ def test_health_and_metrics_on_the_same_port(stack, client):
     metrics = httpx.get(f"{stack.url}/metrics").text
     assert 'tandem:request_success_total{finished_reason="length"}' in metrics
     assert "tandem:spec_decode_num_draft_tokens_total" in metrics
+    # the same counters under vLLM's names, which `vllm bench serve` reads for its acceptance figures
+    ours = {line.split(" ")[0].removeprefix("tandem:"): line.split(" ")[1] for line in metrics.splitlines()
+            if line.startswith("tandem:spec_decode")}
+    theirs = {line.split(" ")[0].removeprefix("vllm:"): line.split(" ")[1] for line in metrics.splitlines()
+              if line.startswith("vllm:spec_decode")}
+    assert ours and ours == theirs
+    assert "# TYPE vllm:spec_decode_num_drafts_total counter" in metrics
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

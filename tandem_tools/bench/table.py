@@ -66,3 +66,20 @@ def _overlap_cell(r: dict) -> str:
     if rate is not None:
         return f"on ({rate:.0%})"
     return "on (greedy only: none overlapped)" if r["temperature"] > 0 else "on (none overlapped)"
+
+
+def category_table(runs: list[dict]) -> str:
+    """The mean acceptance length of each drafting case by prompt category (MT-Bench's), where the prompts
+    have categories; empty otherwise."""
+    rows = [r for r in runs if r.get("mean_acceptance_length_by_category")]
+    if not rows:
+        return ""
+    names = list(dict.fromkeys(name for r in rows for name in r["mean_acceptance_length_by_category"]))
+    lines = ["| stack | mode | K | temperature | concurrency | " + " | ".join(names) + " | all |",
+             "|---|---|---:|---:|---:|" + "---:|" * (len(names) + 1)]
+    for r in rows:
+        by = r["mean_acceptance_length_by_category"]
+        cells = " | ".join(f"{by[n]:.2f}" if n in by else "-" for n in names)
+        lines.append(f"| {r['stack']} | {r['mode']} | {r['K']} | {r['temperature']:g} | {r['concurrency']} "
+                     f"| {cells} | {r['mean_acceptance_length']:.2f} |")
+    return "\n".join(lines)
