@@ -19,7 +19,7 @@ from pathlib import Path
 import tomllib
 
 # Only the target and draft services need these (and what they pull in, CUDA builds included).
-MODEL_ONLY = frozenset({"torch", "transformers", "safetensors", "numpy", "accelerate"})
+MODEL_ONLY = frozenset({"torch", "transformers", "safetensors", "accelerate"})  # numpy stays: grammars
 
 
 def requirement_name(spec: str) -> str:

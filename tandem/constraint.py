@@ -25,7 +25,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import numpy as np
+
+
+class _Numpy:
+    """numpy, imported at a grammar's first use: the coordinator starts without loading it."""
+
+    def __getattr__(self, name: str):
+        import numpy
+
+        return getattr(numpy, name)
+
+
+np = _Numpy()
 
 from tandem.errors import InvalidRequest
 from tandem.params import GrammarSpec
