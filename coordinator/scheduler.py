@@ -324,7 +324,10 @@ class Scheduler:
             item = r.loop.send(results)
             while isinstance(item, RoundEvent):  # its stats as of now: the loop goes on counting in them
                 r.handle.put(dataclasses.replace(item, stats=copy.deepcopy(item.stats)))
-                r.resume = Resume([*(r.resume.tokens if r.resume else ()), *item.new_tokens], item.stats)
+                if r.resume is None:
+                    r.resume = Resume([], item.stats)
+                r.resume.tokens += item.new_tokens
+                r.resume.stats = item.stats
                 if r.probe is not None:  # a profiled request's round ends as it commits (the next one may go out now)
                     r.probe.round_done(len(item.new_tokens))
                 item = r.loop.send(None)
