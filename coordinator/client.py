@@ -118,7 +118,7 @@ def build_request(
     if min_tokens:
         request.min_tokens = min_tokens
     if grammar is not None:
-        request.grammar.CopyFrom(coordinator_pb2.Grammar(**grammar) if isinstance(grammar, dict)
+        request.grammar.CopyFrom(common_pb2.Grammar(**grammar) if isinstance(grammar, dict)
                                  else grammar_to_pb(grammar))
     return request
 

@@ -31,6 +31,12 @@ its likeliest node from that one forward (tree.parallel_tree). Heads of several 
 preparing no branch (the compiled calls and the ahead's tensors are one layer's, and a P-EAGLE propose is
 about one extend's cost anyway).
 
+Constrained requests (a grammar, min_tokens; tandem/constraint.py): a session opened with the request's
+constraint keeps its own matcher, advanced on the committed tokens, and walks it along each rollout: every
+draft is picked (argmax or draw) from the logits masked by the row the target will score there, and a
+sampled draft's q is that masked one. Such a propose runs eagerly, one host read a step; trees are not
+masked (the round loop cuts their forbidden nodes), and such sessions get no aheads.
+
 Draft trees (EAGLE-2, draft_server/tree.py): a propose with `tree` extends as any propose does, then grows
 a tree of drafts instead of a chain, one session at a time; its KV is dropped as a rollout's is. Aheads
 assume chains: after a tree the session's next ahead is refused.
@@ -54,6 +60,7 @@ from draft_server.model import DraftKV, Eagle3Draft
 from draft_server.rollout import (
     GreedyPropose,
     GreedyStep,
+    Masks,
     SampledPropose,
     draws_for,
     parallel_rollout,
@@ -63,12 +70,13 @@ from draft_server.rollout import (
 from draft_server.sampling import DraftSampler
 from draft_server.steps import Outcomes, _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
 from draft_server.tree import SiblingRates, grow_tree, parallel_tree
+from tandem.constraint import Constraint, Grammars
 from tandem.defaults import DRAFT_Q_TOP_N
 from tandem.dtypes import TORCH_DTYPES
 from tandem.packed import can_pack, pack_linears
 from tandem.pairing import DraftShape, check_pair
 from tandem.params import SamplingParams, TreeParams
-from tandem.protocol import Ahead, Branch, Drafts, DraftStep, Propose
+from tandem.protocol import Ahead, Branch, DraftConstraint, Drafts, DraftStep, Propose
 from tandem.sessions import InvalidRequest, SessionOwner, SessionTable, build_batch
 from tandem.staging import upload
 
@@ -88,6 +96,8 @@ class DraftEngine(SessionOwner):
             raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype!r}")
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
+        self.target_dir = Path(target_dir) if target_dir is not None else None
+        self._grammars: Grammars | None = None  # over the target's tokenizer, at a constrained request's first
         self.config, self.layout = read_config(draft_dir, target_dir, aux_layer_convention)
         # the head's trained context; RoPE is computed per position, so longer sequences still run
         self.max_context = int(getattr(self.config.layer, "max_position_embeddings", 0) or 0)
@@ -121,6 +131,8 @@ class DraftEngine(SessionOwner):
         self._draft_id = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=d2t.device)
         self._draft_id[self.model.to_target_ids(torch.arange(d2t.numel(), device=d2t.device))] = torch.arange(
             d2t.numel(), device=d2t.device)
+        # draft id -> target id on the host, for the grammar masks of constrained requests
+        self._draft_targets = self.model.to_target_ids(torch.arange(d2t.numel(), device=d2t.device)).cpu().numpy()
         # the compiled calls (draft_server/compiled.py), None until compiled: the eager paths run meanwhile
         self.greedy_step: GreedyStep | None = None
         self.greedy_propose: GreedyPropose | None = None
@@ -190,8 +202,11 @@ class DraftEngine(SessionOwner):
             raise InvalidRequest(f"draft tokens outside the vocabulary: {bad[:5]}")
         if create:  # only once the input is known good: a bad first request leaves nothing behind
             sampler = DraftSampler.for_request(sampling) if sampling is not None and not sampling.greedy else None
-            self.sessions.add(session_id, _Session(sampler=sampler))
+            constraint = self._constraint(p.constraint, next_tokens) if p.constraint is not None else None
+            self.sessions.add(session_id, _Session(sampler=sampler, constraint=constraint))
         session = self.sessions.get(session_id)
+        if session.constraint is not None and not create:
+            session.constraint.commit(next_tokens, session.constraint.stop_ids.tolist())
         if not create and tree is None and not session.tree:  # a tree's outcome is not a chain's
             self.outcomes.count(session.sampler is not None, num_draft_tokens, m - 1)
         if session.last_tree is not None:  # the pairs the verify of a sampled tree committed: its path
@@ -200,6 +215,42 @@ class DraftEngine(SessionOwner):
         session.tree = tree is not None
         session.last_used = time.monotonic()
         return _Step(session, features, list(next_tokens), num_draft_tokens, tree)
+
+    def _constraint(self, c: DraftConstraint, next_tokens: list[int]) -> Constraint | None:
+        """A constrained session's Constraint, where the last `c.output_tokens` of its first pairs' tokens
+        are the generation's so far; None where this draft has no tokenizer for its grammar (its drafts are
+        then unmasked: the round loop still cuts the ones the grammar forbids)."""
+        if not 0 <= c.output_tokens <= len(next_tokens):
+            raise InvalidRequest(f"constraint.output_tokens must be in [0, {len(next_tokens)}], got {c.output_tokens}")
+        matcher = None
+        if c.grammar is not None:
+            grammars = self.grammars
+            if grammars is None:
+                return None
+            matcher = grammars.matcher(c.grammar)
+        constraint = Constraint(matcher, self.config.vocab_size, c.stop_ids, c.min_tokens)
+        constraint.commit(next_tokens[len(next_tokens) - c.output_tokens :], list(c.stop_ids))
+        return constraint
+
+    @property
+    def grammars(self) -> Grammars | None:
+        """The grammars over the target's tokenizer.json (None: this draft was given no target, or it has none)."""
+        if self._grammars is None and self.target_dir is not None and (self.target_dir / "tokenizer.json").is_file():
+            from transformers import AutoConfig
+
+            from target_server.loading import eos_token_ids
+
+            eos = eos_token_ids(self.target_dir, AutoConfig.from_pretrained(self.target_dir))
+            self._grammars = Grammars((self.target_dir / "tokenizer.json").read_text(), self.config.vocab_size, eos)
+        return self._grammars
+
+    def _masks(self, steps: list[_Step]) -> Masks | None:
+        """The grammar masks of a batch's constrained sessions, None when it has none."""
+        walks = [s.session.constraint.walk() if s.session.constraint is not None and s.session.constraint.active
+                 else None for s in steps]
+        if all(w is None for w in walks):
+            return None
+        return Masks(walks, self._draft_targets, self.device)
 
     def _ahead_step(self, a: Ahead) -> _Ahead:
         """An ahead's step, or InvalidRequest: append the new committed pairs (features [m, 3Ht], None or
@@ -228,6 +279,8 @@ class DraftEngine(SessionOwner):
         if rows is None:
             raise InvalidRequest("an ahead assumes drafts this session proposed in its last step")
         session.last_used = time.monotonic()
+        if session.constraint is not None:
+            session.constraint.commit(next_tokens, session.constraint.stop_ids.tolist())
         return _Ahead(session, features, list(next_tokens), list(assumed), rows, num_draft_tokens, branches)
 
     # -- one batched step -----------------------------------------------------------------------
@@ -298,12 +351,17 @@ class DraftEngine(SessionOwner):
                 k, v = batch.k[i : i + 1, :, longest : longest + m], batch.v[i : i + 1, :, longest : longest + m]
                 own.append(k.clone(), v.clone()) if own.k is None else own.append(k, v)  # no view of the batch kept
             step.session.length += m
-        if config.parallel_drafting:  # every draft from the one forward: row i's last pair, then its masked ones
-            a = torch.stack([a[i, m - 1 : m - 1 + rounds] for i, m in enumerate(sizes)])  # [B, rounds, H]
-            drafts, q, rows = parallel_rollout(model, self.q_top_n, a, draws)
-        else:  # the rollout: one token per session per step, on top of the batch KV (dropped afterwards)
-            a = torch.stack([a[i, m - 1] for i, m in enumerate(sizes)])[:, None]  # [B, 1, H]
-            drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, rounds, draws, valid)
+        masks = self._masks(steps)
+        try:
+            if config.parallel_drafting:  # every draft from the one forward: row i's last pair, then its masked ones
+                a = torch.stack([a[i, m - 1 : m - 1 + rounds] for i, m in enumerate(sizes)])  # [B, rounds, H]
+                drafts, q, rows = parallel_rollout(model, self.q_top_n, a, draws, masks)
+            else:  # the rollout: one token per session per step, on top of the batch KV (dropped afterwards)
+                a = torch.stack([a[i, m - 1] for i, m in enumerate(sizes)])[:, None]  # [B, 1, H]
+                drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, rounds, draws, valid, masks=masks)
+        finally:
+            if masks is not None:
+                masks.close()
         drafts, qs, _ = read_rollout(drafts, q)  # [B * rounds], [b * rounds]
         out, j = [], 0
         for i, step in enumerate(steps):
@@ -324,14 +382,20 @@ class DraftEngine(SessionOwner):
             return self._run_parallel(step)
         draws = draws_for([session.sampler], [session.length + len(step.next_tokens)], step.k, self.draft_vocab,
                           self.device)
-        compiled = self._compiled_propose(step, draws) if kv.k is not None else None
+        masks = self._masks([step])
+        compiled = self._compiled_propose(step, draws) if kv.k is not None and masks is None else None
         if compiled is not None:
             tokens, qs, rows = compiled
             session.length += len(step.next_tokens)
             session.proposed = [(tokens, rows)]
             return _drafts(tokens, qs)
         a, position = self._extend(step)
-        drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, step.k, draws, step=self.greedy_step)
+        try:
+            drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, step.k, draws, step=self.greedy_step,
+                                      masks=masks)
+        finally:
+            if masks is not None:
+                masks.close()
         kv.crop(session.length)  # the rollout's KV is dropped: exact target features replace it
         drafts, qs, _ = read_rollout(drafts, q)  # [K], [K]
         session.proposed = [(drafts, rows[0])]
@@ -346,7 +410,12 @@ class DraftEngine(SessionOwner):
             step.next_tokens, session.length, max(k, 1))], device)
         a = model.parallel_draft(step.features.to(device, self.dtype), tokens, positions, session.kv, self._mask_row)
         session.length += m
-        drafts, q, rows = parallel_rollout(model, self.q_top_n, a[None, :k], draws)
+        masks = self._masks([step])
+        try:
+            drafts, q, rows = parallel_rollout(model, self.q_top_n, a[None, :k], draws, masks)
+        finally:
+            if masks is not None:
+                masks.close()
         drafts, qs, _ = read_rollout(drafts, q)  # [K], [K]
         session.proposed = [(drafts, rows[0])]
         return _drafts(drafts, qs)

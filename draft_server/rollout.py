@@ -26,6 +26,7 @@ import torch
 from draft_server.model import DraftKV, Eagle3Draft
 from draft_server.sampling import DraftSampler, QSettings, draft_q, draw
 from tandem.compiling import compile_graphs
+from tandem.constraint import Walk, allowed_among
 from tandem.protocol import DraftProbs
 from tandem.staging import upload
 
@@ -189,6 +190,43 @@ class Draws:
     uniforms: torch.Tensor  # [b, rounds] float64: step n of row j draws with uniforms[j, n]
 
 
+class Masks:
+    """A rollout's constrained rows (tandem/constraint.py): before each pick, a row's logits are masked by
+    its grammar's row at that position, over the draft vocabulary (`targets`: the draft ids' target ids);
+    after it, the row's walk follows the draft. Each step reads the drafts back (a host sync a step, for
+    batches with a constrained row only). A row whose mask allows no draft token is left unmasked: its
+    draft is forbidden, and the round loop cuts the chain there."""
+
+    def __init__(self, walks: list[Walk | None], targets: np.ndarray, device: torch.device):
+        self.walks, self.targets, self.device = walks, targets, device
+        self.rows = [i for i, w in enumerate(walks) if w is not None]
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, Vd] -> the constrained rows masked (-inf where their row forbids the token)."""
+        allowed = np.ones(tuple(logits.shape), dtype=bool)
+        masked = False
+        for i in self.rows:
+            row = self.walks[i].row()
+            if row is not None:
+                mine = allowed_among(row, self.targets)
+                if mine.any():
+                    allowed[i], masked = mine, True
+        if not masked:
+            return logits
+        (allowed,) = upload([(allowed, torch.bool)], self.device)
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    def took(self, drafts: torch.Tensor) -> None:
+        """The drafts just picked, [B] target ids: each constrained row's walk follows its own."""
+        picked = drafts.tolist()
+        for i in self.rows:
+            self.walks[i].take(picked[i])
+
+    def close(self) -> None:
+        for i in self.rows:
+            self.walks[i].close()
+
+
 def draws_for(samplers: list[DraftSampler | None], first: list[int], rounds: int, vocab: int,
               device: torch.device) -> Draws | None:
     """The Draws of a batch whose row i drafts sequence positions first[i], first[i] + 1, ... over a draft
@@ -210,19 +248,24 @@ def draws_for(samplers: list[DraftSampler | None], first: list[int], rounds: int
 
 
 def rollout(model: Eagle3Draft, top_n: int, a: torch.Tensor, kv: DraftKV, position: torch.Tensor, rounds: int,
-            draws: Draws | None, valid: torch.Tensor | None = None, step: GreedyStep | None = None
+            draws: Draws | None, valid: torch.Tensor | None = None, step: GreedyStep | None = None,
+            masks: Masks | None = None
             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, torch.Tensor]:
     """`rounds` drafts per row: each picked from the last output a [B, 1, H], then fed at `position` [B, 1]
     (the last one is not fed). draws: the sampled rows' (None: all greedy). valid [B, S]: the keys each row
     of a padded batch KV attends to, grown by one a step (None: a lone session, causal).
     -> drafts [B, rounds] (target ids); the sampled rows' q, (ids [b, rounds, N] target ids,
     probs [b, rounds, N], support [b, rounds]), or None; the outputs whose logits proposed the drafts
-    [B, rounds, H]. `step`: a lone greedy session's steps run compiled (GreedyStep)."""
-    if step is not None and draws is None and valid is None and rounds > 0:
+    [B, rounds, H]. `step`: a lone greedy session's steps run compiled (GreedyStep). `masks`: the constrained
+    rows' (each pick from the masked logits)."""
+    if step is not None and draws is None and valid is None and masks is None and rounds > 0:
         return _greedy_rollout(model, step, a, kv, position, rounds)
     drafts, ids, probs, rows = [], [], [], []
     for n in range(rounds):
-        draft, q = pick(model, top_n, model.draft_logits(a[:, -1]), draws, n)  # [B]
+        logits = model.draft_logits(a[:, -1])
+        draft, q = pick(model, top_n, masks.apply(logits) if masks else logits, draws, n)  # [B]
+        if masks and n + 1 < rounds:
+            masks.took(draft)
         drafts.append(draft)
         rows.append(a[:, -1])
         if q is not None:
@@ -243,17 +286,25 @@ def rollout(model: Eagle3Draft, top_n: int, a: torch.Tensor, kv: DraftKV, positi
     return torch.stack(drafts, 1), (torch.stack(ids, 1), probs, (probs > 0).sum(-1)), torch.stack(rows, 1)
 
 
-def parallel_rollout(model: Eagle3Draft, top_n: int, a: torch.Tensor, draws: Draws | None
+def parallel_rollout(model: Eagle3Draft, top_n: int, a: torch.Tensor, draws: Draws | None,
+                     masks: Masks | None = None
                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, torch.Tensor]:
     """A P-EAGLE head's drafts, as rollout returns them, from the outputs of its one forward a [B, rounds, H]
-    (Eagle3Draft.parallel_draft): draft n picked from a[:, n] with the uniform of step n."""
+    (Eagle3Draft.parallel_draft): draft n picked from a[:, n] with the uniform of step n (with `masks`, from
+    its masked logits, depth after depth)."""
     logits = model.draft_logits(a)  # [B, rounds, Vd]: one lm_head for all of them
-    if draws is None:  # the argmax of every depth at once
+    if draws is None and masks is None:  # the argmax of every depth at once
         return model.to_target_ids(logits.argmax(-1)), None, a
-    picks = [pick(model, top_n, logits[:, n], draws, n) for n in range(a.shape[1])]
+    picks = []
+    for n in range(a.shape[1]):
+        picks.append(pick(model, top_n, masks.apply(logits[:, n]) if masks else logits[:, n], draws, n))
+        if masks and n + 1 < a.shape[1]:
+            masks.took(picks[-1][0])
     if not picks:
         return a.new_zeros(a.shape[0], 0, dtype=torch.long), None, a
     drafts = torch.stack([d for d, _ in picks], 1)
+    if draws is None:
+        return drafts, None, a
     probs = torch.stack([q[1] for _, q in picks], 1)  # [b, rounds, N]
     return drafts, (torch.stack([q[0] for _, q in picks], 1), probs, (probs > 0).sum(-1)), a
 

@@ -15,7 +15,14 @@ import torch
 
 from draft_server.engine import DraftEngine
 from tandem.config import DraftSettings
-from tandem.convert import branches_to_pb, draft_probs_to_pb, parents_to_pb, sampling_from_pb, tree_from_pb
+from tandem.convert import (
+    branches_to_pb,
+    draft_constraint_from_pb,
+    draft_probs_to_pb,
+    parents_to_pb,
+    sampling_from_pb,
+    tree_from_pb,
+)
 from tandem.dtypes import name_of
 from tandem.errors import Abort
 from tandem.params import MAX_DRAFT_TOKENS
@@ -91,7 +98,10 @@ class DraftServicer(EngineServicer[DraftEngine], draft_pb2_grpc.DraftServiceServ
         # a sampled request's settings come with its first step: its drafts are drawn from q
         sampling = sampling_from_pb(request.sampling) if step.open and request.HasField("sampling") else None
         tree = tree_from_pb(request.tree) if request.HasField("tree") else None
-        return Propose(step.session_id, features, tokens, k, step.open, sampling, tree), step.open
+        constraint = draft_constraint_from_pb(request.constraint) if step.open and request.HasField("constraint") \
+            else None
+        return Propose(step.session_id, features, tokens, k, step.open, sampling, tree,
+                       constraint=constraint), step.open
 
     def _features(self, engine: DraftEngine, request: draft_pb2.DraftRequest) -> torch.Tensor:
         """The step's new features [m, 3Ht]: a fast path's, or inline in the message."""

@@ -11,6 +11,7 @@ import torch
 
 from draft_server.model import DraftKV
 from draft_server.sampling import DraftSampler
+from tandem.constraint import Constraint
 from tandem.pairing import TargetShape
 from tandem.params import TreeParams
 from tandem.protocol import DraftProbs, Drafts
@@ -29,6 +30,7 @@ class _Session:
     # a sampled session's last tree (its nodes' target ids, parents), until the next propose says which path
     # the target took (SiblingRates)
     last_tree: tuple[list[int], list[int]] | None = None
+    constraint: Constraint | None = None  # a constrained request: its drafts are picked from the masked q
 
 
 @dataclass

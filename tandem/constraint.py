@@ -26,7 +26,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
-
 class _Numpy:
     """numpy, imported at a grammar's first use: the coordinator starts without loading it."""
 
@@ -165,7 +164,7 @@ class Constraint:
 
     def chain(self, drafts: Sequence[int], room: int = 0) -> tuple[int, list[int], bytes | None]:
         """A verify of t (committed) and `drafts` -> (how many drafts to keep: those before the first one its
-        row forbids; the tokens the grammar forces after them, at most `room`: where a row allows one token
+        row forbids, up to a stop id; the tokens the grammar forces after them, at most `room`: where a row allows one token
         only, that token is the draft, as the argmax of the draft's q masked by the row would be, and the
         target takes it with certainty; the rows of t, the kept and the forced drafts, or None: nothing
         masked)."""
@@ -173,24 +172,34 @@ class Constraint:
             return len(drafts), [], None
         started = time.perf_counter()
         rows = [self._row(self.produced)]
-        kept, forced = 0, []
+        kept, forced, consumed = 0, [], 0
         for d in drafts:
-            if not _allowed(rows[-1], d) or (self.matcher is not None and not self.matcher.consume_token(d)):
+            if not _allowed(rows[-1], d):
+                break
+            if d in self.stop_ids:  # the end, if accepted: nothing after it counts (nor is the matcher walked past it)
+                kept += 1
+                rows.append(rows[-1])
+                break
+            if self.matcher is not None and not self.matcher.consume_token(d):
                 break
             kept += 1
+            consumed += 1
             rows.append(self._row(self.produced + kept))
-        while self.matcher is not None and len(forced) < room - kept and (only := _single(rows[-1])) is not None \
-                and only not in self.stop_ids and self.matcher.consume_token(only):
+        while self.matcher is not None and kept == consumed and len(forced) < room - kept \
+                and (only := _single(rows[-1])) is not None and only not in self.stop_ids \
+                and self.matcher.consume_token(only):
             forced.append(only)
+            consumed += 1
             rows.append(self._row(self.produced + kept + len(forced)))
-        if self.matcher is not None and kept + len(forced):
-            self.matcher.rollback(kept + len(forced))
+        if self.matcher is not None and consumed:
+            self.matcher.rollback(consumed)
         self.seconds += time.perf_counter() - started
         return kept, forced, np.stack(rows).tobytes()
 
     def tree(self, drafts: Sequence[int], parents: Sequence[int]) -> bytes | None:
         """A verify of t and a draft tree (Drafts.parents) -> each node's row (t's first). A node its parent's
-        row forbids is never accepted (its p is 0), so its row, and its subtree's, repeat the parent's."""
+        row forbids is never accepted (its p is 0), so its row, and its subtree's, repeat the parent's; so do a
+        stop id's (nothing after the end counts)."""
         if not self.active:
             return None
         started = time.perf_counter()
@@ -200,7 +209,9 @@ class Constraint:
         path: list[int] = []  # the drafts the matcher has consumed
         for i, parent in enumerate(parents):
             up = parent + 1
-            if not alive[up] or not _allowed(rows[up], drafts[i]):
+            # a node its row forbids is never accepted; one that is a stop id ends its path: either way no
+            # row below it counts, and the matcher is not walked into it
+            if not alive[up] or not _allowed(rows[up], drafts[i]) or drafts[i] in self.stop_ids:
                 rows.append(rows[up])
                 paths.append(paths[up])
                 alive.append(False)
@@ -223,6 +234,11 @@ class Constraint:
         self.seconds += time.perf_counter() - started
         return np.stack(rows).tobytes()
 
+    def walk(self) -> Walk:
+        """The rows along a rollout's drafts from the committed text (the draft picks each from its q masked
+        by them); the caller closes it."""
+        return Walk(self)
+
     def commit(self, tokens: Sequence[int], stop_ids: Sequence[int] = ()) -> None:
         """Tokens the target committed, in order (each allowed by its row). A stop id the grammar does not
         take is not consumed: it ends the generation."""
@@ -230,6 +246,49 @@ class Constraint:
             self.produced += 1
             if self.matcher is not None and not (token in stop_ids and not _allowed_by(self.matcher, token)):
                 self.matcher.consume_token(token)
+
+
+class Walk:
+    """A draft rollout's path through the grammar from the committed text: `row()` is the mask of the next
+    position, `take(d)` follows the draft picked there. A draft the row forbids (one outside the draft's
+    vocabulary where the row allows none inside it) ends the walk: the round loop cuts the chain there
+    anyway. `close()` rolls the matcher back to the committed text."""
+
+    def __init__(self, constraint: Constraint):
+        self.constraint = constraint
+        self.taken = 0
+        self.ended = False
+        self._row: np.ndarray | None = None
+
+    def row(self) -> np.ndarray | None:
+        """The next position's row, or None once the walk ended."""
+        if self.ended:
+            return None
+        c = self.constraint
+        started = time.perf_counter()
+        self._row = c._row(c.produced + self.taken)
+        c.seconds += time.perf_counter() - started
+        return self._row
+
+    def take(self, token: int) -> None:
+        if self.ended:
+            return
+        matcher = self.constraint.matcher
+        if self._row is None or not _allowed(self._row, token) or token in self.constraint.stop_ids or (
+                matcher is not None and not matcher.consume_token(token)):
+            self.ended = True  # forbidden (cut there), or the end: no draft after it counts
+            return
+        self.taken += 1
+
+    def close(self) -> None:
+        if self.constraint.matcher is not None and self.taken:
+            self.constraint.matcher.rollback(self.taken)
+        self.taken, self.ended = 0, True
+
+
+def allowed_among(row: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Which of the token ids `ids` (int64) a row allows -> bool, as `ids`' shape."""
+    return ((row[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)
 
 
 def _allowed(row: np.ndarray, token: int) -> bool:

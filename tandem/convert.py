@@ -15,6 +15,7 @@ from tandem.params import GenerationRequest, GrammarSpec, SamplingParams, TreePa
 from tandem.protocol import (
     Ahead,
     Branch,
+    DraftConstraint,
     DraftProbs,
     Prefill,
     PrefillResult,
@@ -42,7 +43,7 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-def grammar_from_pb(msg: coordinator_pb2.Grammar) -> GrammarSpec | None:
+def grammar_from_pb(msg: common_pb2.Grammar) -> GrammarSpec | None:
     """None for an empty Grammar; InvalidRequest for one that sets both a kind and a choice."""
     kind = msg.WhichOneof("kind")
     if kind is not None and msg.choice:
@@ -55,13 +56,13 @@ def grammar_from_pb(msg: coordinator_pb2.Grammar) -> GrammarSpec | None:
     return GrammarSpec(kind=kind, value="" if kind == "json_object" else getattr(msg, kind))
 
 
-def grammar_to_pb(spec: GrammarSpec) -> coordinator_pb2.Grammar:
+def grammar_to_pb(spec: GrammarSpec) -> common_pb2.Grammar:
     if spec.kind == "choice":
-        return coordinator_pb2.Grammar(choice=json.loads(spec.value))
+        return common_pb2.Grammar(choice=json.loads(spec.value))
     if spec.kind == "json_object":
-        return coordinator_pb2.Grammar(json_object=True) if not spec.value else coordinator_pb2.Grammar(
+        return common_pb2.Grammar(json_object=True) if not spec.value else common_pb2.Grammar(
             json_schema=spec.value)
-    return coordinator_pb2.Grammar(**{spec.kind: spec.value})
+    return common_pb2.Grammar(**{spec.kind: spec.value})
 
 
 def tree_from_pb(msg: common_pb2.TreeParams) -> TreeParams:
@@ -227,7 +228,21 @@ def draft_step_to_pb(step: Propose | Ahead) -> draft_pb2.DraftSessionStep:
         request.sampling.CopyFrom(sampling_to_pb(step.sampling))
     if step.tree is not None:
         request.tree.CopyFrom(tree_to_pb(step.tree))
+    if step.constraint is not None and step.open:
+        request.constraint.CopyFrom(draft_constraint_to_pb(step.constraint))
     return draft_pb2.DraftSessionStep(session_id=step.session_id, request=request, open=step.open)
+
+
+def draft_constraint_to_pb(c: DraftConstraint) -> draft_pb2.DraftConstraint:
+    msg = draft_pb2.DraftConstraint(min_tokens=c.min_tokens, stop_ids=list(c.stop_ids), output_tokens=c.output_tokens)
+    if c.grammar is not None:
+        msg.grammar.CopyFrom(grammar_to_pb(c.grammar))
+    return msg
+
+
+def draft_constraint_from_pb(msg: draft_pb2.DraftConstraint) -> DraftConstraint:
+    return DraftConstraint(grammar=grammar_from_pb(msg.grammar) if msg.HasField("grammar") else None,
+                           min_tokens=msg.min_tokens, stop_ids=list(msg.stop_ids), output_tokens=msg.output_tokens)
 
 
 def prefilled_from_pb(msg: target_pb2.TargetResponse) -> PrefillResult:

@@ -68,9 +68,11 @@ class Speculation:
     def overlaps(self, request: GenerationRequest) -> bool:
         """Whether this generation drafts with overlap (round by round still under `overlap_while`): a greedy
         one, a sampled one with `overlap_sampled`, and never one of draft trees (the ahead step drafts chains: a
-        tree asked for, by the request or the server, is kept)."""
+        tree asked for, by the request or the server, is kept) or a constrained one (an ahead's drafts would not
+        be masked by its grammar)."""
         tree = request.tree or self.default_tree
-        return self.overlap and (request.sampling.greedy or self.overlap_sampled) and tree is None
+        return self.overlap and (request.sampling.greedy or self.overlap_sampled) and tree is None \
+            and not request.constrained
 
 
 class KPolicy:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tandem.params import SamplingParams, TreeParams
+from tandem.params import GrammarSpec, SamplingParams, TreeParams
 
 Features = Any
 
@@ -157,9 +157,23 @@ class Verify:
 
 
 @dataclass
+class DraftConstraint:
+    """A constrained generation (a grammar, min_tokens) as its draft session needs it: the draft walks its
+    own matcher along each rollout and picks every draft from its q masked by the row the target will
+    score there (tandem/constraint.py). `output_tokens`: of the opening propose's next_tokens, how many at
+    the end are the generation's own (the prefill's token, after those of a preempted run)."""
+
+    grammar: GrammarSpec | None
+    min_tokens: int = 0
+    stop_ids: Sequence[int] = ()
+    output_tokens: int = 1
+
+
+@dataclass
 class Propose:
     """The new committed pairs (F_i, x_{i+1}), then K drafts (or a tree). `open`: the session's first,
-    with a sampled request's settings: the draft then draws its drafts from q and returns q."""
+    with a sampled request's settings: the draft then draws its drafts from q and returns q; with a
+    constrained request's constraint: the draft masks q with it."""
 
     session_id: str
     features: Features  # [m, 3H] of the new pairs
@@ -169,6 +183,7 @@ class Propose:
     sampling: SamplingParams | None = None
     tree: TreeParams | None = None
     want_timing: bool = False
+    constraint: DraftConstraint | None = None
 
 
 @dataclass

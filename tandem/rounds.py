@@ -33,6 +33,7 @@ from tandem.protocol import (
     Ahead,
     Branch,
     DraftBackend,
+    DraftConstraint,
     DraftProbs,
     Drafts,
     DraftStep,
@@ -111,9 +112,11 @@ class DraftSession:
     its drafts from its own distribution and returns each one's q.
     """
 
-    def __init__(self, sessions: Sessions, overlap: bool, sampling: SamplingParams | None = None):
+    def __init__(self, sessions: Sessions, overlap: bool, sampling: SamplingParams | None = None,
+                 constraint: DraftConstraint | None = None):
         self.sessions = sessions
         self.sampling = sampling if sampling is not None and not sampling.greedy else None
+        self.constraint = constraint  # a constrained request's: the draft masks its q with it
         self.overlap = overlap
         self._features: Features = None  # not yet sent, with the tokens after them
         self._tokens: list[int] = []
@@ -140,7 +143,7 @@ class DraftSession:
             self.sessions.draft = True  # released even if this first step fails
             step = Propose(self.sessions.session_id, self._features, self._tokens, k, open=first,
                            sampling=self.sampling if first else None, tree=tree,
-                           want_timing=self.sessions.want_timing)
+                           want_timing=self.sessions.want_timing, constraint=self.constraint if first else None)
             (result,) = yield [step]
             drafts = self._take(result)
             self._features, self._tokens = None, []
@@ -212,8 +215,11 @@ def rounds(
     prompt = [*request.prompt_ids, *produced]
     stopper = Stopper(limit, stop_ids, produced=len(produced))
     policy = KPolicy(request, speculation, limit, has_draft=has_draft)
-    drafter = DraftSession(sessions, speculation.overlaps(request), request.sampling) if has_draft and policy.drafting \
-        else None
+    drafter = None
+    if has_draft and policy.drafting:
+        drafter = DraftSession(sessions, speculation.overlaps(request), request.sampling,
+                               DraftConstraint(request.grammar, request.min_tokens, sorted(stop_ids), len(produced) + 1)
+                               if request.constrained else None)
     sessions.draft_alive = drafter is not None
     stats = resume.stats if resume is not None else \
         GenerationStats(accepted_per_position=[0] * (request.num_draft_tokens if drafter else 0))

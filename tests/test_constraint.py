@@ -141,3 +141,65 @@ def test_the_chain_walk_rolls_back_and_commits(grammars, generator):
     assert allowed[-1][generator.target.eos_token_ids[0]]  # the choice is complete: EOS may end it
     constraint.commit(good)
     assert constraint.matcher.is_accepting()
+
+
+def test_a_stop_id_among_the_drafts_leaves_the_matcher_where_the_text_left_it(grammars, generator):
+    """A chain that drafts the grammar's end and EOS after it: the walk stops at the stop id (walking the
+    matcher into it and back would leave it at the end), so after committing less the end is not allowed."""
+    encode = lambda text: generator.tokenizer(text, add_special_tokens=False)["input_ids"]
+    vocab, eos = generator.target.vocab_size, generator.target.eos_token_ids[0]
+    constraint = Constraint(grammars.matcher(GRAMMARS["choice"]), vocab, generator.target.eos_token_ids)
+    word = encode("green")
+    kept, _, rows = constraint.chain([*word, eos, word[0]])
+    assert kept == len(word) + 1  # the stop id is kept (the target may accept it), nothing after it
+    assert len(unpack_rows(rows, vocab)) == kept + 1
+    constraint.commit(word[:1])
+    assert not unpack_rows(constraint.first(), vocab)[0][eos]
+    walk = constraint.walk()
+    for token in [*word[1:], eos, word[0]]:
+        walk.row()
+        walk.take(token)
+    assert walk.taken == len(word) - 1 and walk.ended
+    walk.close()
+    assert not unpack_rows(constraint.first(), vocab)[0][eos]
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "regex", "choice"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_the_draft_picks_its_drafts_from_its_q_masked_by_the_grammar(generator, grammars, kind, sampled):
+    """A constrained draft session walks its own matcher: every draft is one the grammar allows after the
+    committed text and the drafts before it (unless its row allows no token of the draft's vocabulary: the
+    round loop cuts the chain there), and a sampled draft's q has no mass outside its row."""
+    import torch
+
+    from tandem.protocol import DraftConstraint, Propose
+
+    engine, vocab, eos = generator.draft, generator.target.vocab_size, generator.target.eos_token_ids
+    spec = GRAMMARS[kind]
+    in_draft = torch.zeros(vocab, dtype=torch.bool)
+    in_draft[engine.model.to_target_ids(torch.arange(engine.draft_vocab))] = True
+    sampling = SamplingParams(temperature=1.0, seed=3) if sampled else None
+    first = int(unpack_rows(Constraint(grammars.matcher(spec), vocab, eos).first(), vocab)[0].nonzero()[0][0])
+    checked = 0
+    for n in range(6):
+        torch.manual_seed(n)
+        session = f"masked-{kind}-{sampled}-{n}"
+        committed = [*PROMPT[1:], first]  # the prefill's token, one the grammar allows
+        drafts = engine.run([Propose(session, torch.randn(len(committed), engine.feature_size), committed, 5,
+                                     open=True, sampling=sampling,
+                                     constraint=DraftConstraint(spec, 0, eos, output_tokens=1))])[0]
+        constraint = Constraint(grammars.matcher(spec), vocab, eos)
+        constraint.commit([first])
+        for j, d in enumerate(drafts):
+            row = torch.from_numpy(unpack_rows(constraint.first(), vocab)[0])
+            if not (row & in_draft).any():
+                break  # nothing of the draft's vocabulary allowed here: unmasked, and cut by the loop
+            assert row[d], (kind, n, j, d)
+            if drafts.q is not None:
+                assert all(row[i] for i, p in zip(drafts.q[j].ids, drafts.q[j].probs) if p > 0)
+            checked += 1
+            if d in eos:
+                break
+            constraint.commit([d])
+        engine.release(session)
+    assert checked >= 6

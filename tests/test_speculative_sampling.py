@@ -152,13 +152,16 @@ def test_penalised_sampling_keeps_the_penalised_targets_law(generator, hf_target
     assert min(p_values.values()) > ALPHA, p_values
 
 
-def test_constrained_sampling_keeps_the_masked_targets_law(generator, hf_target, oracle):
-    """A regex: drafts it forbids are cut, forced ones drafted; the output law is the target's masked by it."""
+@pytest.mark.parametrize("drafter", ["oracle", "engine"])
+def test_constrained_sampling_keeps_the_masked_targets_law(generator, hf_target, oracle, drafter):
+    """A regex: drafts it forbids are cut, forced ones drafted; the output law is the target's masked by it.
+    engine: the draft engine draws each draft from its own q masked by the grammar, and sends that q."""
     grammar = GrammarSpec(kind="regex", value="[a-z ]{1,60}")
     grammars = Grammars((generator.target_dir / "tokenizer.json").read_text(), generator.target.vocab_size,
                         generator.target.eos_token_ids)
     params = SETTINGS["t1"]
-    samples, _ = sample_runs(generator.target, oracle, params, RUNS, "alone", grammar, grammars)
+    draft = oracle if drafter == "oracle" else generator.draft
+    samples, _ = sample_runs(generator.target, draft, params, RUNS, "alone", grammar, grammars)
 
     def masked(logits, prefix):
         matcher = grammars.matcher(grammar)

@@ -44,23 +44,9 @@ class GenerateRequest(_message.Message):
     profile: bool
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     tree: _common_pb2.TreeParams
-    grammar: Grammar
+    grammar: _common_pb2.Grammar
     min_tokens: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., speculate: _Optional[bool] = ..., profile: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., min_tokens: _Optional[int] = ...) -> None: ...
-
-class Grammar(_message.Message):
-    __slots__ = ("json_schema", "json_object", "regex", "grammar", "choice")
-    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
-    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
-    REGEX_FIELD_NUMBER: _ClassVar[int]
-    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
-    CHOICE_FIELD_NUMBER: _ClassVar[int]
-    json_schema: str
-    json_object: bool
-    regex: str
-    grammar: str
-    choice: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., speculate: _Optional[bool] = ..., profile: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("num_rounds", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length", "accepted_per_position", "num_rounds_without_draft", "num_rounds_load_shed", "num_overlap_rounds", "num_overlap_hits", "overlap_hit_rate", "num_tree_rounds", "num_constrained_cuts", "constraint_seconds", "num_forced_drafts")

@@ -43,7 +43,7 @@ class DraftInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_hidden_size: _Optional[int] = ..., max_target_id: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., target_max_context: _Optional[int] = ..., transport: _Optional[_Union[_common_pb2.TransportCaps, _Mapping]] = ..., compiling: _Optional[bool] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("next_tokens", "num_draft_tokens", "features", "want_timing", "ahead", "sampling", "tree")
+    __slots__ = ("next_tokens", "num_draft_tokens", "features", "want_timing", "ahead", "sampling", "tree", "constraint")
     NEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class DraftRequest(_message.Message):
     AHEAD_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     next_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
     features: _common_pb2.Features
@@ -58,7 +59,20 @@ class DraftRequest(_message.Message):
     ahead: Ahead
     sampling: _common_pb2.SamplingParams
     tree: _common_pb2.TreeParams
-    def __init__(self, next_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., want_timing: _Optional[bool] = ..., ahead: _Optional[_Union[Ahead, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
+    constraint: DraftConstraint
+    def __init__(self, next_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., want_timing: _Optional[bool] = ..., ahead: _Optional[_Union[Ahead, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., constraint: _Optional[_Union[DraftConstraint, _Mapping]] = ...) -> None: ...
+
+class DraftConstraint(_message.Message):
+    __slots__ = ("grammar", "min_tokens", "stop_ids", "output_tokens")
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    grammar: _common_pb2.Grammar
+    min_tokens: int
+    stop_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_tokens: int
+    def __init__(self, grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ..., min_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., output_tokens: _Optional[int] = ...) -> None: ...
 
 class Ahead(_message.Message):
     __slots__ = ("assumed", "branches")
