@@ -229,7 +229,8 @@ def rounds(
         sessions.target = True
         (prefill,) = yield [Prefill(session, prompt, request.sampling, alive(), max_new_tokens=limit - len(produced),
                                     verify_tokens=widest, want_timing=sessions.want_timing,
-                                    allowed=constraint.first() if constraint else None)]
+                                    allowed=constraint.first() if constraint else None,
+                                    output_start=len(request.prompt_ids) if produced else None)]
         prefill = _raised(prefill)
         token = prefill.token
         new_tokens, finish = stopper.take([token])
