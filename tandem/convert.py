@@ -207,7 +207,7 @@ def target_step_to_pb(step: Prefill | Verify) -> target_pb2.SessionStep:
         request = target_pb2.TargetRequest(prefill=target_pb2.Prefill(
             session_id=step.session_id, prompt_ids=step.prompt_ids, sampling=sampling_to_pb(step.sampling),
             want_features=step.want_features, want_timing=step.want_timing, max_new_tokens=step.max_new_tokens,
-            verify_tokens=step.verify_tokens, allowed=step.allowed or b""))
+            verify_tokens=step.verify_tokens, allowed=step.allowed or b"", output_start=step.output_start))
     else:
         request = target_pb2.TargetRequest(verify=target_pb2.Verify(
             token=step.token, drafts=step.drafts, want_features=step.want_features, q=draft_probs_to_pb(step.q),

@@ -136,6 +136,9 @@ class Prefill:
     verify_tokens: int | None = None  # the widest verify it may send (a tree's); None: a chain's
     want_timing: bool = False  # every answer of the session carries its StepTiming
     allowed: bytes | None = None  # the mask of t's position (tandem/constraint.py); None: every token
+    # where the generation's own tokens begin in prompt_ids (a preempted one's recompute: the prompt, then
+    # what it produced), which presence and frequency penalties count as generated; None: all prompt
+    output_start: int | None = None
 
 
 @dataclass

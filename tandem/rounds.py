@@ -224,6 +224,7 @@ def rounds(
     stats = resume.stats if resume is not None else \
         GenerationStats(accepted_per_position=[0] * (request.num_draft_tokens if drafter else 0))
     constraint = make_constraint(request, grammars, vocab_size, stop_ids)
+    masked = stats.constraint_seconds  # a resumed generation's masks before its preemption
     if constraint is not None and produced:
         constraint.commit(produced, stop_ids)  # a resumed generation's matcher is where its tokens left it
 
@@ -235,7 +236,8 @@ def rounds(
         sessions.target = True
         (prefill,) = yield [Prefill(session, prompt, request.sampling, alive(), max_new_tokens=limit - len(produced),
                                     verify_tokens=widest, want_timing=sessions.want_timing,
-                                    allowed=constraint.first() if constraint else None)]
+                                    allowed=constraint.first() if constraint else None,
+                                    output_start=len(request.prompt_ids) if produced else None)]
         prefill = _raised(prefill)
         token = prefill.token
         new_tokens, finish = stopper.take([token])
@@ -295,7 +297,7 @@ def rounds(
             new_tokens, finish = stopper.take(committed)
             if constraint:
                 constraint.commit(new_tokens, stop_ids)
-                stats.constraint_seconds = constraint.seconds
+                stats.constraint_seconds = masked + constraint.seconds
             yield RoundEvent(new_tokens, stats, finish, _cut(verdict.logprobs, new_tokens))
     finally:
         policy.close()

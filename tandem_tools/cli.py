@@ -34,6 +34,28 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
 
 
+def _grammar(text: str):
+    """KIND[:VALUE] -> a GrammarSpec: json_object, json_schema:FILE, regex:PATTERN, choice:A,B,..., grammar:FILE
+    (Lark or GBNF)."""
+    import json
+    from pathlib import Path
+
+    from tandem.params import GRAMMAR_KINDS, GrammarSpec
+
+    kind, _, value = text.partition(":")
+    if kind not in GRAMMAR_KINDS or (kind == "json_object") != (value == ""):
+        raise argparse.ArgumentTypeError(f"a grammar is json_object, json_schema:FILE, regex:PATTERN, choice:A,B "
+                                         f"or grammar:FILE; got {text!r}")
+    if kind in ("json_schema", "grammar"):
+        try:
+            value = Path(value).read_text()
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"{kind}: {exc}") from None
+    elif kind == "choice":
+        value = json.dumps(value.split(","))
+    return GrammarSpec(kind=kind, value=value)
+
+
 def _tree(text: str):
     from tandem.params import parse_tree
 
@@ -256,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-draft-tokens", "-k", type=int, default=4)
     p.add_argument("--tree", type=_tree, metavar="NODES[,DEPTH[,TOP_K]]", help="every request asks for this tree")
+    p.add_argument("--grammar", type=_grammar, metavar="KIND[:VALUE]",
+                   help="every request is constrained: json_object, json_schema:FILE, regex:PATTERN, choice:A,B, "
+                        "grammar:FILE; the report gives the masks' cost per round")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None, help="request i gets seed + i")
     p.add_argument("--ignore-eos", action="store_true", help="every request generates --max-new-tokens")

@@ -6,8 +6,8 @@ processes and where the time went.
                                                      so the traffic is real; no --target: the tiny pair
 
 Writes, under --out:
-    report.json    links (bytes, messages, by kind), totals, latency by stage, acceptance, transport,
-                   and every request round by round (tandem_tools/report.py)
+    report.json    links (bytes, messages, by kind), totals, latency by stage, acceptance, transport, the
+                   grammar's cost (--grammar), and every request round by round (tandem_tools/report.py)
     trace.json     Chrome trace / Perfetto: each round across the processes on one timeline (tandem_tools/trace.py)
     traffic.png    bytes per generated token per link and kind, time per round by stage (tandem_tools/plot.py)
 and prints a summary table. Every request asks the coordinator for its profile (GenerateRequest.profile);
@@ -69,6 +69,7 @@ class ProfileConfig:
     overlap: bool = True  # a launched stack: the coordinator's --overlap
     transport: str = "auto"  # a launched stack: the feature path target -> draft
     tree: object = None  # TreeParams: every request asks for it (the tree gate may run a chain)
+    grammar: object = None  # GrammarSpec: every request is constrained by it
 
 
 def load_prompts(path: Path | None) -> list[str | list[int]]:
@@ -151,7 +152,8 @@ def _diff(after: dict, before: dict) -> dict[str, dict[str, int]]:
 
 def run_request(stub, index: int, prompt: str | list[int], config: ProfileConfig) -> RequestRecord:
     params = {"max_new_tokens": config.max_new_tokens, "num_draft_tokens": config.num_draft_tokens,
-              "temperature": config.temperature, "ignore_eos": config.ignore_eos, "tree": config.tree}
+              "temperature": config.temperature, "ignore_eos": config.ignore_eos, "tree": config.tree,
+              "grammar": config.grammar}
     if config.seed is not None:
         params["seed"] = config.seed + index
     if isinstance(prompt, str):
@@ -260,7 +262,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         concurrency=args.concurrency, max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
         temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos, timeout=args.timeout,
         target_device=args.target_device, draft_device=args.draft_device, dtype=args.dtype,
-        overlap=args.overlap == "on", transport=args.transport, tree=args.tree,
+        overlap=args.overlap == "on", transport=args.transport, tree=args.tree, grammar=args.grammar,
     )
     report = profile(config)
     return 1 if report["totals"]["completed"] == 0 else 0

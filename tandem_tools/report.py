@@ -8,7 +8,8 @@ services' durations are differences on their own clocks, so no clock alignment i
     queueing        a step waiting for its engine behind another session's step
     transport       the rest of each step's round trip: serialization, the wire, gRPC, the feature
                     codec, the service shell, and relaying the previous step's feature chunks
-    coordinator     the rest of the round: the round loop, detokenizing, stop strings, the client send
+    coordinator     the rest of the round: the round loop (a grammar's masks too), detokenizing, stop strings,
+                    the client send
 
 They add up to the round's wall time. Rounds run propose then verify, one after the other; with
 overlap, a round whose drafts were prepared during the last verify (a hit) has no propose, and the
@@ -123,6 +124,8 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
     propose_ns: list[int] = []  # round trips of the proposes that ran
     propose_compute_ns: list[int] = []  # the draft engine's part of each
     exposed_ns = 0
+    # constrained requests (a grammar, min_tokens): the coordinator's mask time, their rounds and round time
+    masked = {"requests": 0, "seconds": 0.0, "rounds": 0, "round_ns": 0, "cuts": 0, "forced": 0}
 
     for rec in done:
         p = rec.profile
@@ -179,6 +182,13 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
         overlap_rounds += s.get("num_overlap_rounds", 0)
         overlap_hits += s.get("num_overlap_hits", 0)
         tree_rounds += s.get("num_tree_rounds", 0)
+        if s.get("constraint_seconds", 0) > 0:
+            masked["requests"] += 1
+            masked["seconds"] += s["constraint_seconds"]
+            masked["rounds"] += len(p.rounds) - 1
+            masked["round_ns"] += sum(r.end_ns - r.start_ns for r in p.rounds if r.index > 0)
+            masked["cuts"] += s.get("num_constrained_cuts", 0)
+            masked["forced"] += s.get("num_forced_drafts", 0)
         num_draft_tokens += s.get("num_draft_tokens", 0)
         num_accepted += s.get("num_accepted_tokens", 0)
         if s.get("accepted_per_position"):
@@ -276,6 +286,14 @@ def build_report(records: list[RequestRecord], wall_s: float, config: dict, send
         "compute_ms_per_propose": statistics.fmean(propose_compute_ns) / 1e6 if propose_compute_ns else 0.0,
         "compute_ms_per_round": report["latency"]["per_round_ms"]["draft_compute"],
     }
+    per_masked_round = max(masked["rounds"], 1)
+    report["grammar"] = {  # the masks, computed in the coordinator's round loop (part of its stage)
+        "constrained_requests": masked["requests"], "rounds": masked["rounds"], "mask_seconds": masked["seconds"],
+        "mask_ms_per_round": masked["seconds"] * 1e3 / per_masked_round,
+        "share_of_round_time": masked["seconds"] * 1e9 / masked["round_ns"] if masked["round_ns"] else 0.0,
+        "cuts_per_round": masked["cuts"] / per_masked_round,
+        "forced_drafts_per_round": masked["forced"] / per_masked_round,
+    }
     if send_site is not None:
         report["transport"]["send_site"] = send_site
     return report
@@ -329,6 +347,12 @@ def summary(report: dict) -> str:
     if tree.get("tree_rounds"):
         lines.append(f"draft trees: {tree['bytes_per_tree_round']:.0f} B of tree shape per tree round per session "
                      f"({tree['tree_rounds']} tree rounds; node ids count as token_ids)")
+    grammar = report.get("grammar", {})
+    if grammar.get("constrained_requests"):
+        lines.append(f"grammar: {grammar['mask_ms_per_round']:.2f} ms of masks per round in the coordinator "
+                     f"({100 * grammar['share_of_round_time']:.1f}% of round time), "
+                     f"{grammar['cuts_per_round']:.2f} drafts cut and {grammar['forced_drafts_per_round']:.2f} "
+                     f"forced per round ({grammar['constrained_requests']} constrained requests)")
     ov = report.get("overlap", {})
     if ov.get("rounds"):
         lines.append(

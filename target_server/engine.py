@@ -232,6 +232,8 @@ class TargetEngine(SessionOwner):
         self._check_ids(prompt_ids, "the prompt")
         if len(prompt_ids) >= self.max_context:
             raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; the context is {self.max_context}")
+        if p.output_start is not None and not 0 <= p.output_start <= len(prompt_ids):
+            raise InvalidRequest(f"output_start {p.output_start} is outside the prompt's {len(prompt_ids)} tokens")
         if p.session_id in self.sessions:
             raise InvalidRequest(f"target session {p.session_id!r} already exists")
         generator = None
@@ -253,7 +255,7 @@ class TargetEngine(SessionOwner):
         step = processing.checked(Step("prefill", None, prompt_ids, p.want_features, allowed=p.allowed), self.vocab_size)
         step.session = Session(params=p.sampling, generator=generator, reserved=self.kv_budget.reserve(reserve),
                                width=width, limit=limit)
-        processing.open_session(step.session, prompt_ids, self.vocab_size, self.device)
+        processing.open_session(step.session, prompt_ids, p.output_start, self.vocab_size, self.device)
         return step
 
     def _reserve_for(self, session: Session, grown: int) -> None:

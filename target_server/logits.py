@@ -23,13 +23,20 @@ from tandem.sessions import InvalidRequest
 from target_server.steps import Session, Step
 
 
-def open_session(session: Session, prompt_ids: list[int], vocab_size: int, device: torch.device) -> None:
-    """A prefill's session: the counts its penalties need (nothing for a session without penalties)."""
+def open_session(session: Session, prompt_ids: list[int], output_start: int | None, vocab_size: int,
+                 device: torch.device) -> None:
+    """A prefill's session: the counts its penalties need (nothing for a session without penalties).
+    prompt_ids[output_start:] are the generation's own tokens (a preempted one's, recomputed): they count
+    as generated, as they did before it was preempted."""
     if not session.params.penalised:
         return
+    start = len(prompt_ids) if output_start is None else output_start
+    prompt = torch.tensor(prompt_ids[:start], dtype=torch.long, device=device)
+    produced = torch.tensor(prompt_ids[start:], dtype=torch.long, device=device)
     session.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+    session.counts.index_add_(0, produced, torch.ones(len(produced), device=device))
     seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-    seen[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+    seen[prompt] = True
     session.prompt_seen = seen
 
 

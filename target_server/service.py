@@ -137,7 +137,8 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
             return Prefill(step.session_id, list(p.prompt_ids), sampling_from_pb(p.sampling), p.want_features,
                            p.max_new_tokens if p.HasField("max_new_tokens") else None,
                            p.verify_tokens if p.HasField("verify_tokens") else None,
-                           allowed=p.allowed or None), True
+                           allowed=p.allowed or None,
+                           output_start=p.output_start if p.HasField("output_start") else None), True
         if kind == "verify":
             v = step.request.verify
             return Verify(step.session_id, v.token, list(v.drafts), v.want_features, draft_probs_from_pb(v.q),

@@ -9,6 +9,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from tandem.constraint import Constraint, Grammars, unpack_rows
 from tandem.errors import InvalidRequest
@@ -89,6 +90,31 @@ def test_greedy_penalised_output_is_the_targets_alone(generator, penalty):
     assert drafted == alone == tree
     plain, _ = run(generator, speculate=False, ignore_eos=True)
     assert alone != plain  # the penalty changed the text
+
+
+def test_a_prefill_of_produced_tokens_counts_them_as_generated(generator):
+    """A preempted generation's recompute: a prefill of the prompt and what it produced, with output_start
+    where they begin, leaves the penalties' state and the next token as the prefill and verifies that
+    produced them did; output_start outside the prompt is refused by name."""
+    engine = generator.target
+    sampling = SamplingParams(presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.3)
+    token = engine.prefill("made", PROMPT, sampling, want_features=False).token
+    produced = []
+    for _ in range(12):
+        produced.append(token)
+        token = engine.verify("made", token, [], False).bonus
+    made = engine.sessions.get("made")
+    resumed = engine.prefill("resumed", [*PROMPT, *produced], sampling, want_features=False,
+                             output_start=len(PROMPT))
+    again = engine.sessions.get("resumed")
+    try:
+        assert resumed.token == token
+        assert torch.equal(again.counts, made.counts) and torch.equal(again.prompt_seen, made.prompt_seen)
+        with pytest.raises(InvalidRequest, match="output_start"):
+            engine.prefill("bad", PROMPT, sampling, output_start=len(PROMPT) + 1)
+    finally:
+        engine.release("made")
+        engine.release("resumed")
 
 
 def test_min_tokens_holds_the_stop_ids_back(generator):

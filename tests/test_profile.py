@@ -190,6 +190,7 @@ def test_the_summary_table_is_printed(run):
     assert f"draft (eagle3, 1 layer): {report['draft']['compute_ms_per_propose']:.2f} ms" in stdout
     assert str(out / "trace.json") in stdout
     assert Path(out / "report.json").is_file()
+    assert report["grammar"]["constrained_requests"] == 0 and "grammar:" not in stdout
 
 
 def test_sampled_drafts_send_their_q_and_the_report_counts_it_per_round(tiny_dir, tmp_path):
@@ -212,3 +213,35 @@ def test_sampled_drafts_send_their_q_and_the_report_counts_it_per_round(tiny_dir
     assert q["drafted_rounds"] == drafted and q["bytes_per_round"] == pytest.approx(q["bytes"] / drafted)
     assert 5 <= q["bytes_per_draft"] <= DRAFT_Q_TOP_N * (3 + 4)  # per support token: an id varint, a float
     assert "q (sampled drafts' distributions)" in proc.stdout
+
+
+def test_a_constrained_workload_reports_the_grammars_cost_per_round(tiny_dir, tmp_path):
+    """--grammar constrains every request: the report gives the coordinator's mask time per round, its share
+    of round time, and the drafts the grammar cut or forced, and the summary prints it in one line."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tandem_tools.cli", "profile", "--target", str(tiny_dir / "target"),
+         "--draft", str(tiny_dir / "draft"), "--num-requests", "2", "--concurrency", "1", "--max-new-tokens", "12",
+         "--num-draft-tokens", str(K), "--grammar", "json_object", "--out", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    grammar = report["grammar"]
+    assert grammar["constrained_requests"] == 2 and grammar["rounds"] == report["totals"]["rounds"]
+    assert grammar["mask_ms_per_round"] > 0 and 0 < grammar["share_of_round_time"] < 1
+    assert grammar["cuts_per_round"] > 0  # the tiny head drafts free text, which JSON cuts
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("grammar:"))
+    assert f"{grammar['mask_ms_per_round']:.2f} ms of masks per round" in line
+
+
+def test_the_grammar_flag_reads_each_kind():
+    import argparse
+
+    from tandem_tools.cli import _grammar
+
+    assert _grammar("json_object").kind == "json_object"
+    assert json.loads(_grammar("choice:red,green").value) == ["red", "green"]
+    assert _grammar("regex:[a-z]+:x").value == "[a-z]+:x"
+    for bad in ("yaml", "json_object:x", "regex:", "json_schema:/no/such/file"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _grammar(bad)

@@ -248,11 +248,14 @@ def test_the_scheduler_never_waits_while_a_request_is_there(target, tiny_dir):
     assert engine.num_sessions == 0
 
 
-def test_a_request_the_kv_budget_cannot_grow_preempts_the_newest_which_resumes_where_it_was(tiny_dir):
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(presence_penalty=0.8, frequency_penalty=0.6)],
+                         ids=["plain", "penalised"])
+def test_a_request_the_kv_budget_cannot_grow_preempts_the_newest_which_resumes_where_it_was(tiny_dir, sampling):
     """Three greedy generations whose KV together outgrows the target's budget: each holds the KV it has
     used, and when a verify cannot grow its share the newest is preempted (its sessions released), waits at
     the front of the queue, and recomputes its prompt and tokens once another has finished. Every client
-    reads one stream: the target's own tokens, none lost or repeated."""
+    reads one stream: the target's own tokens, none lost or repeated. Penalised: the recomputed tokens still
+    count as generated, so presence and frequency penalties see them as an unpreempted run does."""
     from coordinator.scheduler import Scheduler
     from tandem.params import GenerationRequest
     from tandem.policy import Speculation
@@ -284,8 +287,8 @@ def test_a_request_the_kv_budget_cannot_grow_preempts_the_newest_which_resumes_w
                           engine.max_context, Speculation(), max_running=8, max_waiting=8)
     try:
         prompts = id_prompts(3, engine.vocab_size, seed=5)
-        requests = [GenerationRequest(prompt_ids=p[:6], max_new_tokens=110, num_draft_tokens=3, ignore_eos=True)
-                    for p in prompts]
+        requests = [GenerationRequest(prompt_ids=p[:6], max_new_tokens=110, num_draft_tokens=3, ignore_eos=True,
+                                      sampling=sampling) for p in prompts]
         handles = [scheduler.submit(r) for r in requests]
         got = [[t for event in h.events() for t in event.new_tokens] for h in handles]
         reference = InProcessGenerator(tiny_dir / "target", None)

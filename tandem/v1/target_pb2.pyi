@@ -76,7 +76,7 @@ class TargetRequest(_message.Message):
     def __init__(self, prefill: _Optional[_Union[Prefill, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ...) -> None: ...
 
 class Prefill(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "want_features", "want_timing", "max_new_tokens", "verify_tokens", "allowed")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "want_features", "want_timing", "max_new_tokens", "verify_tokens", "allowed", "output_start")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class Prefill(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -93,7 +94,8 @@ class Prefill(_message.Message):
     max_new_tokens: int
     verify_tokens: int
     allowed: bytes
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., want_features: _Optional[bool] = ..., want_timing: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., verify_tokens: _Optional[int] = ..., allowed: _Optional[bytes] = ...) -> None: ...
+    output_start: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., want_features: _Optional[bool] = ..., want_timing: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., verify_tokens: _Optional[int] = ..., allowed: _Optional[bytes] = ..., output_start: _Optional[int] = ...) -> None: ...
 
 class Verify(_message.Message):
     __slots__ = ("token", "drafts", "want_features", "q", "parents", "decode", "stop_ids", "allowed")
