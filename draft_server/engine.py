@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from draft_server.ahead import GreedyAhead, branches
@@ -78,7 +79,7 @@ from tandem.pairing import DraftShape, check_pair
 from tandem.params import SamplingParams, TreeParams
 from tandem.protocol import Ahead, Branch, DraftConstraint, Drafts, DraftStep, Propose
 from tandem.sessions import InvalidRequest, SessionOwner, SessionTable, build_batch
-from tandem.staging import upload
+from tandem.staging import to_device, upload
 
 
 class DraftEngine(SessionOwner):
@@ -319,31 +320,34 @@ class DraftEngine(SessionOwner):
         longest, width = max(past), max(sizes) + masked
         samplers = [step.session.sampler for step in steps]
         draws = draws_for(samplers, [p + m for p, m in zip(past, sizes, strict=True)], rounds, self.draft_vocab, device)
-        position = torch.tensor([[p + m] for p, m in zip(past, sizes, strict=True)], device=device)  # [B, 1]
-        # the extend: every session's new pairs, right-padded, after its KV, left-padded
-        # each step's features to our device first: a fast path's arrive on its device, an inline step's on the CPU
-        features = [step.features.to(device, self.dtype) for step in steps]
+        # the extend: every session's new pairs, right-padded, after its KV, left-padded; the host's tables
+        # (tokens, positions, the keys each row may attend to, the first draft's position) in one upload
+        tokens = np.zeros((b, width), dtype=np.int64)
+        positions = np.zeros((b, width), dtype=np.int64)
+        valid = np.zeros((b, longest + width), dtype=bool)
+        for i, step in enumerate(steps):
+            m = sizes[i] + masked
+            tokens[i, :m] = step.next_tokens + [config.mask_token_id] * masked
+            positions[i] = np.arange(past[i], past[i] + width)
+            valid[i, longest - past[i] : longest + m] = True
+        tokens, positions, valid, position = upload(
+            [(tokens, torch.long), (positions, torch.long), (valid, torch.bool),
+             ([[p + m] for p, m in zip(past, sizes, strict=True)], torch.long)], device)  # position: [B, 1]
+        # each step's features on our device: a fast path's arrive there, an inline step's on the host
+        features = [to_device(step.features, device, self.dtype) for step in steps]
         if masked:
             mask_hidden = model.mask_hidden.view(1, -1).to(self.dtype).expand(masked, -1)
             features = [row for f in features for row in (f, mask_hidden)]
         fused = model.fuse(torch.cat(features))  # [sum (m + masked), H]
         hidden = fused.new_zeros(b, width, fused.shape[-1])
-        tokens = torch.zeros(b, width, dtype=torch.long)
-        positions = torch.zeros(b, width, dtype=torch.long)
-        valid = torch.zeros(b, longest + width, dtype=torch.bool)  # keys a sequence may attend to
-        for i, (rows, step) in enumerate(zip(fused.split([m + masked for m in sizes]), steps, strict=True)):
-            m = sizes[i] + masked
-            hidden[i, :m] = rows
-            tokens[i, :m] = torch.tensor(step.next_tokens + [config.mask_token_id] * masked)
-            positions[i] = torch.arange(past[i], past[i] + width)
-            valid[i, longest - past[i] : longest + m] = True
+        for i, rows in enumerate(fused.split([m + masked for m in sizes])):
+            hidden[i, : sizes[i] + masked] = rows
         kv = DraftKV()
         if longest:
             for layer in range(config.num_layers):
                 kv.layer(layer).k, kv.layer(layer).v = stack_kv(steps, past, longest, layer)
-        valid = valid.to(device)
         causal = torch.ones(width, longest + width, dtype=torch.bool, device=device).tril(diagonal=longest)
-        a = model(hidden, tokens.to(device), positions.to(device), kv, (causal[None] & valid[:, None])[:, None])
+        a = model(hidden, tokens, positions, kv, (causal[None] & valid[:, None])[:, None])
         for i, step in enumerate(steps):  # the committed pairs' KV is each session's to keep
             m = sizes[i]
             for layer in range(config.num_layers):
@@ -408,7 +412,8 @@ class DraftEngine(SessionOwner):
         draws = draws_for([session.sampler], [session.length + m], k, self.draft_vocab, device)
         tokens, positions = upload([(list_, torch.long) for list_ in model.parallel_inputs(
             step.next_tokens, session.length, max(k, 1))], device)
-        a = model.parallel_draft(step.features.to(device, self.dtype), tokens, positions, session.kv, self._mask_row)
+        a = model.parallel_draft(to_device(step.features, device, self.dtype), tokens, positions, session.kv,
+                                 self._mask_row)
         session.length += m
         masks = self._masks([step])
         try:
@@ -423,7 +428,7 @@ class DraftEngine(SessionOwner):
     def _compiled_propose(self, step: _Step, draws) -> tuple | None:
         """A propose after the session's first as one compiled call where one fits it (GreedyPropose,
         SampledPropose): its drafts, their q (sampled) and the outputs that proposed them [K, H]; else None."""
-        session, features = step.session, step.features.to(self.device, self.dtype)
+        session, features = step.session, to_device(step.features, self.device, self.dtype)
         if draws is None and self.greedy_propose is not None and step.k in GreedyPropose.KS:
             tokens, rows = self.greedy_propose.propose(session.kv, session.length, features, step.next_tokens, step.k)
             return tokens, None, rows
@@ -435,8 +440,8 @@ class DraftEngine(SessionOwner):
         """A lone session's new pairs appended to its KV -> the last output a [1, 1, H] and the position its
         first draft is fed at [1, 1]."""
         model, session, m, device = self.model, step.session, len(step.next_tokens), self.device
-        hidden = model.fuse(step.features.to(device, self.dtype))[None]  # [1, m, H]
-        tokens = torch.tensor([step.next_tokens], device=device)  # [1, m]
+        (tokens,) = upload([([step.next_tokens], torch.long)], device)  # [1, m]
+        hidden = model.fuse(to_device(step.features, device, self.dtype))[None]  # [1, m, H]
         positions = torch.arange(session.length, session.length + m, device=device)[None]
         a = model(hidden, tokens, positions, session.kv)[:, -1:]  # [1, 1, H]
         session.length += m
@@ -451,14 +456,16 @@ class DraftEngine(SessionOwner):
         values = None
         if draws is not None:  # draw j of each depth with stream j (j = 0: keyed as the chain's drafts)
             k = min(step.tree.top_k, self.draft_vocab)
-            draws = replace(draws, uniforms=torch.tensor([[sampler.uniform(first + n, j) for n in range(
-                step.tree.depth)] for j in range(k)], dtype=torch.float64, device=self.device))
-            values = self.sibling_rates.log_values(step.tree.depth, k).to(self.device)
+            uniforms, values = upload([([[sampler.uniform(first + n, j) for n in range(step.tree.depth)]
+                                         for j in range(k)], torch.float64),
+                                        (self.sibling_rates.log_values(step.tree.depth, k), torch.float32)],
+                                       self.device)
+            draws = replace(draws, uniforms=uniforms)
         if self.config.parallel_drafting and sampler is None:  # the tree from the one forward (tree.py)
             model, m = self.model, len(step.next_tokens)
             tokens, positions = upload([(list_, torch.long) for list_ in model.parallel_inputs(
                 step.next_tokens, session.length, max(1, min(step.tree.depth, self.config.num_depths)))], self.device)
-            a = model.parallel_draft(step.features.to(self.device, self.dtype), tokens, positions, session.kv,
+            a = model.parallel_draft(to_device(step.features, self.device, self.dtype), tokens, positions, session.kv,
                                      self._mask_row)
             session.length += m
             tree = parallel_tree(model, a, step.tree)
@@ -484,14 +491,14 @@ class DraftEngine(SessionOwner):
                 self._extend(_Step(session, step.features, step.next_tokens, 0))
             return []
         # what the host knows, uploaded before any forward (on a GPU an upload waits for the stream)
-        assumed = torch.tensor(step.assumed, device=device)  # [J]
-        prefix = self.outcomes.logprobs(j_max, session.sampler is not None).to(device)  # [J+1]
+        assumed, prefix, tokens = upload([(step.assumed, torch.long),
+                                          (self.outcomes.logprobs(j_max, session.sampler is not None), torch.float32),
+                                          (step.next_tokens if m else step.assumed, torch.long)], device)  # [J], [J+1]
         n = min(step.branches, self.draft_vocab)
         b = min(step.branches, (j_max + 1) * n)  # the branches: the best b of J+1 forks x n bonus tokens
-        tokens = torch.tensor(step.next_tokens if m else step.assumed, device=device)
         positions = torch.arange(start, start + len(tokens), device=device)
-        features = step.features.to(device, self.dtype)
-        rows = step.rows.to(device, self.dtype) if m == 0 else None
+        features = to_device(step.features, device, self.dtype)
+        rows = step.rows.to(self.dtype) if m == 0 else None  # the hidden states that proposed them: on the device
         if session.sampler is None and self.greedy_ahead is not None and self.greedy_ahead.fits(k, j_max, n, b):
             out = self.greedy_ahead(features, tokens, positions, session.kv.k, session.kv.v, rows, assumed, prefix,
                                     n, k)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.params import SamplingParams
+from tandem.staging import upload
 
 _MASK64 = (1 << 64) - 1
 _DRAFT_STREAM = 0x5D2A_F7C3_91B4_0E6D  # keeps the draft's uniforms apart from the target's seeded generator
@@ -71,13 +72,11 @@ class QSettings:
     @classmethod
     def of(cls, samplers: list[DraftSampler], vocab: int, device: torch.device) -> QSettings:
         top_k = [min(s.top_k, vocab) or vocab for s in samplers]
-        return cls(
-            temperature=torch.tensor([s.temperature for s in samplers], device=device)[:, None],
-            top_k=top_k,
-            top_k_col=torch.tensor(top_k, device=device)[:, None],
-            top_p=torch.tensor([s.top_p for s in samplers], device=device)[:, None],
-            cut_only=all(k == vocab for k in top_k) and all(s.top_p >= 1.0 for s in samplers),
-        )
+        temperature, top_k_col, top_p = upload([([s.temperature for s in samplers], torch.float32),
+                                               (top_k, torch.long), ([s.top_p for s in samplers], torch.float32)],
+                                              device)  # one copy that leaves the host free
+        return cls(temperature=temperature[:, None], top_k=top_k, top_k_col=top_k_col[:, None], top_p=top_p[:, None],
+                   cut_only=all(k == vocab for k in top_k) and all(s.top_p >= 1.0 for s in samplers))
 
 
 def draft_q(logits: torch.Tensor, samplers: list[DraftSampler] | QSettings, top_n: int

@@ -50,6 +50,16 @@ def upload(parts: Sequence[tuple[object, torch.dtype]], device: torch.device) ->
     return _views(host.to(device, non_blocking=True), arrays, offsets, parts)
 
 
+def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host tensor (features that came inline) on `device`, in `dtype`, without a host sync: pinned where
+    CUDA is and copied non_blocking, converted on the device. A tensor already there is only converted."""
+    if t.device != device:
+        if device.type == "cuda" and not t.is_pinned():
+            t = t.pin_memory()
+        t = t.to(device, non_blocking=True)
+    return t if dtype is None else t.to(dtype)
+
+
 class Staged:
     """Inputs of fixed shapes in one device buffer of their own: `write` copies new values in (one copy, as
     upload's) and answers the same tensors every time."""

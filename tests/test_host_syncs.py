@@ -14,6 +14,7 @@ from draft_server.model import DraftKV
 from draft_server.rollout import Draws, read_rollout, rollout
 from draft_server.sampling import DraftSampler, QSettings
 from tandem.params import SamplingParams
+from tandem.protocol import Propose
 from tandem.staging import upload
 from tandem_tools.opcount import OpCounter
 from target_server.engine import TargetEngine
@@ -95,16 +96,24 @@ def test_a_batched_rollout_syncs_the_host_once_counting_every_kind(draft, sample
     assert len(drafts) == b * K and (q is not None) == sampled
 
 
-@pytest.mark.xfail(strict=True, reason="draft_server/engine.py uploads a step's positions, tokens and masks "
-                   "with torch.tensor(..., device=) and .to(device) (pageable copies), and sampling.QSettings.of its "
-                   "settings: tandem.staging.upload in both removes them")
-def test_a_draft_propose_syncs_the_host_once_counting_every_kind(draft):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_draft_propose_syncs_the_host_once_counting_every_kind(draft, sampled):
+    """A lone propose and a batch of two, their features inline (host tensors, as the wire gives them):
+    the host tables go up in one upload that leaves the host free, the drafts come back in one read."""
     g = torch.Generator().manual_seed(1)
-    draft.propose("p", torch.randn(6, draft.feature_size, generator=g), list(range(6)), K, create=True)
+    sampling = SamplingParams(temperature=0.8, seed=3) if sampled else None
+    for name in ("p", "q"):
+        draft.propose(name, torch.randn(6, draft.feature_size, generator=g), list(range(6)), K, create=True,
+                      sampling=sampling)
     with OpCounter() as ops:
         draft.propose("p", torch.randn(2, draft.feature_size, generator=g), [3, 4], K)
-    draft.release("p")
     assert ops.syncs <= 1, dict(ops.sync_ops)
+    with OpCounter() as ops:
+        draft.run([Propose("p", torch.randn(2, draft.feature_size, generator=g), [3, 4], K),
+                   Propose("q", torch.randn(3, draft.feature_size, generator=g), [3, 4, 5], K)])
+    assert ops.syncs <= 1, dict(ops.sync_ops)
+    draft.release("p")
+    draft.release("q")
 
 
 def _cuda_syncs(call) -> int:
