@@ -57,11 +57,11 @@ import torch
 from draft_server.ahead import GreedyAhead, branches
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.compiled import CompiledCalls, compile_calls, compile_mode
+from draft_server.constrained import DraftGrammars
 from draft_server.model import DraftKV, Eagle3Draft
 from draft_server.rollout import (
     GreedyPropose,
     GreedyStep,
-    Masks,
     SampledPropose,
     draws_for,
     parallel_rollout,
@@ -71,13 +71,12 @@ from draft_server.rollout import (
 from draft_server.sampling import DraftSampler
 from draft_server.steps import Outcomes, _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
 from draft_server.tree import SiblingRates, grow_tree, parallel_tree
-from tandem.constraint import Constraint, Grammars
 from tandem.defaults import DRAFT_Q_TOP_N
 from tandem.dtypes import TORCH_DTYPES
 from tandem.packed import can_pack, pack_linears
 from tandem.pairing import DraftShape, check_pair
 from tandem.params import SamplingParams, TreeParams
-from tandem.protocol import Ahead, Branch, DraftConstraint, Drafts, DraftStep, Propose
+from tandem.protocol import Ahead, Branch, Drafts, DraftStep, Propose
 from tandem.sessions import InvalidRequest, SessionOwner, SessionTable, build_batch
 from tandem.staging import to_device, upload
 
@@ -97,8 +96,6 @@ class DraftEngine(SessionOwner):
             raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype!r}")
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
-        self.target_dir = Path(target_dir) if target_dir is not None else None
-        self._grammars: Grammars | None = None  # over the target's tokenizer, at a constrained request's first
         self.config, self.layout = read_config(draft_dir, target_dir, aux_layer_convention)
         # the head's trained context; RoPE is computed per position, so longer sequences still run
         self.max_context = int(getattr(self.config.layer, "max_position_embeddings", 0) or 0)
@@ -132,8 +129,10 @@ class DraftEngine(SessionOwner):
         self._draft_id = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=d2t.device)
         self._draft_id[self.model.to_target_ids(torch.arange(d2t.numel(), device=d2t.device))] = torch.arange(
             d2t.numel(), device=d2t.device)
-        # draft id -> target id on the host, for the grammar masks of constrained requests
-        self._draft_targets = self.model.to_target_ids(torch.arange(d2t.numel(), device=d2t.device)).cpu().numpy()
+        # constrained requests' matchers and masks, over the target's tokenizer
+        self.grammars = DraftGrammars(target_dir, self.config.vocab_size,
+                                      self.model.to_target_ids(torch.arange(d2t.numel(), device=d2t.device)),
+                                      self.device)
         # the compiled calls (draft_server/compiled.py), None until compiled: the eager paths run meanwhile
         self.greedy_step: GreedyStep | None = None
         self.greedy_propose: GreedyPropose | None = None
@@ -203,7 +202,7 @@ class DraftEngine(SessionOwner):
             raise InvalidRequest(f"draft tokens outside the vocabulary: {bad[:5]}")
         if create:  # only once the input is known good: a bad first request leaves nothing behind
             sampler = DraftSampler.for_request(sampling) if sampling is not None and not sampling.greedy else None
-            constraint = self._constraint(p.constraint, next_tokens) if p.constraint is not None else None
+            constraint = self.grammars.open(p.constraint, next_tokens) if p.constraint is not None else None
             self.sessions.add(session_id, _Session(sampler=sampler, constraint=constraint))
         session = self.sessions.get(session_id)
         if session.constraint is not None and not create:
@@ -216,42 +215,6 @@ class DraftEngine(SessionOwner):
         session.tree = tree is not None
         session.last_used = time.monotonic()
         return _Step(session, features, list(next_tokens), num_draft_tokens, tree)
-
-    def _constraint(self, c: DraftConstraint, next_tokens: list[int]) -> Constraint | None:
-        """A constrained session's Constraint, where the last `c.output_tokens` of its first pairs' tokens
-        are the generation's so far; None where this draft has no tokenizer for its grammar (its drafts are
-        then unmasked: the round loop still cuts the ones the grammar forbids)."""
-        if not 0 <= c.output_tokens <= len(next_tokens):
-            raise InvalidRequest(f"constraint.output_tokens must be in [0, {len(next_tokens)}], got {c.output_tokens}")
-        matcher = None
-        if c.grammar is not None:
-            grammars = self.grammars
-            if grammars is None:
-                return None
-            matcher = grammars.matcher(c.grammar)
-        constraint = Constraint(matcher, self.config.vocab_size, c.stop_ids, c.min_tokens)
-        constraint.commit(next_tokens[len(next_tokens) - c.output_tokens :], list(c.stop_ids))
-        return constraint
-
-    @property
-    def grammars(self) -> Grammars | None:
-        """The grammars over the target's tokenizer.json (None: this draft was given no target, or it has none)."""
-        if self._grammars is None and self.target_dir is not None and (self.target_dir / "tokenizer.json").is_file():
-            from transformers import AutoConfig
-
-            from target_server.loading import eos_token_ids
-
-            eos = eos_token_ids(self.target_dir, AutoConfig.from_pretrained(self.target_dir))
-            self._grammars = Grammars((self.target_dir / "tokenizer.json").read_text(), self.config.vocab_size, eos)
-        return self._grammars
-
-    def _masks(self, steps: list[_Step]) -> Masks | None:
-        """The grammar masks of a batch's constrained sessions, None when it has none."""
-        walks = [s.session.constraint.walk() if s.session.constraint is not None and s.session.constraint.active
-                 else None for s in steps]
-        if all(w is None for w in walks):
-            return None
-        return Masks(walks, self._draft_targets, self.device)
 
     def _ahead_step(self, a: Ahead) -> _Ahead:
         """An ahead's step, or InvalidRequest: append the new committed pairs (features [m, 3Ht], None or
@@ -355,7 +318,7 @@ class DraftEngine(SessionOwner):
                 k, v = batch.k[i : i + 1, :, longest : longest + m], batch.v[i : i + 1, :, longest : longest + m]
                 own.append(k.clone(), v.clone()) if own.k is None else own.append(k, v)  # no view of the batch kept
             step.session.length += m
-        masks = self._masks(steps)
+        masks = self.grammars.masks(steps)
         try:
             if config.parallel_drafting:  # every draft from the one forward: row i's last pair, then its masked ones
                 a = torch.stack([a[i, m - 1 : m - 1 + rounds] for i, m in enumerate(sizes)])  # [B, rounds, H]
@@ -386,7 +349,7 @@ class DraftEngine(SessionOwner):
             return self._run_parallel(step)
         draws = draws_for([session.sampler], [session.length + len(step.next_tokens)], step.k, self.draft_vocab,
                           self.device)
-        masks = self._masks([step])
+        masks = self.grammars.masks([step])
         compiled = self._compiled_propose(step, draws) if kv.k is not None and masks is None else None
         if compiled is not None:
             tokens, qs, rows = compiled
@@ -415,7 +378,7 @@ class DraftEngine(SessionOwner):
         a = model.parallel_draft(to_device(step.features, device, self.dtype), tokens, positions, session.kv,
                                  self._mask_row)
         session.length += m
-        masks = self._masks([step])
+        masks = self.grammars.masks([step])
         try:
             drafts, q, rows = parallel_rollout(model, self.q_top_n, a[None, :k], draws, masks)
         finally:

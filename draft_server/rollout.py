@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from draft_server.constrained import Masks
 from draft_server.model import DraftKV, Eagle3Draft
 from draft_server.sampling import DraftSampler, QSettings, draft_q, draw
 from tandem.compiling import compile_graphs
-from tandem.constraint import Walk, allowed_among
 from tandem.protocol import DraftProbs
 from tandem.staging import upload
 
@@ -188,43 +188,6 @@ class Draws:
     index: torch.Tensor | None  # [b]: the sampled rows of the batch; None when every row samples
     settings: QSettings  # theirs, row by row
     uniforms: torch.Tensor  # [b, rounds] float64: step n of row j draws with uniforms[j, n]
-
-
-class Masks:
-    """A rollout's constrained rows (tandem/constraint.py): before each pick, a row's logits are masked by
-    its grammar's row at that position, over the draft vocabulary (`targets`: the draft ids' target ids);
-    after it, the row's walk follows the draft. Each step reads the drafts back (a host sync a step, for
-    batches with a constrained row only). A row whose mask allows no draft token is left unmasked: its
-    draft is forbidden, and the round loop cuts the chain there."""
-
-    def __init__(self, walks: list[Walk | None], targets: np.ndarray, device: torch.device):
-        self.walks, self.targets, self.device = walks, targets, device
-        self.rows = [i for i, w in enumerate(walks) if w is not None]
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [B, Vd] -> the constrained rows masked (-inf where their row forbids the token)."""
-        allowed = np.ones(tuple(logits.shape), dtype=bool)
-        masked = False
-        for i in self.rows:
-            row = self.walks[i].row()
-            if row is not None:
-                mine = allowed_among(row, self.targets)
-                if mine.any():
-                    allowed[i], masked = mine, True
-        if not masked:
-            return logits
-        (allowed,) = upload([(allowed, torch.bool)], self.device)
-        return logits.masked_fill(~allowed, float("-inf"))
-
-    def took(self, drafts: torch.Tensor) -> None:
-        """The drafts just picked, [B] target ids: each constrained row's walk follows its own."""
-        picked = drafts.tolist()
-        for i in self.rows:
-            self.walks[i].take(picked[i])
-
-    def close(self) -> None:
-        for i in self.rows:
-            self.walks[i].close()
 
 
 def draws_for(samplers: list[DraftSampler | None], first: list[int], rounds: int, vocab: int,
