@@ -1,4 +1,4 @@
-"""Issue 17's engine profile: what one round asks of the device, for the old target engine (transformers'
+"""The engine profile: what one round asks of the device, for the old target engine (transformers'
 forward over a gathered, padded past: engine="hf") and the new one (the native model over the paged pool
 in place: engine="native", eager and compiled), side by side, at batch 1 and 16 on the demo pair.
 

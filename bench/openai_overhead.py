@@ -10,7 +10,7 @@ clients take turns block by block (4c requests each, c in flight; tandem_tools/b
 Greedy, so both generate the same tokens. Printed: the bench table, and per generated token the
 difference HTTP - gRPC in TPOT ((latency - TTFT) / (tokens - 1), the mean over requests) and in the
 coordinator's and services' CPU time (from /proc: independent of what else the machine runs).
-The issue's bar: the HTTP front adds no more than 1 ms per generated token at concurrency 16.
+The bar: the HTTP front adds no more than 1 ms per generated token at concurrency 16.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The K-step rollout, on the device from end to end: one host sync per rollout (issue 17).
+"""The K-step rollout, on the device from end to end: one host sync per rollout.
 
     rollout       K steps from the last output a: pick a draft from a's logits, feed it at the next
                   position, pick again... Positions are a device tensor advanced on the device; the

@@ -1,4 +1,4 @@
-"""EAGLE-2 dynamic draft trees (issue 22): instead of a chain of K drafts, a tree of `nodes` drafts whose
+"""EAGLE-2 dynamic draft trees: instead of a chain of K drafts, a tree of `nodes` drafts whose
 shape follows the draft's own confidence, verified by the target in one forward.
 
     level 1     the root is the session's last committed token; its children are the top_k tokens of the

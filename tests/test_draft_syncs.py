@@ -1,4 +1,4 @@
-"""The draft's rollout waits on the device at most once (issue 17): positions, argmax, sampling and the d2t
+"""The draft's rollout waits on the device at most once: positions, argmax, sampling and the d2t
 mapping stay on the device, and the K drafts (with q for a sampled request) are read back in one copy.
 Counted with tandem_tools.opcount, which counts on a CPU the syncs a GPU would stall on."""
 

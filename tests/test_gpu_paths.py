@@ -1,4 +1,4 @@
-"""The CUDA paths (issue 18): each defect a desk review found before they first ran on a GPU, with the
+"""The CUDA paths: each defect found by reading the code before they first ran on a GPU, with the
 test that failed before its fix. Where the logic can be reached without a GPU it runs here on the CPU
 (NCCL's code path over gloo, the shm ring for the ring logic cuda-ipc shares, fake TransportCaps for the
 handshake); the rest is marked `gpu` and skips cleanly without CUDA. bench/gpu_validate.py runs the

@@ -1,4 +1,4 @@
-"""EAGLE-2 draft trees in the draft engine (issue 22, draft_server/tree.py): well-formed trees, every node
+"""EAGLE-2 draft trees in the draft engine (draft_server/tree.py): well-formed trees, every node
 scored as a chain rollout along its path scores it (so the tree's masks and positions are right), the
 tree's KV dropped, one host sync per tree, and a sampled session ranked at its temperature, each expanded
 node's first child drawn from the draft's q (with that q) and its siblings the likeliest others."""
