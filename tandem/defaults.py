@@ -45,12 +45,10 @@ API_KEY_HELP = "clients must send one of these keys (Bearer / authorization meta
 API_KEY_FILE_HELP = "more API keys, one a line"
 
 
-# Measured on the 2-core CPU with the demo pair, compiled (TANDEM_COMPILE=background; services, K=5, the
-# budget and the gate off, one run): EAGLE-3 over target-only 1.15x at 2 requests, 0.89x at 4, 0.84x at 8,
-# 0.77x at 16 (an eager target had drafts paying up to 64). 24 keeps K=5 up to 4 running (K = 24 // n - 1,
-# the gate sheds what does not pay), K=2 at 8, and no drafting from 12 on, and a one-request tree of 16
-# nodes fits. A GPU's knee is elsewhere: measure it with `tandem bench --concurrency ...` and
-# TANDEM_COORDINATOR_SPEC_TOKEN_BUDGET=0, then set the budget.
+# Adaptive K's draft tokens a step across the running requests: K = 24 // n - 1, so K=5 up to 4 running, K=2
+# at 8, none from 13 (the gate sheds what does not pay); where drafting stopped paying on the 2-core CPU with
+# the demo pair (docs/benchmarks.md, "Tandem beside vLLM"). A GPU's knee is elsewhere: measure it with
+# `tandem bench --concurrency ...` and TANDEM_COORDINATOR_SPEC_TOKEN_BUDGET=0, then set the budget.
 SPEC_TOKEN_BUDGET = 24
 SPEC_TOKEN_BUDGET_HELP = (f"adaptive K: draft tokens per round over all running generations (default "
                           f"{SPEC_TOKEN_BUDGET}; 0 = off: every round drafts the request's K, no acceptance gate)")
