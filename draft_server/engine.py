@@ -120,6 +120,9 @@ class DraftEngine(SessionOwner):
                 self._mask_row = self.model.mask_row()
         self.sessions: SessionTable[_Session] = SessionTable("draft")
         self._running = threading.Lock()  # one batch at a time: in-process callers may come from several threads
+        # every forward runs on this stream (None: the CPU's); a fast path's copy of a step's features is
+        # waited for on it (FeatureReceiver.recv's consumer), GPU-side
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.q_top_n = q_top_n  # sampled drafts: q is cut to this many likeliest tokens (0: not cut)
         self.draft_vocab = self.config.draft_vocab_size
         self.outcomes = Outcomes()  # how many drafts verifies accepted: aheads rank their branches by it
@@ -164,7 +167,7 @@ class DraftEngine(SessionOwner):
         """One batch, run at once: a Propose's Drafts or an Ahead's branches, or the error of a step that
         failed (it fails alone), per step. Chain proposes share forwards (a session's first apart: it carries
         the whole prompt, and padding the others' few pairs to it is waste); trees and aheads run one by one."""
-        with self._running:
+        with self._running, torch.cuda.stream(self.stream):
             results, built = build_batch(
                 steps, lambda step: self._propose_step(step) if isinstance(step, Propose) else self._ahead_step(step))
             groups = [_group(b) for _, b in built]  # before any runs: a first propose's KV grows

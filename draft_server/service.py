@@ -112,7 +112,7 @@ class DraftServicer(EngineServicer[DraftEngine], draft_pb2_grpc.DraftServiceServ
         if chunk.WhichOneof("payload") == "ref":
             if self.transport is None:
                 raise NoChannel("a feature descriptor, but this draft has no fast path")
-            return self.transport.recv(chunk.ref, m, engine.feature_size)
+            return self.transport.recv(chunk.ref, m, engine.feature_size, consumer=engine.stream)
         if chunk.row_offset or not is_last_chunk(chunk):
             raise InvalidRequest("a draft step carries its features in one piece")
         return FeatureAssembler().add(chunk, m, engine.feature_size)

@@ -10,6 +10,7 @@ inputs whose shapes are fixed (a compiled bucket's): a CUDA graph captured over 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 
 import numpy as np
 import torch
@@ -58,6 +59,33 @@ def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None =
             t = t.pin_memory()
         t = t.to(device, non_blocking=True)
     return t if dtype is None else t.to(dtype)
+
+
+@cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def to_host(t: torch.Tensor, ready: torch.cuda.Event | None = None) -> torch.Tensor:
+    """A device tensor (a step's features going inline) on the host: copied into pinned memory on a side
+    stream once the GPU is past `ready` (the end of the batch that computed it), so the copy does not queue
+    behind the engine's next forward on its stream; this thread waits for that copy only. A host tensor as
+    it is."""
+    if not t.is_cuda:
+        return t
+    stream = _side_stream(t.device)
+    if ready is not None:
+        stream.wait_event(ready)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(t.device))
+    with torch.cuda.stream(stream):
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    t.record_stream(stream)  # the engine's buffer stays until the copy has read it
+    copied.synchronize()
+    return host
 
 
 class Staged:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+
 import torch
 from transformers.cache_utils import DynamicLayer
 

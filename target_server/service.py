@@ -24,6 +24,7 @@ from tandem.protocol import Prefill, PrefillResult, Verify
 from tandem.service import Service, StartupError, run_service
 from tandem.servicer import EngineServicer
 from tandem.sessions import InvalidRequest
+from tandem.staging import to_host
 from tandem.transports.endpoints import RING_BYTES, TargetTransport
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire import encode_features
@@ -178,12 +179,13 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
         """A step's features: a fast path's descriptor, else inline, in the one answer."""
         if features is None:
             return None
-        ref = None
+        ref, ready = None, self.loaded().features_ready(session_id)
         if self.transport is not None:
-            ref = self.transport.send(session_id, features, self.loaded().features_ready(session_id))
+            ref = self.transport.send(session_id, features, ready)
         n = features.shape[0]
         if ref is not None:
             return common_pb2.Features(ref=ref, row_offset=0, num_rows=n, total_rows=n)
+        features = to_host(features, ready)  # after its batch, not behind the next one's forward
         (chunk,) = encode_features(features, max(1, features.numel() * features.element_size()))
         return chunk
 

@@ -378,9 +378,10 @@ def test_a_step_reaches_the_draft_without_waiting_for_the_targets_next_forward(t
         start = time.perf_counter()
         ref = target.send("a", features, ready)
         sent = time.perf_counter() - start
-        draft_device = torch.device(draft.device)
-        with torch.cuda.stream(torch.cuda.Stream(draft_device)):  # the draft's own stream, not the target's
-            copied = draft.recv(ref, 64, 12).to("cpu")
+        consumer = torch.cuda.Stream(torch.device(draft.device))  # the draft's own stream, not the target's
+        rows = draft.recv(ref, 64, 12, consumer=consumer)  # named, not taken from this thread
+        with torch.cuda.stream(consumer):
+            copied = rows.to("cpu")
         arrived = time.perf_counter() - start
         assert sent < 0.1 and arrived < 0.5, (sent, arrived)
         assert torch.equal(copied, features.cpu())
@@ -388,6 +389,28 @@ def test_a_step_reaches_the_draft_without_waiting_for_the_targets_next_forward(t
         torch.cuda.synchronize()
         target.close()
         draft.close()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_an_inline_steps_features_reach_the_host_without_waiting_for_the_targets_next_forward():
+    """Over gRPC the rows go inline: they are copied to the host after the batch's `ready` event on a side
+    stream, not behind the next batch's forward on the engine's stream."""
+    import time
+
+    from tandem.staging import to_host
+
+    device = torch.device("cuda:0")
+    features = torch.randn(64, 12, device=device)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(device))
+    _busy(device, 1.0)
+    start = time.perf_counter()
+    host = to_host(features, ready)
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    assert elapsed < 0.5 and not host.is_cuda, elapsed
+    assert torch.equal(host, features.cpu())
 
 
 # -- 7. the current CUDA device is per thread; a step is timed inside its batch -------------------------------

@@ -12,7 +12,10 @@ next forward, and nothing on the send path waits for the GPU.
 
 Draft side, one FeatureReceiver:
 
-    recv(ref) -> features [n, 3H]   TransportError when the rows are gone, late or never came
+    recv(ref, consumer) -> features [n, 3H]   TransportError when the rows are gone, late or never came
+
+`consumer` is the CUDA stream that reads the rows (the draft engine's, named by the caller, never taken
+from the thread): it waits GPU-side for the copy or the receive that brings them, and nothing else.
 
 A step's buffer is freed when its session is two steps on (the draft may read step r beside verify
 r+1, with overlap, but has answered the step that read it before verify r+2) or ends. A full ring or queue sends the step
@@ -56,7 +59,7 @@ class FeatureReceiver(Protocol):
     name: str
     channel: str
 
-    def recv(self, ref: common_pb2.FeatureRef) -> torch.Tensor: ...
+    def recv(self, ref: common_pb2.FeatureRef, consumer=None) -> torch.Tensor: ...
     def close(self) -> None: ...
 
 
@@ -72,3 +75,10 @@ def check_ref(ref: common_pb2.FeatureRef, channel: str, max_rows: int | None = N
         raise NoChannel(f"feature descriptor for channel {ref.channel!r}; this draft has {channel!r} open")
     if ref.rows < 0 or ref.width <= 0 or ref.dtype not in DTYPES or (max_rows is not None and ref.rows > max_rows):
         raise TransportError(f"bad feature descriptor: {ref.rows} rows x {ref.width} of {ref.dtype!r}")
+
+
+def consumer_stream(consumer, device: torch.device):
+    """The stream that reads a received step: the caller's, else this thread's current one on `device`."""
+    import torch
+
+    return consumer if consumer is not None else torch.cuda.current_stream(device)

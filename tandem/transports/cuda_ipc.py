@@ -24,7 +24,7 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from tandem.dtypes import TORCH_DTYPES
-from tandem.transports.contract import TransportError, check_ref, count
+from tandem.transports.contract import TransportError, check_ref, consumer_stream, count
 from tandem.transports.ring import RingSender
 from tandem.v1 import common_pb2
 
@@ -101,13 +101,13 @@ class CudaIpcReceiver:
         if ring_device != self.device.index:
             self._streams.append(torch.cuda.Stream(torch.device("cuda", ring_device)))
 
-    def recv(self, ref: common_pb2.FeatureRef) -> torch.Tensor:
+    def recv(self, ref: common_pb2.FeatureRef, consumer=None) -> torch.Tensor:
         check_ref(ref, self.channel)
         dtype = TORCH_DTYPES[ref.dtype]
         nbytes = ref.rows * ref.width * dtype.itemsize
         if ref.offset < 0 or ref.offset + nbytes > self.size or not 0 <= ref.event < len(self._events):
             raise TransportError(f"feature descriptor [{ref.offset}, +{nbytes}) event {ref.event} is outside the ring")
-        consumer = torch.cuda.current_stream(self.device)  # the caller's: the draft engine's forward runs there
+        consumer = consumer_stream(consumer, self.device)  # the draft engine's forward runs there
         rows = self._bytes[ref.offset : ref.offset + nbytes].view(dtype).view(ref.rows, ref.width)
         with contextlib.ExitStack() as on_side_streams:
             for stream in self._streams:

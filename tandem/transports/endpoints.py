@@ -178,15 +178,16 @@ class DraftTransport:
             old.close()
         log.info("features come over %s from the target (%s)", plan.transport, plan.reason or "requested")
 
-    def recv(self, ref: common_pb2.FeatureRef, rows: int, width: int) -> torch.Tensor:
-        """The step's features [rows, width] from the fast path; NoChannel when it is not the one open here."""
+    def recv(self, ref: common_pb2.FeatureRef, rows: int, width: int, consumer=None) -> torch.Tensor:
+        """The step's features [rows, width] from the fast path, ready for `consumer` (the CUDA stream the
+        draft's forward runs on; None: this thread's current one); NoChannel when it is not the one open here."""
         receiver = self.receiver
         if receiver is None or ref.transport != receiver.name:
             raise NoChannel(f"a {ref.transport} feature descriptor, but this draft has "
                             f"{receiver.name + ' channel ' + receiver.channel if receiver else 'no fast path'} open")
         if (ref.rows, ref.width) != (rows, width):
             raise TransportError(f"features [{ref.rows}, {ref.width}] do not fit a step of {rows} tokens x {width}")
-        return receiver.recv(ref)
+        return receiver.recv(ref, consumer)
 
     def close(self) -> None:
         if self.receiver is not None:

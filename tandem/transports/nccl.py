@@ -30,13 +30,17 @@ ends the draft's receiver thread there (NCCL's abort ends it too).
 
 Streams (CUDA). Nothing on the send path waits for the GPU: a session's rows are cloned on a side
 stream that waits for the engine's `ready` event (the end of its batch), not behind the engine's next
-forward; the sender thread sends from its own stream, the header from pinned memory. The receiver
-thread receives on its own stream, so reading a header waits for that receive only, never for the
-draft's forward.
+forward; the sender thread posts a step's header (from pinned memory) and rows from its own stream and
+goes on to the next step: it looks at the posted sends' completion between steps, and breaks the channel
+if the oldest is not done within the timeout. The receiver thread receives on its own stream: reading a
+header waits for that receive only (its values size the rows), and the rows' arrival is an event on that
+stream, which the draft's forward stream (recv's consumer) waits for on the GPU, not the host. On the
+CPU (gloo) the rows are waited for by the receiver thread, as a host copy must be.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -51,13 +55,14 @@ import torch
 import torch.distributed as dist
 
 from tandem.dtypes import BY_CODE, DTYPES, name_of
-from tandem.transports.contract import TransportError, check_ref, count
+from tandem.transports.contract import TransportError, check_ref, consumer_stream, count
 from tandem.v1 import common_pb2
 
 log = logging.getLogger("tandem.transports")
 
 WARMUP = -1  # the sequence number of the first exchange: NCCL's first send/recv sets up for ~0.7 s
 CLOSE = -2  # the target's last header: the draft's receiver thread ends
+POLL = 0.0005  # seconds between looks at posted sends while some are in flight
 IDLE = timedelta(days=1)  # the draft's receiver waits this long for the next step; the target's close or death ends it sooner
 _ENV_LOCK = threading.Lock()  # the group reads TORCH_NCCL_ASYNC_ERROR_HANDLING from the environment as it is built
 
@@ -197,34 +202,62 @@ class NcclSender:
             return header
         return header.pin_memory().to(self.device, non_blocking=True)  # no wait for the GPU on the send path
 
-    def _send(self, sequence: int, features: torch.Tensor, done=None) -> None:
+    def _post(self, sequence: int, features: torch.Tensor, done=None, queued: bool = True) -> tuple:
+        """Post a step's header and rows -> (their works, the bytes they hold of the queue's count (`queued`:
+        a session's step; the warm-up and the close are not counted), deadline, the tensors they read)."""
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
         rows, width = features.shape
-        for tensor in (self._header(sequence, rows, width, features.dtype), features):
-            # bounded: a dead or stuck draft raises here (NCCL aborts the communicator first)
-            self.pg.send([tensor], 1, 0).wait(timedelta(seconds=self.timeout))
+        tensors = (self._header(sequence, rows, width, features.dtype), features)
+        works = []
+        for tensor in tensors:
+            works.append(self.pg.send([tensor], 1, 0))
+            if self.device.type != "cuda":  # gloo: one send at a time, done only once waited for (blocking)
+                works[-1].wait(timedelta(seconds=self.timeout))
+        nbytes = features.numel() * features.element_size() if queued else 0
+        return works, nbytes, time.monotonic() + self.timeout, tensors
+
+    def _reap(self, in_flight: collections.deque, wait: bool = False) -> None:
+        """Drop the posted steps that are done (their bytes leave the queue's count), oldest first; `wait`:
+        until all are. A step not done within the timeout breaks the channel (a dead or stuck draft)."""
+        while in_flight:
+            works, nbytes, deadline, _ = in_flight[0]
+            if all(work.is_completed() for work in works):
+                if self.device.type == "cuda":  # gloo's were waited for as they were posted
+                    for work in works:
+                        work.wait()  # done: raises the send's error, if it had one
+                in_flight.popleft()
+                self._sent(nbytes)
+                continue
+            if time.monotonic() > deadline:
+                raise TransportError(f"a feature send was not done within {self.timeout:g}s")
+            if not wait:
+                return
+            time.sleep(POLL)
 
     def _run(self) -> None:
         _, on_own_stream = _stream(self.device)
+        in_flight: collections.deque = collections.deque()
         try:
             with on_own_stream:
                 self.pg = _group(self.store, 0, self.device, self.timeout, self.host)
-                self._send(WARMUP, torch.zeros((1, 1), device=self.device))
+                in_flight.append(self._post(WARMUP, torch.zeros((1, 1), device=self.device), queued=False))
+                self._reap(in_flight, wait=True)
                 self._ready.set()
                 while not self._closed.is_set():
                     try:
-                        item = self._queue.get(timeout=0.5)
+                        item = self._queue.get(timeout=POLL if in_flight else 0.5)
                     except queue.Empty:
-                        continue
+                        item = ()
+                    self._reap(in_flight)
                     if item is None:
                         break
-                    sequence, features, done = item
-                    try:
-                        self._send(sequence, features, done)
-                    finally:
-                        self._sent(features.numel() * features.element_size())
-                self._send(CLOSE, torch.zeros((1, 1), device=self.device))  # the draft's receiver ends
+                    if item:
+                        sequence, features, done = item
+                        in_flight.append(self._post(sequence, features, done))
+                # the draft's receiver ends
+                in_flight.append(self._post(CLOSE, torch.zeros((1, 1), device=self.device), queued=False))
+                self._reap(in_flight, wait=True)
         except Exception as exc:  # noqa: BLE001 - anything (a dead or stuck draft, a broken group, a bad device)
             # breaks the channel with its reason: start() reports it at once, and every step goes inline
             if self.broken is None:
@@ -233,6 +266,8 @@ class NcclSender:
                             self.channel, self.broken)
             self._ready.set()
         finally:
+            for _, nbytes, _, _ in in_flight:
+                self._sent(nbytes)
             _abort(self.pg)
 
     def close(self) -> None:
@@ -250,18 +285,18 @@ class Mailbox:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._items: dict[int, torch.Tensor] = {}
+        self._items: dict[int, tuple[torch.Tensor, object]] = {}  # sequence -> (rows, their arrival event)
         self._changed = threading.Condition()
         self.broken: str | None = None
 
-    def put(self, sequence: int, features: torch.Tensor) -> None:
+    def put(self, sequence: int, item: tuple[torch.Tensor, object]) -> None:
         with self._changed:
-            self._items[sequence] = features
+            self._items[sequence] = item
             while len(self._items) > self.capacity:
                 del self._items[min(self._items)]
             self._changed.notify_all()
 
-    def get(self, sequence: int, timeout: float) -> torch.Tensor:
+    def get(self, sequence: int, timeout: float) -> tuple[torch.Tensor, object]:
         with self._changed:
             self._changed.wait_for(lambda: sequence in self._items or self.broken is not None, timeout)
             if sequence in self._items:
@@ -293,7 +328,7 @@ class NcclReceiver:
         self._thread.start()
 
     def _run(self) -> None:
-        _, on_own_stream = _stream(self.device)  # reading a header waits for its receive, not for our forward
+        stream, on_own_stream = _stream(self.device)  # reading a header waits for its receive, not for our forward
         try:
             with on_own_stream:
                 while not self._closed:
@@ -301,11 +336,20 @@ class NcclReceiver:
                     self.pg.recv([header], 0, 0).wait(IDLE)
                     sequence, rows, width, code = header.tolist()
                     features = torch.empty((rows, width), dtype=BY_CODE[code].torch, device=self.device)
-                    self.pg.recv([features], 0, 0).wait(timedelta(seconds=self.timeout))
+                    work = self.pg.recv([features], 0, 0)
+                    arrived = None
+                    if stream is None:  # gloo: a host copy, complete once the wait returns
+                        work.wait(timedelta(seconds=self.timeout))
+                    else:
+                        work.wait()  # no timeout: our stream waits for the receive, the host does not
+                        arrived = torch.cuda.Event()
+                        arrived.record(stream)
                     if sequence == CLOSE:
                         break
                     if sequence != WARMUP:
-                        self.mailbox.put(sequence, features)
+                        self.mailbox.put(sequence, (features, arrived))
+                    if stream is not None:
+                        self._bound(work)
             self.mailbox.fail("the target closed the channel")
         except Exception as exc:  # noqa: BLE001 - the target went away, the group broke: waiting sessions fail at once
             reason = f"channel broken: {_reason(exc)}"
@@ -315,16 +359,27 @@ class NcclReceiver:
         finally:
             _abort(self.pg)
 
-    def recv(self, ref: common_pb2.FeatureRef) -> torch.Tensor:
+    def _bound(self, work) -> None:
+        """The receive is done within the timeout (a sender gone between a header and its rows breaks the
+        channel); its step is in the mailbox already, so a reader's stream does not wait for this look."""
+        deadline = time.monotonic() + self.timeout
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TransportError(f"feature rows not received within {self.timeout:g}s of their header")
+            time.sleep(POLL)
+
+    def recv(self, ref: common_pb2.FeatureRef, consumer=None) -> torch.Tensor:
         check_ref(ref, self.channel)
-        features = self.mailbox.get(ref.sequence, self.timeout)
+        features, arrived = self.mailbox.get(ref.sequence, self.timeout)
         if tuple(features.shape) != (ref.rows, ref.width):
             raise TransportError(f"nccl step {ref.sequence} is {list(features.shape)}, its descriptor says "
                                  f"[{ref.rows}, {ref.width}]")
         if features.is_cuda:
-            # received (and waited for) on the receiver's stream, read on the caller's: the allocator must
-            # not hand the memory back to the receiver's stream while the caller's kernels still read it
-            features.record_stream(torch.cuda.current_stream(self.device))
+            consumer = consumer_stream(consumer, self.device)
+            consumer.wait_event(arrived)  # GPU-side: the draft's forward waits for the receive, nothing else
+            # received on the receiver's stream, read on the consumer's: the allocator must not hand the
+            # memory back to the receiver's stream while the consumer's kernels still read it
+            features.record_stream(consumer)
         count(self.traffic, "received", self.name, features)
         return features
 

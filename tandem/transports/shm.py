@@ -106,7 +106,7 @@ class ShmReceiver:
         self._bytes = torch.frombuffer(self.segment.buf, dtype=torch.uint8)
         self._stamps = self._bytes.view(torch.int64)
 
-    def recv(self, ref: common_pb2.FeatureRef) -> torch.Tensor:
+    def recv(self, ref: common_pb2.FeatureRef, consumer=None) -> torch.Tensor:  # host memory: no stream
         check_ref(ref, self.channel)
         dtype = TORCH_DTYPES[ref.dtype]
         nbytes = ref.rows * ref.width * dtype.itemsize
