@@ -7,7 +7,8 @@ The rollout's KV is dropped at the end, so the next round's exact target feature
 
 The scheduler's batch of a step runs at once (`run`): the sessions' KV stacked
 left-padded, their new pairs right-padded, one extend forward and one forward per rollout step for
-all of them; each session keeps the KV of its committed pairs only.
+all of them; each session keeps the KV of its committed pairs only, out of the KV budget
+(draft_server/budget.py: a step past it is refused alone).
 
 Overlap (`ahead`, while the target verifies): the engine appends the new committed pairs as propose
 does, then feeds the drafts under verification as a rollout would (the draft's own hidden states
@@ -55,6 +56,7 @@ import numpy as np
 import torch
 
 from draft_server.ahead import GreedyAhead, branches
+from draft_server.budget import BudgetedSessions, DraftKVBudget
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.compiled import CompiledCalls, compile_calls, compile_mode
 from draft_server.constrained import DraftGrammars
@@ -77,11 +79,11 @@ from tandem.packed import can_pack, pack_linears
 from tandem.pairing import DraftShape, check_pair
 from tandem.params import SamplingParams, TreeParams
 from tandem.protocol import Ahead, Branch, Drafts, DraftStep, Propose
-from tandem.sessions import InvalidRequest, SessionOwner, SessionTable, build_batch
+from tandem.sessions import InvalidRequest, ResourceExhausted, SessionTable, build_batch
 from tandem.staging import to_device, upload
 
 
-class DraftEngine(SessionOwner):
+class DraftEngine(BudgetedSessions):
     def __init__(
         self,
         draft_dir: str | Path,
@@ -119,6 +121,7 @@ class DraftEngine(SessionOwner):
             with torch.inference_mode():
                 self._mask_row = self.model.mask_row()
         self.sessions: SessionTable[_Session] = SessionTable("draft")
+        self.kv_budget = DraftKVBudget()  # unbounded until the service sizes it (draft_server/budget.py)
         self._running = threading.Lock()  # one batch at a time: in-process callers may come from several threads
         # every forward runs on this stream (None: the CPU's); a fast path's copy of a step's features is
         # waited for on it (FeatureReceiver.recv's consumer), GPU-side
@@ -169,7 +172,8 @@ class DraftEngine(SessionOwner):
         the whole prompt, and padding the others' few pairs to it is waste); trees and aheads run one by one."""
         with self._running, torch.cuda.stream(self.stream):
             results, built = build_batch(
-                steps, lambda step: self._propose_step(step) if isinstance(step, Propose) else self._ahead_step(step))
+                steps, lambda step: self._propose_step(step) if isinstance(step, Propose) else self._ahead_step(step),
+                refused=(ResourceExhausted,))
             groups = [_group(b) for _, b in built]  # before any runs: a first propose's KV grows
             for group in (True, False, None):
                 part = [(i, b) for (i, b), g in zip(built, groups, strict=True) if g is group]
@@ -208,6 +212,7 @@ class DraftEngine(SessionOwner):
             constraint = self.grammars.open(p.constraint, next_tokens) if p.constraint is not None else None
             self.sessions.add(session_id, _Session(sampler=sampler, constraint=constraint))
         session = self.sessions.get(session_id)
+        self.take_kv(session_id, m, opened=create)
         if session.constraint is not None and not create:
             session.constraint.commit(next_tokens, session.constraint.stop_ids.tolist())
         if not create and tree is None and not session.tree:  # a tree's outcome is not a chain's
@@ -245,6 +250,7 @@ class DraftEngine(SessionOwner):
         rows = next((r[: len(assumed)] for drafts, r in session.proposed if drafts[: len(assumed)] == assumed), None)
         if rows is None:
             raise InvalidRequest("an ahead assumes drafts this session proposed in its last step")
+        self.take_kv(session_id, m, opened=False)
         session.last_used = time.monotonic()
         if session.constraint is not None:
             session.constraint.commit(next_tokens, session.constraint.stop_ids.tolist())

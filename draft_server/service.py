@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import grpc
 import torch
 
+from draft_server.budget import kv_tokens
 from draft_server.engine import DraftEngine
 from tandem.config import DraftSettings
 from tandem.convert import (
@@ -27,7 +28,7 @@ from tandem.dtypes import name_of
 from tandem.errors import Abort
 from tandem.params import MAX_DRAFT_TOKENS
 from tandem.protocol import Ahead, Drafts, Propose
-from tandem.service import Service, run_service
+from tandem.service import Service, StartupError, run_service
 from tandem.servicer import EngineServicer
 from tandem.sessions import InvalidRequest
 from tandem.transports.contract import NoChannel
@@ -158,11 +159,16 @@ def load(settings: DraftSettings, service: Service, servicer: DraftServicer):
         torch.set_num_threads(settings.threads)
     engine = DraftEngine(settings.model, settings.target, device=settings.device, dtype=settings.dtype,
                          aux_layer_convention=settings.aux_layer_convention)
+    try:
+        engine.kv_budget.tokens = kv_tokens(engine, settings.kv_cache_gib, settings.shared_gpu)
+    except torch.OutOfMemoryError as exc:  # the probe propose that measures a step's working memory
+        raise StartupError(f"the draft cannot run a propose on {engine.device}: {exc}") from None
     transport = DraftTransport(settings.transport, settings.device, settings.dtype, engine.feature_size,
                                traffic=service.traffic)
     servicer.model_dir = str(settings.model)
     servicer.attach(engine, transport)
-    log.info("draft %s (%s layout) on %s (%s)", settings.model, engine.layout, settings.device, settings.dtype)
+    log.info("draft %s (%s layout) on %s (%s): KV budget %s tokens", settings.model, engine.layout, settings.device,
+             settings.dtype, engine.kv_budget.tokens or "unbounded")
     return transport.close
 
 

@@ -178,6 +178,9 @@ class EngineSettings(ServiceSettings):
     dtype: Dtype = "float32"
     threads: int | None = Field(None, ge=1, description=defaults.THREADS_HELP)  # no flag, as cpus
     transport: Transport = Field("auto", description=TRANSPORT_HELP)
+    # The target and the draft on one GPU: each sizes its KV from its own part of it (tandem/memory.py), not
+    # from what happens to be free when it starts. `tandem serve` sets it for both when their devices are one.
+    shared_gpu: bool = Field(False, description=defaults.SHARED_GPU_HELP)  # no flag, as cpus
 
     @field_validator("device")
     @classmethod
@@ -217,6 +220,10 @@ class DraftSettings(EngineSettings):
     model: DraftCheckpoint
     target: TargetCheckpoint  # the draft reads the target's embed_tokens (that one tensor)
     aux_layer_convention: AuxLayerConvention | None = Field(None, description=CONVENTION_HELP)
+    # The KV of all sessions' committed pairs (unset: on a GPU what is free after loading, or its part of a GPU
+    # it shares with the target, less a margin and a measured propose; half the host's available memory on a
+    # CPU). A propose past it is refused, and that request goes on target-only (draft_server/budget.py).
+    kv_cache_gib: float | None = Field(None, gt=0)
 
 
 
@@ -334,9 +341,10 @@ class ServeSettings(BaseSettings):
 
 
 # Settings with no flag, read from their TANDEM_* variable only: what `tandem serve` hands its children (the
-# announce file, CPUs, threads), and what deployments set beside a front (tests/test_services_config.py keeps this true).
-NO_FLAG = frozenset({"announce_file", "cpus", "threads", "burst_cpus", "connect_timeout", "open_metrics",
-                     "max_requests_per_key", "tls_client_cert", "tls_client_key", "tls_server_name"})
+# announce file, CPUs, threads, a shared GPU), and what deployments set beside a front
+# (tests/test_services_config.py keeps this true).
+NO_FLAG = frozenset({"announce_file", "cpus", "threads", "burst_cpus", "shared_gpu", "connect_timeout",
+                     "open_metrics", "max_requests_per_key", "tls_client_cert", "tls_client_key", "tls_server_name"})
 
 
 def load_settings(cls: type[BaseSettings], **flags) -> BaseSettings:

@@ -13,6 +13,9 @@ CPUS_HELP = ("internal to `tandem serve`, which sets it: run on these CPUs only,
 BURST_CPUS_HELP = ("internal to `tandem serve`, which sets it: a CPU target also uses these CPUs (a list as CPUS) "
                    "for the forwards that measure faster on them, a thread each (target_server/threads.py; "
                    "default: none)")
+SHARED_GPU_HELP = ("the target and the draft run on one GPU (`tandem serve` sets it for both when their devices are "
+                   "one; a deployment that puts both on one GPU sets it for both): the draft sizes its KV within "
+                   "DRAFT_GPU_SHARE of the GPU's memory (tandem/memory.py), the target within the rest (default off)")
 
 # How long `tandem serve` waits for its services, and a coordinator for the target and the draft, to report
 # SERVING: a large checkpoint from a network volume loads for minutes.

@@ -20,6 +20,8 @@ target and draft
     tandem:step_queue_seconds{step}                   waiting for the engine behind another session
     tandem:step_codec_seconds{step}                   feature encode (target) / decode (draft)
     tandem:num_sessions                               open sessions
+    tandem:kv_cache_usage_perc, tandem:kv_cache_used_tokens
+                                                      what the sessions hold of the service's KV budget
 every service
     tandem:transport_sent_bytes_total{link, kind, transport}       (tandem/traffic.py: links and kinds)
     tandem:transport_sent_messages_total{link, transport}

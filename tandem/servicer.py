@@ -43,7 +43,7 @@ class EngineServicer(Generic[E]):
         self._engine, self.transport = engine, transport
         self.metrics.count_sessions(lambda: engine.num_sessions)
         budget = getattr(engine, "kv_budget", None)
-        if budget is not None:  # the target's: what its sessions hold of the KV budget, as vLLM reports it
+        if budget is not None:  # what the sessions hold of the KV budget (target and draft), as vLLM reports it
             self.metrics.count_kv(lambda: budget.used / budget.tokens if budget.tokens else 0.0, lambda: budget.used)
 
     @property

@@ -240,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="EAGLE-3 head directory (TANDEM_DRAFT_MODEL)")
     p.add_argument("--target", help="target checkpoint directory: its embed_tokens is read")
     add_engine_args(p, "new pairs + drafts")
+    p.add_argument("--kv-cache-gib", type=float,
+                   help="KV cache of all sessions' committed pairs (default: the GPU memory left after a propose and "
+                        "a margin, within its part of a GPU it shares with the target; half the RAM on a CPU)")
     add_service_args(p, "port (default 50052; 0 = any free port)")
     p.set_defaults(func=_service("DraftSettings", "draft_server.service"))
 

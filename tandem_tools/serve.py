@@ -9,7 +9,8 @@ announce file); the coordinator binds --host:--port. SIGTERM/SIGINT drains the c
 (in-flight generations finish), then the target and the draft.
 
 What is serve's own business goes to each child as a variable of its settings that has no flag, set for that
-child only: the announce file, and on a CPU host the CPUs and torch threads (`split_cpus`, `cpu_threads`).
+child only: the announce file, on a CPU host the CPUs and torch threads (`split_cpus`, `cpu_threads`), and
+on one GPU for both that they share it (`shared_gpu`: the draft takes its part of it, the target the rest).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 from tandem import security
 from tandem.config import ServeSettings, format_cpus, load_settings
 from tandem.defaults import STARTUP_TIMEOUT
+from tandem.memory import shares_gpu
 from tandem.service import PARENT_PID_ENV, metrics_announce_file, setup_logging, wait_for_serving
 
 log = logging.getLogger("tandem.serve")
@@ -115,9 +117,10 @@ def serve(settings: ServeSettings) -> int:
         cpus = split_cpus(settings.target_device)
         threads = cpu_threads(settings.target_device, draft_device, cpus)
         pinned = {name: format_cpus(cpus[name]) if cpus else None for name in ("target", "draft")}
-        env = {"target": child_env("target", threads=threads["target"], cpus=pinned["target"],
+        shared = shared_gpu(settings.target_device, draft_device)
+        env = {"target": child_env("target", threads=threads["target"], cpus=pinned["target"], shared_gpu=shared,
                                    burst_cpus=format_cpus(cpus["target"] + cpus["draft"]) if cpus else None),
-               "draft": child_env("draft", threads=threads["draft"], cpus=pinned["draft"]),
+               "draft": child_env("draft", threads=threads["draft"], cpus=pinned["draft"], shared_gpu=shared),
                "coordinator": child_env("coordinator", cpus=pinned["draft"])}
         metrics = {name: _metrics(settings.metrics_port, i) for i, name in enumerate(("coordinator", "target", "draft"))}
         if cpus:
@@ -188,6 +191,12 @@ def serve(settings: ServeSettings) -> int:
                 return 1
         log.info("stopping: draining the coordinator, then the target and the draft")
         return _shutdown(children, settings.grace_period)
+
+
+def shared_gpu(target_device: str, draft_device: str | None) -> int | None:
+    """The children's `shared_gpu`: 1 when the target and the draft run on one GPU, so that each sizes itself
+    within its part of it (tandem/memory.py) rather than from what is free when it loads; else None (unset)."""
+    return 1 if draft_device is not None and shares_gpu(target_device, draft_device) else None
 
 
 def split_cpus(target_device: str) -> dict[str, list[int]] | None:

@@ -13,7 +13,7 @@ import torch
 from test_core import assert_same_or_tie, hf_greedy, make_prompts
 
 from tandem.params import GenerationRequest, SamplingParams
-from tandem.protocol import Prefill, Verify
+from tandem.protocol import Prefill, Propose, Verify
 from tandem.sessions import ResourceExhausted, SessionNotFound
 from tandem_tools.inprocess import InProcessGenerator
 from target_server.engine import TargetEngine
@@ -108,6 +108,42 @@ def test_the_kv_budget_is_taken_as_a_session_grows_and_refuses_at_once_while_tak
     engine.release("a")
     engine.release("c")
     assert engine.kv_budget.used == 0
+
+
+def test_the_draft_kv_budget_refuses_a_propose_past_it_alone_and_a_released_session_gives_its_tokens_back(tiny_dir):
+    """The draft's KV grew without a bound. Now each session's committed pairs come out of one budget: a propose
+    that would pass it fails alone with ResourceExhausted naming the session, the tokens asked and those left,
+    and leaves nothing behind; the batch's other steps give what they give without it; a session's tokens come
+    back when it is released or evicted."""
+    from draft_server.engine import DraftEngine
+
+    reference = DraftEngine(tiny_dir / "draft", tiny_dir / "target")  # unbounded: what the steps give anyway
+    engine = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
+    engine.kv_budget.tokens = 20
+    rng = torch.Generator().manual_seed(0)
+    features = {sid: torch.randn(n, engine.feature_size, generator=rng)
+                for sid, n in (("a", 12), ("b", 6), ("c", 5), ("a2", 2))}
+    tokens = {sid: list(range(10, 10 + len(f))) for sid, f in features.items()}
+    for e in (reference, engine):
+        e.propose("a", features["a"], tokens["a"], 3, create=True)  # 12 of 20
+    batch = [Propose("b", features["b"], tokens["b"], 3, open=True),  # 18 of 20
+             Propose("c", features["c"], tokens["c"], 3, open=True),  # 23: refused
+             Propose("a", features["a2"], tokens["a2"], 3)]  # 20
+    expected = reference.run([batch[0], batch[2]])
+    b, c, a = engine.run(batch)
+    assert isinstance(c, ResourceExhausted)
+    assert "draft session 'c' asks for 5 KV tokens; 2 of the draft's KV budget of 20 are left" in str(c)
+    assert [list(b), list(a)] == [list(d) for d in expected]
+    assert sorted(engine.session_ids()) == ["a", "b"] and engine.kv_budget.used == 20
+    with pytest.raises(ResourceExhausted, match="'b' asks for 1 KV tokens; 0 of the draft's KV budget of 20"):
+        engine.propose("b", features["a2"][:1], [9], 3)
+    engine.release("a")  # its 14 pairs come back: b goes on where it was, c gets in
+    assert engine.kv_budget.used == 6
+    assert list(engine.propose("b", features["a2"][:1], [9], 3)) == list(reference.propose("b", features["a2"][:1], [9], 3))
+    engine.propose("c", features["c"], tokens["c"], 3, create=True)
+    assert engine.kv_budget.used == 12
+    engine.release("b")
+    assert engine.evict_idle(0) == ["c"] and engine.kv_budget.used == 0
 
 
 def test_a_native_targets_prefill_shares_the_batch_of_verifies(tiny_dir):
@@ -254,6 +290,38 @@ def test_a_request_waits_while_the_kv_budget_is_taken_and_runs_once_it_is_free(t
                 assert not second.done()  # it waits for KV
                 stream.close()  # its sessions (and their reservation) are released
                 assert len(second.result(60).token_ids) == 100
+    finally:
+        stop_stack(procs)
+
+
+def test_a_request_whose_draft_runs_out_of_its_kv_budget_goes_on_target_only_and_the_draft_serves_the_next(
+        tiny_dir, tmp_path):
+    """Through the three processes, with a draft KV budget of 60 pairs: a 40-token prompt's draft runs out of it
+    after a few rounds; its propose is refused (RESOURCE_EXHAUSTED), the request goes on target-only with the
+    same greedy output, the draft stays attached, and the next request drafts every round in the tokens the
+    first gave back."""
+    from processes import start_stack, stop_stack
+
+    from coordinator.client import TandemClient
+    from draft_server.budget import kv_bytes_per_token
+    from draft_server.engine import DraftEngine
+
+    gib = 60.5 * kv_bytes_per_token(DraftEngine(tiny_dir / "draft", tiny_dir / "target")) / (1 << 30)
+    procs = start_stack(tiny_dir, tmp_path, draft_args=["--kv-cache-gib", f"{gib:.12f}"])
+    long = {"prompt_ids": list(range(5, 45)), "max_new_tokens": 80, "ignore_eos": True, "num_draft_tokens": 3}
+    short = {"prompt_ids": [5, 6, 7], "max_new_tokens": 20, "ignore_eos": True, "num_draft_tokens": 3}
+    try:
+        with TandemClient(procs["coordinator"].address, timeout=120) as client:
+            target_only = client.generate(**long, speculate=False).token_ids
+            ran_out = client.generate(**long)
+            assert ran_out.token_ids == target_only
+            assert ran_out.stats["num_draft_tokens"] > 0 and ran_out.stats["num_rounds_without_draft"] > 0
+            assert client.server_info().draft_attached
+            next_one = client.generate(**short)
+            assert next_one.token_ids == client.generate(**short, speculate=False).token_ids
+            assert next_one.stats["num_draft_tokens"] > 0 and next_one.stats["num_rounds_without_draft"] == 0
+        log = (tmp_path / "coordinator.1.log").read_text()
+        assert "the draft is lost" in log and "the draft's KV budget of 60 are left" in log
     finally:
         stop_stack(procs)
 

@@ -543,6 +543,104 @@ def test_the_default_kv_budget_leaves_room_for_the_ring_a_forward_and_the_gather
     assert kv_budget_tokens(2 * gib, total, per_token, layers, ring_bytes=ring, forward_bytes=forward) == 0
 
 
+def test_one_gpu_for_both_is_split_between_the_target_and_the_draft_whichever_loads_first():
+    """Each sized its KV from what was free when it loaded: the first counted the other's memory as its own.
+    On one GPU each now counts its part of the total less what it holds; alone, what is free, as before."""
+    from tandem.memory import DRAFT_GPU_SHARE, gpu_headroom, gpu_part, shares_gpu
+
+    gib = 1 << 30
+    total, target_weights, draft_weights = 80 * gib, 16 * gib, 2 * gib
+    target_part, draft_part = gpu_part("target", True), gpu_part("draft", True)
+    assert (target_part, draft_part) == (1 - DRAFT_GPU_SHARE, DRAFT_GPU_SHARE)
+    for target_first in (True, False):
+        # the first to load sees the other's weights (or not), never the other's KV
+        free = total - target_weights - (0 if target_first else draft_weights + int(draft_part * total) // 2)
+        target = gpu_headroom(free, total, target_weights, target_part)
+        assert target == int(target_part * total) - target_weights  # the draft's part left out, though free now
+        free = total - target_weights - target - draft_weights  # the target's pool taken
+        draft = gpu_headroom(free, total, draft_weights, draft_part)
+        assert draft == int(draft_part * total) - draft_weights
+        assert target_weights + target + draft_weights + draft <= total
+    # never more than is free (the other over its part while it loads), nothing when the weights fill the part
+    assert gpu_headroom(3 * gib, total, draft_weights, draft_part) == 3 * gib
+    assert gpu_headroom(60 * gib, total, 11 * gib, draft_part) == 0
+    assert gpu_headroom(60 * gib, total, target_weights, gpu_part("target", False)) == 60 * gib  # alone
+    assert shares_gpu("cuda:0", "cuda") and shares_gpu("cuda:1", "cuda:1")
+    assert not shares_gpu("cuda:0", "cuda:1") and not shares_gpu("cpu", "cpu") and not shares_gpu("cuda:0", "cpu")
+
+
+def test_a_target_on_a_gpu_it_shares_leaves_the_drafts_part_out_and_refuses_when_its_own_cannot_hold_it(
+        tiny_dir, monkeypatch):
+    """The target's budget on one GPU with the draft: its part less its weights, though the draft's is free."""
+    import types
+
+    from tandem.config import TargetSettings
+    from tandem.memory import DRAFT_GPU_SHARE
+    from tandem.service import StartupError
+    from target_server.engine import kv_budget_tokens
+    from target_server.service import kv_tokens
+
+    gib = 1 << 30
+    per_token, layers, forward, total = 128 << 10, 32, 3 * gib, 80 * gib
+    engine = types.SimpleNamespace(device=torch.device("cuda:0"), kv_bytes_per_token=per_token, num_layers=layers,
+                                   measure_forward_bytes=lambda: forward, gather_bytes_per_token=0)
+    weights = {"bytes": 16 * gib}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (total - weights["bytes"], total))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: weights["bytes"])
+    alone = TargetSettings(model=tiny_dir / "target", transport="grpc")
+    shared = alone.model_copy(update={"shared_gpu": True})
+    assert kv_tokens(alone, engine) == kv_budget_tokens(64 * gib, total, per_token, layers, forward_bytes=forward)
+    headroom = int((1 - DRAFT_GPU_SHARE) * total) - 16 * gib
+    assert kv_tokens(shared, engine) == kv_budget_tokens(headroom, total, per_token, layers, forward_bytes=forward)
+    weights["bytes"] = 66 * gib  # past its 70 GiB once a forward and the margin are counted
+    with pytest.raises(StartupError, match=r"its 87.5% of the GPU it shares with the draft, 70.00 GiB, less the "
+                                           r"66.00 GiB it holds; a forward takes 3.00"):
+        kv_tokens(shared, engine)
+    assert kv_tokens(alone, engine) > 0  # alone, the same weights leave room
+
+
+def test_the_draft_kv_budget_on_a_gpu_counts_a_propose_and_refuses_a_start_that_cannot_hold_it():
+    """The draft had no budget: its KV grew until the GPU ran out. On a GPU its budget is what its headroom
+    holds less a margin and a measured propose, each token with the batch's copies of it; a start where nothing
+    fits, or less than --kv-cache-gib asks, is refused naming the figures."""
+    from draft_server.budget import KV_COPIES, draft_kv_budget_tokens, gpu_kv_tokens
+    from tandem.service import StartupError
+
+    gib = 1 << 30
+    per_token, working, total = 4 << 10, gib, 80 * gib  # an 8B Llama's head in bf16: 2 * 8 heads * 128 * 2 bytes
+    tokens = draft_kv_budget_tokens(20 * gib, total, per_token, working)
+    assert tokens * per_token * KV_COPIES + working + 0.05 * total <= 20 * gib
+    assert tokens * per_token * KV_COPIES > 0.99 * (20 * gib - working - 0.05 * total)
+    # alone on its GPU: what is free; on one shared with the target: its part less its weights
+    assert gpu_kv_tokens(20 * gib, total, 2 * gib, per_token, working, shared=False) == tokens
+    shared = gpu_kv_tokens(60 * gib, total, 2 * gib, per_token, working, shared=True)
+    assert shared == draft_kv_budget_tokens(8 * gib, total, per_token, working)
+    assert gpu_kv_tokens(60 * gib, total, 2 * gib, per_token, working, shared=True, asked=1000) == 1000
+    with pytest.raises(StartupError, match=r"12.5% of the GPU it shares with the target, 10.00 GiB, less the 9.50 GiB "
+                                           r"it holds; a propose takes 1.00 GiB.*room for 0 tokens"):
+        gpu_kv_tokens(60 * gib, total, int(9.5 * gib), per_token, working, shared=True)
+    with pytest.raises(StartupError, match=rf"room for {shared} tokens, --kv-cache-gib asks for {shared + 1}"):
+        gpu_kv_tokens(60 * gib, total, 2 * gib, per_token, working, shared=True, asked=shared + 1)
+
+
+def test_serve_tells_the_target_and_the_draft_they_share_a_gpu_by_a_variable_with_no_flag(tiny_dir, monkeypatch):
+    from tandem.config import NO_FLAG, DraftSettings, TargetSettings, load_settings
+    from tandem_tools.serve import child_env, shared_gpu
+
+    assert "shared_gpu" in NO_FLAG
+    assert shared_gpu("cuda:0", "cpu") is None and shared_gpu("cuda", None) is None
+    assert child_env("draft", shared_gpu=shared_gpu("cuda:1", "cuda:0")) == {}  # two GPUs: each has its own
+    target = str(tiny_dir / "target")
+    assert not load_settings(TargetSettings, model=target).shared_gpu
+    env = {**child_env("target", shared_gpu=shared_gpu("cuda", "cuda:0")),
+           **child_env("draft", shared_gpu=shared_gpu("cuda", "cuda:0"))}
+    assert env == {"TANDEM_TARGET_SHARED_GPU": "1", "TANDEM_DRAFT_SHARED_GPU": "1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert load_settings(TargetSettings, model=target).shared_gpu
+    assert load_settings(DraftSettings, model=str(tiny_dir / "draft"), target=target).shared_gpu
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_a_gpu_targets_kv_pool_is_preallocated_at_its_budget(tiny_dir):

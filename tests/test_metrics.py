@@ -120,6 +120,8 @@ def test_every_service_serves_metrics_while_a_generation_runs(stack):
     assert value(coordinator, "tandem:time_to_first_token_seconds_count") >= 1
     assert value(target, "tandem:num_sessions") >= 1 and value(draft, "tandem:num_sessions") >= 1
     assert 3 <= value(target, "tandem:kv_cache_used_tokens") < 100  # what it has used, not its max_new_tokens
+    assert 3 <= value(draft, "tandem:kv_cache_used_tokens") < 100  # the draft's committed pairs, of its own budget
+    assert 0 < value(draft, "tandem:kv_cache_usage_perc") < 1
     assert value(target, "tandem:step_compute_seconds_count", step="verify") >= 1
     assert value(draft, "tandem:step_compute_seconds_count", step="propose") >= 1
     for samples in (coordinator, target, draft):
