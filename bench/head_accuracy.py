@@ -21,13 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+import torch
+from transformers import AutoTokenizer
 
-from draft_server.checkpoint import load_draft  # noqa: E402
-from draft_server.train import ttt_forward  # noqa: E402
-from draft_server.train_data import Batches, Teacher  # noqa: E402
-from tandem_tools.smollm2 import mtbench_prompts  # noqa: E402
+from draft_server.checkpoint import load_draft
+from draft_server.train import ttt_forward
+from draft_server.train_data import Batches, Teacher
+from tandem_tools.smollm2 import mtbench_prompts
 
 DEPTHS = 4
 
