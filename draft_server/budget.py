@@ -23,7 +23,7 @@ from tandem.service import StartupError
 from tandem.sessions import ResourceExhausted, SessionOwner
 
 # Per token of the budget, the memory a batch can hold of it at once: the session's own KV, the batch's stacked
-# copy of it (steps.stack_kv, left-padded) and the copy each rollout step's concatenation makes of that.
+# copy of it (batch.stack_kv, left-padded) and the copy each rollout step's concatenation makes of that.
 KV_COPIES = 3
 # The probe propose that measures a step's working memory on a GPU: a first propose of this many pairs (the
 # target's default --max-batch-tokens, the longest prompt it prefills in one forward) and the most drafts.

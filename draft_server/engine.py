@@ -7,7 +7,7 @@ The rollout's KV is dropped at the end, so the next round's exact target feature
 
 The scheduler's batch of a step runs at once (`run`): the sessions' KV stacked
 left-padded, their new pairs right-padded, one extend forward and one forward per rollout step for
-all of them; each session keeps the KV of its committed pairs only, out of the KV budget
+all of them (draft_server/batch.py); each session keeps the KV of its committed pairs only, out of the KV budget
 (draft_server/budget.py: a step past it is refused alone).
 
 Overlap (`ahead`, while the target verifies): the engine appends the new committed pairs as propose
@@ -47,20 +47,19 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from draft_server.ahead import GreedyAhead, branches
-from draft_server.budget import BudgetedSessions, DraftKVBudget
+from draft_server.batch import propose_batch
+from draft_server.budget import DraftKVBudget
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.compiled import CompiledCalls, compile_calls, compile_mode
 from draft_server.constrained import DraftGrammars
-from draft_server.model import DraftKV, Eagle3Draft
+from draft_server.model import Eagle3Draft
 from draft_server.rollout import (
     GreedyPropose,
     GreedyStep,
@@ -70,8 +69,7 @@ from draft_server.rollout import (
     read_rollout,
     rollout,
 )
-from draft_server.sampling import DraftSampler
-from draft_server.steps import Outcomes, _Ahead, _drafts, _Session, _Step, read_target_shape, stack_kv
+from draft_server.steps import DraftSteps, Outcomes, _Ahead, _drafts, _Session, _Step, read_target_shape
 from draft_server.tree import SiblingRates, grow_tree, parallel_tree
 from tandem.defaults import DRAFT_Q_TOP_N
 from tandem.dtypes import TORCH_DTYPES
@@ -79,11 +77,11 @@ from tandem.packed import can_pack, pack_linears
 from tandem.pairing import DraftShape, check_pair
 from tandem.params import SamplingParams, TreeParams
 from tandem.protocol import Ahead, Branch, Drafts, DraftStep, Propose
-from tandem.sessions import InvalidRequest, ResourceExhausted, SessionTable, build_batch
+from tandem.sessions import ResourceExhausted, SessionTable, build_batch
 from tandem.staging import to_device, upload
 
 
-class DraftEngine(BudgetedSessions):
+class DraftEngine(DraftSteps):
     def __init__(
         self,
         draft_dir: str | Path,
@@ -195,67 +193,6 @@ class DraftEngine(BudgetedSessions):
         """One ahead alone (run() with a batch of one), raising its error."""
         return _raised(self.run([Ahead(session_id, features, next_tokens, assumed, num_draft_tokens, branches)])[0])
 
-    def _propose_step(self, p: Propose) -> _Step:
-        """A propose's step, or InvalidRequest; the session is used (`open`: made, once the input is known good)."""
-        session_id, features, next_tokens, num_draft_tokens, tree = p.session_id, p.features, p.next_tokens, p.k, p.tree
-        create, sampling = p.open, p.sampling
-        m = len(next_tokens)
-        if m == 0 or features.shape != (m, self.feature_size):
-            raise InvalidRequest(
-                f"expected features [{m}, {self.feature_size}] for {m} tokens, got {list(features.shape)}"
-            )
-        bad = [t for t in next_tokens if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise InvalidRequest(f"draft tokens outside the vocabulary: {bad[:5]}")
-        if create:  # only once the input is known good: a bad first request leaves nothing behind
-            sampler = DraftSampler.for_request(sampling) if sampling is not None and not sampling.greedy else None
-            constraint = self.grammars.open(p.constraint, next_tokens) if p.constraint is not None else None
-            self.sessions.add(session_id, _Session(sampler=sampler, constraint=constraint))
-        session = self.sessions.get(session_id)
-        self.take_kv(session_id, m, opened=create)
-        if session.constraint is not None and not create:
-            session.constraint.commit(next_tokens, session.constraint.stop_ids.tolist())
-        if not create and tree is None and not session.tree:  # a tree's outcome is not a chain's
-            self.outcomes.count(session.sampler is not None, num_draft_tokens, m - 1)
-        if session.last_tree is not None:  # the pairs the verify of a sampled tree committed: its path
-            self.sibling_rates.count(*session.last_tree, next_tokens)
-            session.last_tree = None
-        session.tree = tree is not None
-        session.last_used = time.monotonic()
-        return _Step(session, features, list(next_tokens), num_draft_tokens, tree)
-
-    def _ahead_step(self, a: Ahead) -> _Ahead:
-        """An ahead's step, or InvalidRequest: append the new committed pairs (features [m, 3Ht], None or
-        [0, 3Ht] for none), then prepare the next round's drafts for the `branches` likeliest outcomes of
-        verifying `drafts` (as this session proposed them), likeliest first."""
-        session_id, features, next_tokens, assumed = a.session_id, a.features, list(a.next_tokens), list(a.drafts)
-        num_draft_tokens, branches = a.k, a.branches
-        m = len(next_tokens)
-        if features is None:
-            features = torch.empty(0, self.feature_size)
-        if features.shape != (m, self.feature_size):
-            raise InvalidRequest(
-                f"expected features [{m}, {self.feature_size}] for {m} tokens, got {list(features.shape)}"
-            )
-        bad = [t for t in [*next_tokens, *assumed] if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise InvalidRequest(f"tokens outside the vocabulary: {bad[:5]}")
-        if not assumed or num_draft_tokens < 1 or branches < 1:
-            raise InvalidRequest("speculating ahead needs drafts to assume, K >= 1 and at least one branch")
-        session = self.sessions.get(session_id)
-        if session.tree:
-            raise InvalidRequest("an ahead assumes a chain of drafts: this session's last propose drafted a tree")
-        if m:
-            self.outcomes.count(session.sampler is not None, len(assumed), m - 1)
-        rows = next((r[: len(assumed)] for drafts, r in session.proposed if drafts[: len(assumed)] == assumed), None)
-        if rows is None:
-            raise InvalidRequest("an ahead assumes drafts this session proposed in its last step")
-        self.take_kv(session_id, m, opened=False)
-        session.last_used = time.monotonic()
-        if session.constraint is not None:
-            session.constraint.commit(next_tokens, session.constraint.stop_ids.tolist())
-        return _Ahead(session, features, list(next_tokens), list(assumed), rows, num_draft_tokens, branches)
-
     # -- one batched step -----------------------------------------------------------------------
 
     def _run_steps(self, steps: list[_Step | _Ahead]) -> list:
@@ -279,77 +216,7 @@ class DraftEngine(BudgetedSessions):
     def _run_batch(self, steps: list[_Step]) -> list[list[int]]:
         if len(steps) == 1:
             return [self._run_one(steps[0])]
-        model, device, b, config = self.model, self.device, len(steps), self.config
-        past = [step.session.length for step in steps]
-        sizes = [len(step.next_tokens) for step in steps]
-        # what the rollout reads from the host, uploaded before any forward: on a GPU an upload waits
-        # for the stream, so after the extend it would wait for it
-        rounds = max(step.k for step in steps)
-        masked = 0  # a P-EAGLE head's masked positions, after each session's pairs
-        if config.parallel_drafting:
-            rounds = min(rounds, config.num_depths)
-            masked = max(rounds, 1) - 1
-        longest, width = max(past), max(sizes) + masked
-        samplers = [step.session.sampler for step in steps]
-        draws = draws_for(samplers, [p + m for p, m in zip(past, sizes, strict=True)], rounds, self.draft_vocab, device)
-        # the extend: every session's new pairs, right-padded, after its KV, left-padded; the host's tables
-        # (tokens, positions, the keys each row may attend to, the first draft's position) in one upload
-        tokens = np.zeros((b, width), dtype=np.int64)
-        positions = np.zeros((b, width), dtype=np.int64)
-        valid = np.zeros((b, longest + width), dtype=bool)
-        for i, step in enumerate(steps):
-            m = sizes[i] + masked
-            tokens[i, :m] = step.next_tokens + [config.mask_token_id] * masked
-            positions[i] = np.arange(past[i], past[i] + width)
-            valid[i, longest - past[i] : longest + m] = True
-        tokens, positions, valid, position = upload(
-            [(tokens, torch.long), (positions, torch.long), (valid, torch.bool),
-             ([[p + m] for p, m in zip(past, sizes, strict=True)], torch.long)], device)  # position: [B, 1]
-        # each step's features on our device: a fast path's arrive there, an inline step's on the host
-        features = [to_device(step.features, device, self.dtype) for step in steps]
-        if masked:
-            mask_hidden = model.mask_hidden.view(1, -1).to(self.dtype).expand(masked, -1)
-            features = [row for f in features for row in (f, mask_hidden)]
-        fused = model.fuse(torch.cat(features))  # [sum (m + masked), H]
-        hidden = fused.new_zeros(b, width, fused.shape[-1])
-        for i, rows in enumerate(fused.split([m + masked for m in sizes])):
-            hidden[i, : sizes[i] + masked] = rows
-        kv = DraftKV()
-        if longest:
-            for layer in range(config.num_layers):
-                kv.layer(layer).k, kv.layer(layer).v = stack_kv(steps, past, longest, layer)
-        causal = torch.ones(width, longest + width, dtype=torch.bool, device=device).tril(diagonal=longest)
-        a = model(hidden, tokens, positions, kv, (causal[None] & valid[:, None])[:, None])
-        for i, step in enumerate(steps):  # the committed pairs' KV is each session's to keep
-            m = sizes[i]
-            for layer in range(config.num_layers):
-                own, batch = step.session.kv.layer(layer), kv.layer(layer)
-                k, v = batch.k[i : i + 1, :, longest : longest + m], batch.v[i : i + 1, :, longest : longest + m]
-                own.append(k.clone(), v.clone()) if own.k is None else own.append(k, v)  # no view of the batch kept
-            step.session.length += m
-        masks = self.grammars.masks(steps)
-        try:
-            if config.parallel_drafting:  # every draft from the one forward: row i's last pair, then its masked ones
-                a = torch.stack([a[i, m - 1 : m - 1 + rounds] for i, m in enumerate(sizes)])  # [B, rounds, H]
-                drafts, q, rows = parallel_rollout(model, self.q_top_n, a, draws, masks)
-            else:  # the rollout: one token per session per step, on top of the batch KV (dropped afterwards)
-                a = torch.stack([a[i, m - 1] for i, m in enumerate(sizes)])[:, None]  # [B, 1, H]
-                drafts, q, rows = rollout(self.model, self.q_top_n, a, kv, position, rounds, draws, valid, masks=masks)
-        finally:
-            if masks is not None:
-                masks.close()
-        drafts, qs, _ = read_rollout(drafts, q)  # [B * rounds], [b * rounds]
-        out, j = [], 0
-        for i, step in enumerate(steps):
-            k = min(step.k, rounds)  # a P-EAGLE head drafts up to its num_depths
-            mine = drafts[i * rounds : i * rounds + k]
-            step.session.proposed = [(mine, rows[i, :k])]
-            if samplers[i] is None:
-                out.append(_drafts(mine, None))
-            else:  # the sampled rows come in batch order
-                out.append(_drafts(mine, qs[j * rounds : j * rounds + k]))
-                j += 1
-        return out
+        return propose_batch(self.model, steps, self.grammars, self.q_top_n, self.device, self.dtype)
 
     def _run_one(self, step: _Step) -> Drafts:
         """One session alone: its own KV, no padding."""
