@@ -15,16 +15,8 @@ from starlette.responses import JSONResponse, Response
 
 from coordinator.http import tools
 from coordinator.http.choice import Choice
-from coordinator.http.protocol import (
-    CompletionLogprobs,
-    HTTPError,
-    TokenText,
-    chat_logprobs,
-    http_error,
-    merge_completion_logprobs,
-    spec_metrics,
-    usage,
-)
+from coordinator.http.logprobs import CompletionLogprobs, TokenText, chat_logprobs, merge_completion_logprobs
+from coordinator.http.protocol import HTTPError, http_error, spec_metrics, usage
 from tandem.text import TextDelta
 
 

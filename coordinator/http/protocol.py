@@ -1,6 +1,7 @@
 """The OpenAI API's shapes as the front reads and writes them: the requests of /v1/completions and
 /v1/chat/completions (their parameters as OpenAI and vLLM define them), the pieces of a response,
-and the error object. No I/O here.
+and the error object. No I/O here. A structured output's fields are read in structured.py, a response's
+logprobs written in logprobs.py.
 
 A request's JSON goes through fields.py first: nulls are fields left out, and a field OpenAI or vLLM
 defines that Tandem does not implement is a 400 naming it unless neutral. Unknown fields are ignored
@@ -19,7 +20,6 @@ accepted_per_position (rounds in which draft k+1 was accepted) added.
 
 from __future__ import annotations
 
-import json
 from typing import ClassVar
 
 import grpc
@@ -35,9 +35,9 @@ from pydantic import (
 
 from coordinator.http import fields, tools
 from coordinator.http.fields import Unsupported
+from coordinator.http.structured import STRUCTURED_FIELDS, grammar_spec
 from tandem.errors import status_of
 from tandem.params import MAX_LOGPROBS, GrammarSpec
-from tandem.protocol import TokenLogprob
 from tandem.stats import GenerationStats, mean_acceptance_length
 
 # Independent samples per prompt (`n`): each is a generation of its own, and counts against max_sessions.
@@ -197,62 +197,6 @@ class _Sampling(BaseModel):
         return self.include_usage and self.stream_options.continuous_usage_stats
 
 
-STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar")
-# vLLM's StructuredOutputsParams keys Tandem implements; the others (structural_tag, whitespace options) are a 400
-STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-                   "json_object": "json_object"}
-
-
-def _schema_text(schema, field: str) -> str:
-    if isinstance(schema, str):
-        return schema
-    if not isinstance(schema, (dict, bool)):
-        raise Unsupported(field, f"`{field}`: a JSON schema is an object", "invalid_value")
-    return json.dumps(schema)
-
-
-def grammar_spec(request, field: str) -> GrammarSpec | None:
-    """The GrammarSpec of a request's structured-output field; Unsupported naming what is wrong."""
-    value = getattr(request, field)
-    if field == "response_format":
-        kind = value.get("type")
-        if kind == "json_object":
-            return GrammarSpec(kind="json_object")
-        if kind != "json_schema":
-            raise Unsupported(field, f"`response_format` type {kind!r}: send \"text\", \"json_object\" or "
-                              "\"json_schema\"", "invalid_value")
-        inner = value.get("json_schema")
-        if not isinstance(inner, dict) or "schema" not in inner:
-            raise Unsupported(field, "`response_format` json_schema needs `json_schema.schema`", "invalid_value")
-        return GrammarSpec(kind="json_schema", value=_schema_text(inner["schema"], "response_format"))
-    if field == "structured_outputs":
-        asked = {k: v for k, v in value.items() if v is not None and v is not False}
-        unknown = sorted(set(asked) - set(STRUCTURED_KEYS))
-        if unknown:
-            raise Unsupported(field, f"`structured_outputs.{unknown[0]}` is not supported; give one of "
-                              f"{', '.join(STRUCTURED_KEYS)}", "unsupported_parameter")
-        if len(asked) != 1:
-            raise Unsupported(field, f"`structured_outputs` gives one of {', '.join(STRUCTURED_KEYS)}, got "
-                              f"{sorted(asked) or 'none'}", "invalid_value")
-        ((key, inner),) = asked.items()
-        kind = STRUCTURED_KEYS[key]
-    else:
-        kind, inner = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
-                       "guided_grammar": "grammar"}[field], value
-    if kind == "json_object":
-        return GrammarSpec(kind="json_object")
-    if kind == "json_schema":
-        return GrammarSpec(kind="json_schema", value=_schema_text(inner, field))
-    if kind == "choice":
-        if not isinstance(inner, list) or not inner or not all(isinstance(c, str) and c for c in inner):
-            raise Unsupported(field, f"`{field}`: a choice is a non-empty list of non-empty strings", "invalid_value")
-        return GrammarSpec(kind="choice", value=json.dumps(inner))
-    if not isinstance(inner, str) or not inner:
-        raise Unsupported(field, f"`{field}`: a {kind} is a non-empty string", "invalid_value")
-    return GrammarSpec(kind=kind, value=inner)
-
-
 class CompletionRequest(_Sampling):
     REFUSED: ClassVar[dict[str, fields.Refused]] = fields.COMPLETION
 
@@ -399,66 +343,6 @@ def spec_metrics(stats: list[GenerationStats]) -> dict:
             "accepted_per_position": per_position,
         }
     }
-
-
-class TokenText:
-    """Token ids -> the strings logprobs show them as (the token's own decoded text)."""
-
-    def __init__(self, tokenizer, as_ids: bool = False):
-        self.tokenizer = tokenizer
-        self.as_ids = as_ids  # vLLM's return_tokens_as_token_ids: text that JSON cannot carry still names its token
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token: int) -> str:
-        text = self._cache.get(token)
-        if text is None:
-            if self.tokenizer is None or self.as_ids:
-                text = f"token_id:{token}"
-            else:
-                text = self.tokenizer.decode([token], skip_special_tokens=False)
-            self._cache[token] = text
-        return text
-
-
-def chat_logprobs(token_ids: list[int], logprobs: list[TokenLogprob], text: TokenText) -> list[dict]:
-    """The `content` entries of a chat choice's logprobs."""
-    out = []
-    for token, lp in zip(token_ids, logprobs, strict=True):
-        s = text(token)
-        out.append({
-            "token": s, "logprob": lp.logprob, "bytes": list(s.encode()),
-            "top_logprobs": [{"token": (t := text(i)), "logprob": v, "bytes": list(t.encode())}
-                             for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)],
-        })
-    return out
-
-
-class CompletionLogprobs:
-    """A completion choice's legacy logprobs object, built up delta by delta."""
-
-    def __init__(self, text: TokenText):
-        self.text = text
-        self.offset = 0
-
-    def add(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> dict:
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token, lp in zip(token_ids, logprobs, strict=True):
-            s = self.text(token)
-            out["tokens"].append(s)
-            out["token_logprobs"].append(lp.logprob)
-            top: dict[str, float] = {}
-            for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True):
-                top.setdefault(self.text(i), v)  # two tokens may read the same ("\ufffd"): the likelier one
-            top.setdefault(s, lp.logprob)  # the sampled token, as vLLM includes it
-            out["top_logprobs"].append(top)
-            out["text_offset"].append(self.offset)
-            self.offset += len(s)
-        return out
-
-
-def merge_completion_logprobs(parts: list[dict]) -> dict:
-    return {key: [x for part in parts for x in part[key]]
-            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 class HTTPError(Exception):
