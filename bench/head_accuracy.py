@@ -25,8 +25,9 @@ import torch
 from transformers import AutoTokenizer
 
 from draft_server.checkpoint import load_draft
+from draft_server.teacher import Teacher
 from draft_server.train import ttt_forward
-from draft_server.train_data import Batches, Teacher
+from draft_server.train_data import Batches
 from tandem_tools.smollm2 import mtbench_prompts
 
 DEPTHS = 4

@@ -1,7 +1,7 @@
 """Training an EAGLE-3 head for a local Hugging Face target, with training-time test (TTT) as in EAGLE-3.
 
 The frozen target gives, for a training sequence x_0..x_{T-1}, the captured features F_i [3Ht] and the
-logits L_i, which predict x_{i+1} (draft_server/train_data.py: the teacher, the sequences, the batches).
+logits L_i, which predict x_{i+1} (draft_server/teacher.py: the teacher; train_data.py: the sequences, the batches).
 
 TTT step 1 is DraftEngine.propose's extend: index i holds (fc(F_i), x_{i+1}) at RoPE position i, attends
 causally, and predicts the target at i+1 (L_{i+1}). Step j > 1 is rollout step j of a round whose last
@@ -32,7 +32,8 @@ from transformers import LlamaConfig
 
 from draft_server.checkpoint import REFERENCE, save_draft
 from draft_server.model import DraftKV, Eagle3Config, Eagle3Draft
-from draft_server.train_data import Batches, Teacher, draft_vocabulary, training_sequences
+from draft_server.teacher import Teacher
+from draft_server.train_data import Batches, draft_vocabulary, training_sequences
 from tandem.dtypes import TORCH_DTYPES
 
 # -- the head ----------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Training a P-EAGLE head (parallel drafting): all K drafts of a round in one forward (arXiv 2602.01469, as
 speculators and NeMo Automodel train it). `train_draft(..., parallel=ParallelDrafting(...))` runs it; the
-data, the teacher and the loop are EAGLE-3's (draft_server/train.py, train_data.py).
+data, the teacher and the loop are EAGLE-3's (draft_server/train.py, teacher.py, train_data.py).
 
 Where EAGLE-3 unrolls K sequential steps (TTT), P-EAGLE flattens the depths of a sequence onto one axis.
 An element is (anchor i, depth d): depth 0 is the committed pair (fc(F_i), x_{i+1}) at RoPE position i, as

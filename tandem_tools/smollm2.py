@@ -118,7 +118,8 @@ def training_sequences(target_dir: Path, spec: SmolSpec, answers_cache: Path | N
     import torch
     from transformers import AutoTokenizer
 
-    from draft_server.train_data import Teacher, answer_prompts
+    from draft_server.teacher import Teacher
+    from draft_server.train_data import answer_prompts
     from tandem.dtypes import TORCH_DTYPES
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)

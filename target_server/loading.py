@@ -1,7 +1,7 @@
 """Loading a target checkpoint for EAGLE-3: the model, its feature capture and its EOS ids.
 
 The one loader of a target: the target engine serves with it, the trainer's teacher
-(draft_server/train_data.py) reads features and logits with it, so both capture the same layers
+(draft_server/teacher.py) reads features and logits with it, so both capture the same layers
 and stop on the same EOS ids.
 """
 

@@ -24,9 +24,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draft_server.checkpoint import load_draft
 from draft_server.engine import DraftEngine
 from draft_server.model import DraftKV
+from draft_server.teacher import Teacher
 from draft_server.train import train_tiny_draft, ttt_forward
 from draft_server.train_cli import add_train_parser
-from draft_server.train_data import Teacher, text_prompts
+from draft_server.train_data import text_prompts
 from tandem.params import GenerationRequest, SamplingParams
 from tandem_tools.inprocess import InProcessGenerator
 from tandem_tools.tiny import make_tiny

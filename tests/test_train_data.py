@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
+from draft_server.teacher import Teacher
 from draft_server.train import train_draft
-from draft_server.train_data import Batches, Teacher, answer_prompts, draft_vocabulary
+from draft_server.train_data import Batches, answer_prompts, draft_vocabulary
 
 PROMPTS = [[5, 6, 7], list(range(10, 22)), [40, 41], [3, 4, 5, 6], [9, 9, 9], [30, 31, 32, 33, 34]]
 
