@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -44,21 +44,12 @@ from tandem.sessions import (
     build_batch,
 )
 from target_server import logits as processing
-from target_server.acceptance import (
-    accept,
-    accept_argmax,
-    accept_tree,
-    accept_tree_argmax,
-    dense_q,
-    pick,
-    token_logprobs,
-    tree_problem,
-    tree_q,
-)
+from target_server.acceptance import dense_q, tree_problem, tree_q
 from target_server.decode import check_decode, decode_rest
 from target_server.kv import VERIFY_TOKENS, KVBudget, KVLayer, KVPool, kv_budget_tokens  # noqa: F401
 from target_server.loading import eos_token_ids, load_target
 from target_server.native import load_native, unsupported
+from target_server.results import step_result
 from target_server.runners import HFRunner, NativeRunner, compile_default
 from target_server.steps import Session, Step
 from target_server.threads import ThreadBurst
@@ -352,7 +343,8 @@ class TargetEngine(SessionOwner):
         for step, logit, raw, feature, n in zip(steps, scored.split(rows), logits.split(rows), features, rows,
                                                 strict=True):
             argmax = best[start : start + n] if best is not None else None
-            results.append(self._finish(step, logit, feature, argmax, kept.append, raw))
+            results.append(step_result(step, logit, feature, argmax, kept.append, raw, self.device,
+                                       self.buckets_compiling > 0))
             start += n
         self.runner.commit(steps, past, kept, self.kv_pool)
         for step, keep in zip(steps, kept, strict=True):
@@ -371,55 +363,8 @@ class TargetEngine(SessionOwner):
                 rows = (first + torch.arange(KVPool.BLOCK, device=self.device)).flatten()
                 session.rows = torch.cat([session.rows.to(self.device), rows])
 
-    def _finish(
-        self, step: Step, logits: torch.Tensor, features: torch.Tensor, argmax: list[int] | None,
-        commit: Callable[[range | list[int]], None], raw: torch.Tensor,
-    ) -> PrefillResult | VerifyResult:
-        """Sample or accept from one sequence's logits (prefill: [1, V], verify: [K+1, V], a tree's one row
-        per node), their argmax already on the host for a greedy session; `commit(kept)` is told which of
-        its new tokens it keeps (a chain's first ones, a tree's root and accepted path). `logits` are processed
-        (target_server/logits.py), `raw` the model's, for logprobs."""
-        session = step.session
-        greedy = session.params.greedy
-        if step.kind == "prefill":
-            keep: range | list[int] = range(len(step.ids))
-            token = argmax[-1] if greedy else pick(logits[-1], session.params, session.generator)
-            out = PrefillResult(token=token, features=features if step.want_features else None)
-            if session.params.logprobs is not None:
-                out.logprobs = token_logprobs(raw[-1:], [out.token], session.params.logprobs)
-            commit(keep)
-            return out
-        drafts = step.ids[1:]
-        if step.parents is not None:
-            tree, params = step.parents, session.params
-            path, bonus = (accept_tree_argmax(argmax, step.ids, tree) if greedy
-                           else accept_tree(logits, step.ids, tree, params, session.generator, step.q))
-            keep = [0, *path]
-        else:
-            if greedy:
-                accepted, bonus = accept_argmax(argmax, drafts)
-            else:
-                drafted = torch.tensor(drafts, dtype=torch.long, device=self.device)
-                accepted, bonus = accept(logits, drafted, session.params, session.generator, step.q)
-            keep = range(1 + accepted)
-        out = VerifyResult(accepted=[step.ids[i] for i in keep[1:]], bonus=bonus,
-                           features=_rows(features, keep) if step.want_features else None,
-                           warming=self.buckets_compiling > 0)
-        top = session.params.logprobs
-        if top is not None:  # the rows of t and the accepted drafts: where d_1..d_a and b are
-            out.logprobs = token_logprobs(_rows(raw, keep), [*out.accepted, bonus], top)
-        commit(keep)
-        return out
-
 
 def _raised(result):
     if isinstance(result, BaseException):
         raise result
     return result
-
-
-def _rows(t: torch.Tensor, keep: range | list[int]) -> torch.Tensor:
-    """The rows `keep` of t: a slice for a chain's first ones, an index (no host sync) for a tree's path."""
-    if isinstance(keep, range):
-        return t[: len(keep)]
-    return t.index_select(0, torch.tensor(keep, dtype=torch.long).to(t.device))
