@@ -48,11 +48,12 @@ import grpc
 from coordinator.links import BackendError, ServiceLink
 from tandem import convert
 from tandem.constraint import Grammars
+from tandem.draft_session import Sessions
 from tandem.errors import Abort
 from tandem.params import GenerationRequest
 from tandem.policy import Speculation
 from tandem.protocol import Drafts, DraftUnavailable, Prefill, Propose, Verify
-from tandem.rounds import Resume, RoundEvent, Sessions, is_draft_step, rounds
+from tandem.rounds import Resume, RoundEvent, is_draft_step, rounds
 from tandem.v1 import draft_pb2, target_pb2
 
 log = logging.getLogger("tandem.scheduler")
