@@ -1,7 +1,8 @@
 """Static inputs per bucket, and CUDA graphs of the compiled target forward over them, one per bucket (TANDEM_CUDA_GRAPHS=1, on CUDA, with a compiled
 forward): a bucket's first forward runs the compiled code and then captures it over the bucket's static
 inputs (StaticInputs: the same device tensors every forward, written with one copy); every
-later forward of the bucket replays the graph, one launch for its ~450 kernels. The KV pool, preallocated
+later forward of the bucket replays the graph, one launch for its ~450 kernels. With TANDEM_COMPILE=background
+that first forward is the warm-up thread's (warmup.py), before the bucket serves a request. The KV pool, preallocated
 on a GPU, is written in place by the replay as by the compiled code; its size is part of the bucket.
 
 The graphs share one memory pool, so a replay may write over the last one's outputs: the features leave

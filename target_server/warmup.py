@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from target_server.paged import PagedKVPool, plan
+from target_server.paged import PagedKVPool, plan, plan_with
 
 if TYPE_CHECKING:
     from target_server.steps import Step
@@ -32,6 +32,8 @@ class Compiled(Protocol):
     device: torch.device
     buckets: set[tuple[int, int]]  # (tokens, pool rows) compiled or queued, shared with the runner
     _forward: Callable  # the compiled forward: ids, positions, batch -> hidden, features
+    graphs: Callable | None  # CudaGraphs (target_server/graphs.py): per bucket, captured at its first call
+    static: object  # StaticInputs: each bucket's input buffers, which a captured graph reads
 
 
 class WarmUp:
@@ -43,7 +45,8 @@ class WarmUp:
     (768, 512, 240, 192, 144 tokens in one bench). Demo pair, 48-token prompts, 16 closed-loop clients of 64
     tokens, EAGLE-3 K=5, gate off: prefill batches 23.9 -> 19.4 ms, 1784 -> 2032 tokens/s (one run each; in
     lockstep, target-only, all 16 prefill together: 768 tokens, eager either way).
-    The FIRST buckets are queued with the pool, before any request."""
+    The FIRST buckets are queued with the pool, before any request. With CUDA graphs on (graphs.py) the thread
+    captures each bucket's graph too, over the bucket's static inputs, so no request compiles or captures."""
 
     # a lone request's verifies and 16 decodes, then 16 sessions' verifies of up to K=5 in cohorts of any size:
     # a bucket first met under load compiled during it, taking a core, and each compile reset the gates' speeds
@@ -99,8 +102,14 @@ class WarmUp:
             start, switch = time.monotonic(), sys.getswitchinterval()
             sys.setswitchinterval(SWITCH_S)
             try:
-                positions, batch = plan([], width, pool, dense=False)
-                runner._forward(torch.zeros(width, dtype=torch.long, device=runner.device), positions, batch)
+                if runner.graphs is None:
+                    positions, batch = plan([], width, pool, dense=False)
+                    runner._forward(torch.zeros(width, dtype=torch.long, device=runner.device), positions, batch)
+                else:  # compiled and captured here, over the bucket's static inputs: its first request replays
+                    padding = [0] * width  # the ids and the logits' rows, laid out as a request's (runners.py)
+                    positions, batch, (ids, _) = plan_with([], width, pool, False, [(padding, torch.long),
+                                                           (padding, torch.long)], runner.static.of(width, pool))
+                    runner.graphs((width, rows), ids, positions, batch)
                 self.compiled.add((width, rows))
                 log.info("compiled the target's forward for %d tokens over a pool of %d rows in %.0f s (eager until "
                          "now)", width, rows, time.monotonic() - start)

@@ -67,6 +67,43 @@ def test_cuda_graphs_are_off_without_cuda_or_a_compiled_forward(monkeypatch):
     assert not graphs_enabled(torch.device("cuda"), True)
 
 
+def test_a_background_compile_makes_each_buckets_first_graph_call_before_any_request(tiny_dir, monkeypatch):
+    """With CUDA graphs on, the warm-up thread compiles and captures a bucket (the graph's first call) over the
+    bucket's static inputs; a request in that bucket then replays it over the same tensors. On the CPU the
+    capture is stood in for by a recorder of the calls (graphs.CudaGraphs' first call captures)."""
+    import threading
+
+    from target_server import runners
+
+    compile_eagerly(monkeypatch)
+    calls: list[tuple[tuple[int, int], str, tuple[int, int]]] = []
+
+    class Recorder:
+        def __init__(self, forward, device):
+            self.forward = forward
+
+        def __call__(self, key, tokens, positions, batch):
+            calls.append((key, threading.current_thread().name, (tokens.data_ptr(), positions.data_ptr())))
+            return self.forward(tokens, positions, batch)
+
+    monkeypatch.setattr(runners, "graphs_enabled", lambda device, compiled: compiled)
+    monkeypatch.setattr(runners, "CudaGraphs", Recorder)
+    eager = TargetEngine(tiny_dir / "target", engine="native")
+    graphed = TargetEngine(tiny_dir / "target", engine="native", compile="background")
+    assert graphed.runner.warm_up.wait(120)
+    warmed = {key: (thread, ptrs) for key, thread, ptrs in calls}
+    assert warmed and all(thread == "tandem-compile" for thread, _ in warmed.values()), calls
+    outputs = []
+    for engine in (eager, graphed):
+        token = engine.prefill("s", [5, 6, 7, 8, 9], SamplingParams()).token
+        result = engine.verify("s", token, [1, 2, 3])
+        engine.release("s")
+        outputs.append([token, *result.accepted, result.bonus])
+    assert outputs[0] == outputs[1]
+    key, thread, ptrs = calls[-1]
+    assert thread != "tandem-compile" and warmed[key] == ("tandem-compile", ptrs)  # replayed over its inputs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_graphed_verifies_decode_as_eager_on_cuda(tiny_dir, monkeypatch):
