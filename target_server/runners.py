@@ -198,11 +198,15 @@ class NativeRunner:
             positions, batch, (tokens, rows) = plan_with(spans, width, pool, True, [(ids, torch.long),
                                                                                    (rows, torch.long)])
             return *self._eager(tokens, positions, batch), rows
-        positions, batch, (tokens, padded) = plan_with(
-            spans, width, pool, False, [(ids + [0] * (width - len(ids)), torch.long),
-                                        (rows + [0] * (width - len(rows)), torch.long)], self.static.of(width, pool))
+        positions, batch, tokens, padded = self.static_inputs(ids, spans, width, pool, rows)
         forward = self._forward if self.graphs is None else partial(self.graphs, (width, pool.owner.shape[0]))
         return *forward(tokens, positions, batch), padded[: len(rows)]
+
+    def static_inputs(self, ids: list[int], spans: list[Span], width: int, pool: PagedKVPool, rows: list[int]):
+        """A bucket's positions, batch, ids and logits' rows, padded to the width, in its static buffers."""
+        pad = [(values + [0] * (width - len(values)), torch.long) for values in (ids, rows)]
+        positions, batch, (tokens, padded) = plan_with(spans, width, pool, False, pad, self.static.of(width, pool))
+        return positions, batch, tokens, padded
 
     @torch.inference_mode()
     def measure_forward_bytes(self, pool: KVPool, max_tokens: int, max_batch: int, max_context: int) -> int:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from target_server.paged import PagedKVPool, plan, plan_with
+from target_server.paged import PagedKVPool, plan
 
 if TYPE_CHECKING:
     from target_server.steps import Step
@@ -33,7 +33,7 @@ class Compiled(Protocol):
     buckets: set[tuple[int, int]]  # (tokens, pool rows) compiled or queued, shared with the runner
     _forward: Callable  # the compiled forward: ids, positions, batch -> hidden, features
     graphs: Callable | None  # CudaGraphs (target_server/graphs.py): per bucket, captured at its first call
-    static: object  # StaticInputs: each bucket's input buffers, which a captured graph reads
+    static_inputs: Callable  # a bucket's inputs in its static buffers, which a captured graph reads
 
 
 class WarmUp:
@@ -106,9 +106,7 @@ class WarmUp:
                     positions, batch = plan([], width, pool, dense=False)
                     runner._forward(torch.zeros(width, dtype=torch.long, device=runner.device), positions, batch)
                 else:  # compiled and captured here, over the bucket's static inputs: its first request replays
-                    padding = [0] * width  # the ids and the logits' rows, laid out as a request's (runners.py)
-                    positions, batch, (ids, _) = plan_with([], width, pool, False, [(padding, torch.long),
-                                                           (padding, torch.long)], runner.static.of(width, pool))
+                    positions, batch, ids, _ = runner.static_inputs([], [], width, pool, [])
                     runner.graphs((width, rows), ids, positions, batch)
                 self.compiled.add((width, rows))
                 log.info("compiled the target's forward for %d tokens over a pool of %d rows in %.0f s (eager until "
