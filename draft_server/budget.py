@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-from tandem.memory import gpu_headroom, gpu_part, half_the_host
+from tandem.memory import GIB, GPU_MARGIN, asked_tokens, gpu_headroom, gpu_part, half_the_host, room
 from tandem.params import MAX_DRAFT_TOKENS
 from tandem.service import StartupError
 from tandem.sessions import ResourceExhausted, SessionOwner
@@ -28,7 +28,6 @@ KV_COPIES = 3
 # The probe propose that measures a step's working memory on a GPU: a first propose of this many pairs (the
 # target's default --max-batch-tokens, the longest prompt it prefills in one forward) and the most drafts.
 PROBE_PAIRS = 4096
-MARGIN = 0.05  # of the GPU's total, as the target keeps back: the CUDA context, fragmentation
 
 
 class DraftKVBudget:
@@ -91,7 +90,7 @@ def kv_bytes_per_token(engine) -> int:
 
 
 def draft_kv_budget_tokens(headroom: int, total: int, bytes_per_token: int, working_bytes: int,
-                           margin: float = MARGIN) -> int:
+                           margin: float = GPU_MARGIN) -> int:
     """The draft KV tokens that fit in `headroom`, the bytes the draft may still take on its GPU (tandem/memory.py):
     less a margin of the GPU's `total` and a step's working memory, each token KV_COPIES times."""
     usable = headroom - margin * total - working_bytes
@@ -102,15 +101,13 @@ def gpu_kv_tokens(free: int, total: int, own: int, bytes_per_token: int, working
                   asked: int | None = None) -> int:
     """The budget of a draft on a GPU from its figures: `asked` (a setting, in tokens) if it fits, else all that
     fits; StartupError naming the figures where nothing (or less than asked) fits."""
-    part = gpu_part("draft", shared)
-    fits = draft_kv_budget_tokens(gpu_headroom(free, total, own, part), total, bytes_per_token, working_bytes)
+    headroom = gpu_headroom(free, total, own, gpu_part("draft", shared))
+    fits = draft_kv_budget_tokens(headroom, total, bytes_per_token, working_bytes)
     if fits < 1 or (asked is not None and asked > fits):
-        gib = 1 << 30
-        where = (f"its {part:.1%} of the GPU it shares with the target, {part * total / gib:.2f} GiB, less the "
-                 f"{own / gib:.2f} GiB it holds" if shared else f"{free / gib:.2f} GiB free after loading")
         raise StartupError(
-            f"the draft KV cache does not fit: {where}; a propose takes {working_bytes / gib:.2f} GiB, "
-            f"{MARGIN:.0%} of the GPU is kept back, and each KV token {bytes_per_token} bytes x {KV_COPIES}: room for "
+            f"the draft KV cache does not fit: {room('draft', free, total, own, shared)}; a propose takes "
+            f"{working_bytes / GIB:.2f} GiB, {GPU_MARGIN:.0%} of the GPU is kept back, and each KV token "
+            f"{bytes_per_token} bytes x {KV_COPIES}: room for "
             f"{fits} tokens" + (f", --kv-cache-gib asks for {asked}" if asked is not None else ""))
     return asked if asked is not None else fits
 
@@ -138,7 +135,7 @@ def kv_tokens(engine, kv_cache_gib: float | None, shared_gpu: bool) -> int | Non
     """The draft's KV budget in tokens: `kv_cache_gib`, checked against what fits on a GPU; unset, all that fits
     on a GPU (its part of one it shares with the target), or half the host's available memory on a CPU."""
     per_token = kv_bytes_per_token(engine)
-    asked = None if kv_cache_gib is None else int(kv_cache_gib * (1 << 30)) // per_token
+    asked = asked_tokens(kv_cache_gib, per_token)
     if engine.device.type != "cuda":
         return asked if asked is not None else half_the_host(per_token)
     working = measure_working_bytes(engine)

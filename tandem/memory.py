@@ -17,7 +17,11 @@ from typing import Literal
 # against the target's 32) for about as many tokens as the target's pool then holds.
 DRAFT_GPU_SHARE = 0.125
 
+GPU_MARGIN = 0.05  # of a GPU's total, kept back by each service: the CUDA context, NCCL's buffers, fragmentation
+GIB = 1 << 30
+
 Service = Literal["target", "draft"]
+OTHER = {"target": "draft", "draft": "target"}
 
 
 def shares_gpu(target_device: str, draft_device: str) -> bool:
@@ -45,6 +49,20 @@ def gpu_headroom(free: int, total: int, own: int, part: float = 1.0) -> int:
     if part >= 1.0:
         return max(free, 0)
     return max(min(free, int(part * total) - own), 0)
+
+
+def asked_tokens(kv_cache_gib: float | None, bytes_per_token: int) -> int | None:
+    """A --kv-cache-gib setting in KV tokens (None: unset)."""
+    return None if kv_cache_gib is None else int(kv_cache_gib * GIB) // bytes_per_token
+
+
+def room(service: Service, free: int, total: int, own: int, shared: bool) -> str:
+    """Where a service's KV had to fit, for a start-up refusal: its part of a GPU it shares, or what was free."""
+    if not shared:
+        return f"{free / GIB:.2f} GiB free after loading"
+    part = gpu_part(service, True)
+    return (f"its {part:.1%} of the GPU it shares with the {OTHER[service]}, {part * total / GIB:.2f} GiB, less the "
+            f"{own / GIB:.2f} GiB it holds")
 
 
 def half_the_host(bytes_per_token: int) -> int | None:

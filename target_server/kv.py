@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from tandem.memory import GPU_MARGIN
 from tandem.params import MAX_DRAFT_TOKENS, MAX_TREE_NODES
 from tandem.sessions import ResourceExhausted
 
@@ -156,7 +157,7 @@ class KVBudget:
 
 
 def kv_budget_tokens(free: int, total: int, bytes_per_token: int, layers: int, *, ring_bytes: int = 0,
-                     forward_bytes: int = 0, margin: float = 0.05) -> int:
+                     forward_bytes: int = 0, margin: float = GPU_MARGIN) -> int:
     """The KV tokens a GPU target can hold without running out of memory, of the `free` bytes left once
     the model is loaded: less a margin (5% of the GPU's `total`: the CUDA context, NCCL's buffers,
     fragmentation), the feature ring (cuda-ipc) or send queue (nccl), one forward of the largest batch

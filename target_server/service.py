@@ -20,7 +20,7 @@ from tandem.config import TargetSettings, parse_cpus
 from tandem.convert import draft_probs_from_pb, logprobs_to_pb, parents_from_pb, sampling_from_pb
 from tandem.dtypes import name_of
 from tandem.errors import Abort
-from tandem.memory import gpu_headroom, gpu_part, half_the_host
+from tandem.memory import GIB, asked_tokens, gpu_headroom, gpu_part, half_the_host, room
 from tandem.protocol import Prefill, PrefillResult, Verify
 from tandem.service import Service, StartupError, run_service
 from tandem.servicer import EngineServicer
@@ -202,23 +202,20 @@ def kv_tokens(settings: TargetSettings, engine: TargetEngine) -> int | None:
     is refused at start-up rather than run out of memory later. On a CPU: --kv-cache-gib, or half the memory
     available."""
     per_token = engine.kv_bytes_per_token
-    asked = None if settings.kv_cache_gib is None else int(settings.kv_cache_gib * (1 << 30)) // per_token
+    asked = asked_tokens(settings.kv_cache_gib, per_token)
     if engine.device.type != "cuda":
         return asked if asked is not None else half_the_host(per_token)
     # the cuda-ipc ring or the nccl send queue lives on our GPU, and is allocated later, at the handshake
     ring = RING_BYTES if settings.transport in ("auto", "cuda-ipc", "nccl") else 0
     forward = engine.measure_forward_bytes()
     free, total = torch.cuda.mem_get_info(engine.device)
-    part, own = gpu_part("target", settings.shared_gpu), torch.cuda.memory_allocated(engine.device)
-    headroom = gpu_headroom(free, total, own, part)
+    own = torch.cuda.memory_allocated(engine.device)
+    headroom = gpu_headroom(free, total, own, gpu_part("target", settings.shared_gpu))
     fits = kv_budget_tokens(headroom, total, per_token, engine.num_layers, ring_bytes=ring, forward_bytes=forward)
-    gib = 1 << 30
     if (asked is not None and asked > fits) or fits < KVPool.BLOCK:
-        where = (f"its {part:.1%} of the GPU it shares with the draft, {part * total / gib:.2f} GiB, less the "
-                 f"{own / gib:.2f} GiB it holds" if settings.shared_gpu else f"{free / gib:.2f} GiB free after loading")
         raise StartupError(
-            f"the KV cache does not fit: {where}; a forward takes {forward / gib:.2f}, "
-            f"the feature ring {ring / gib:.2f}, 5% is kept back, and each KV token {per_token} bytes plus the "
+            f"the KV cache does not fit: {room('target', free, total, own, settings.shared_gpu)}; a forward takes "
+            f"{forward / GIB:.2f}, the feature ring {ring / GIB:.2f}, 5% is kept back, and each KV token {per_token} bytes plus the "
             f"gather's {engine.gather_bytes_per_token}: room for {fits} tokens"
             + (f", --kv-cache-gib asks for {asked}" if asked is not None else "")
         )
