@@ -66,26 +66,33 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def to_host(t: torch.Tensor, ready: torch.cuda.Event | None = None) -> torch.Tensor:
-    """A device tensor (a step's features going inline) on the host: copied into pinned memory on a side
-    stream once the GPU is past `ready` (the end of the batch that computed it), so the copy does not queue
-    behind the engine's next forward on its stream; this thread waits for that copy only. A host tensor as
-    it is."""
-    if not t.is_cuda:
-        return t
-    stream = _side_stream(t.device)
-    if ready is not None:
-        stream.wait_event(ready)
-    else:
-        stream.wait_stream(torch.cuda.current_stream(t.device))
+def to_host(tensors: Sequence[torch.Tensor], ready: Sequence[torch.cuda.Event | None] = ()) -> list[torch.Tensor]:
+    """Device tensors (a batch's features going inline) on the host: copied into pinned memory on a side stream
+    once the GPU is past `ready` (the end of the batch that computed them), so the copies do not queue behind
+    the engine's next forward on its stream; this thread waits once, for these copies only. Host tensors as
+    they are."""
+    if not any(t.is_cuda for t in tensors):
+        return list(tensors)
+    device = next(t.device for t in tensors if t.is_cuda)
+    stream = _side_stream(device)
+    events = {id(e): e for e in ready if e is not None}.values()
+    for event in events:
+        stream.wait_event(event)
+    if not events:
+        stream.wait_stream(torch.cuda.current_stream(device))
+    out = []
     with torch.cuda.stream(stream):
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
+        for t in tensors:
+            if t.is_cuda:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                t.record_stream(stream)  # the engine's buffer stays until the copy has read it
+                t = host
+            out.append(t)
         copied = torch.cuda.Event()
         copied.record(stream)
-    t.record_stream(stream)  # the engine's buffer stays until the copy has read it
     copied.synchronize()
-    return host
+    return out
 
 
 class Staged:

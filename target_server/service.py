@@ -149,7 +149,7 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
 
     def _answer(self, done: list) -> target_pb2.TargetBatchResult:
         answer = target_pb2.TargetBatchResult()
-        for step, clock, result in done:
+        for (step, clock, result), features in zip(done, self._features(done), strict=True):
             item = answer.results.add()
             if isinstance(result, BaseException):
                 self.step_error(item.error, result)
@@ -167,8 +167,9 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
                 if result.logprobs is not None:
                     verified.logprobs.extend(logprobs_to_pb(result.logprobs))
                 kind = "verify"
-            with clock.codec():
-                features = self._features(result.features, step.session_id)
+            if isinstance(features, torch.Tensor):  # inline: the rows in the answer
+                with clock.codec():
+                    (features,) = encode_features(features, max(1, features.numel() * features.element_size()))
             if features is not None:
                 response.features.CopyFrom(features)
             self.metrics.observe(kind, clock)
@@ -176,19 +177,24 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
                 response.timing.CopyFrom(clock.to_pb())
         return answer
 
-    def _features(self, features, session_id: str) -> common_pb2.Features | None:
-        """A step's features: a fast path's descriptor, else inline, in the one answer."""
-        if features is None:
-            return None
-        ref, ready = None, self.loaded().features_ready(session_id)
-        if self.transport is not None:
-            ref = self.transport.send(session_id, features, ready)
-        n = features.shape[0]
-        if ref is not None:
-            return common_pb2.Features(ref=ref, row_offset=0, num_rows=n, total_rows=n)
-        features = to_host(features, ready)  # after its batch, not behind the next one's forward
-        (chunk,) = encode_features(features, max(1, features.numel() * features.element_size()))
-        return chunk
+    def _features(self, done: list) -> list[common_pb2.Features | torch.Tensor | None]:
+        """Each step's features: a fast path's descriptor, else its rows on the host to go inline (all of the
+        batch's copied at once, after the batch: one wait), else None."""
+        engine, out, inline = self.loaded(), [None] * len(done), []
+        for i, (step, _, result) in enumerate(done):
+            features = None if isinstance(result, BaseException) else result.features
+            if features is None:
+                continue
+            ready = engine.features_ready(step.session_id)
+            ref = self.transport.send(step.session_id, features, ready) if self.transport is not None else None
+            n = features.shape[0]
+            if ref is not None:
+                out[i] = common_pb2.Features(ref=ref, row_offset=0, num_rows=n, total_rows=n)
+            else:
+                inline.append((i, features, ready))
+        for (i, _, _), rows in zip(inline, to_host([f for _, f, _ in inline], [r for _, _, r in inline]), strict=True):
+            out[i] = rows
+        return out
 
     def _end(self, session_id: str) -> None:
         super()._end(session_id)

@@ -406,7 +406,7 @@ def test_an_inline_steps_features_reach_the_host_without_waiting_for_the_targets
     ready.record(torch.cuda.current_stream(device))
     _busy(device, 1.0)
     start = time.perf_counter()
-    host = to_host(features, ready)
+    (host,) = to_host([features], [ready])
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     assert elapsed < 0.5 and not host.is_cuda, elapsed

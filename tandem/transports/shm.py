@@ -18,6 +18,7 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 
 from tandem.dtypes import TORCH_DTYPES
+from tandem.staging import to_host
 from tandem.transports.contract import TransportError, check_ref, count
 from tandem.transports.ring import RingSender
 from tandem.v1 import common_pb2
@@ -48,7 +49,7 @@ class ShmSender(RingSender):
         start = offset + STAMP
         dest = self._bytes[start : start + features.numel() * features.element_size()]
         if features.is_cuda:  # a GPU engine asked for shm: read its rows on a side stream after `ready`
-            features = _to_host(features, ready)
+            (features,) = to_host([features], [ready])
         dest.view(features.dtype).view(features.shape).copy_(features)
         self._stamps[offset // 8] = sequence  # after the rows: a reader that sees the stamp sees them
 
@@ -62,18 +63,6 @@ class ShmSender(RingSender):
         except BufferError:  # a view still alive somewhere: unlink anyway, the mapping goes with the process
             pass
         self.segment.unlink()
-
-
-def _to_host(features: torch.Tensor, ready) -> torch.Tensor:
-    """The rows on the host, read once the GPU is past `ready`, not behind the engine's next forward."""
-    stream = torch.cuda.Stream(features.device)
-    if ready is not None:
-        stream.wait_event(ready)
-    else:
-        stream.wait_stream(torch.cuda.current_stream(features.device))
-    with torch.cuda.stream(stream):
-        host = features.to("cpu")  # waits for this stream only
-    return host
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
