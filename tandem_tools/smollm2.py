@@ -47,13 +47,13 @@ class SmolSpec:
     """The head's recipe: ShareGPT only (MT-Bench held out), labels from the target, a fixed number of steps.
     Defaults: about an hour on a 2-core CPU shared with other work (docs/training.md has the times)."""
 
-    text_conversations: int = 320  # ShareGPT exchanges as ShareGPT has them: labels = the target's logits on them
-    answered_prompts: int = 192  # ShareGPT first turns the target answers itself (as EAGLE-3 trains)
+    text_conversations: int = 384  # ShareGPT exchanges as ShareGPT has them: labels = the target's logits on them
+    answered_prompts: int = 1152  # ShareGPT first turns the target answers itself (as EAGLE-3 trains)
     max_prompt_tokens: int = 128  # chat-templated first turns at most this long
     answer_tokens: int = 128  # the target's answers: at most this many tokens, ending at <|im_end|>
     seq_len: int = 256  # a training sequence's length cap (an exchange from ShareGPT is cut here)
     answer_batch: int = 96
-    head_steps: int = 240
+    head_steps: int = 1400
     head_batch: int = 8
     head_ttt_steps: int = 4
     head_lr: float = 3e-3
