@@ -45,7 +45,7 @@ SHIPPED_HEAD = Path(__file__).parent / "heads" / "smollm2-135m-instruct-eagle3"
 @dataclass
 class SmolSpec:
     """The head's recipe: ShareGPT only (MT-Bench held out), labels from the target, a fixed number of steps.
-    Defaults: about an hour on a 2-core CPU shared with other work (docs/training.md has the times)."""
+    Defaults: about an hour on a 2-core CPU (docs/training.md has the times)."""
 
     text_conversations: int = 384  # ShareGPT exchanges as ShareGPT has them: labels = the target's logits on them
     answered_prompts: int = 1152  # ShareGPT first turns the target answers itself (as EAGLE-3 trains)

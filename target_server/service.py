@@ -20,7 +20,7 @@ from tandem.config import TargetSettings, parse_cpus
 from tandem.convert import draft_probs_from_pb, logprobs_to_pb, parents_from_pb, sampling_from_pb
 from tandem.dtypes import name_of
 from tandem.errors import Abort
-from tandem.memory import GIB, asked_tokens, gpu_headroom, gpu_part, half_the_host, room
+from tandem.memory import GIB, GPU_MARGIN, asked_tokens, gpu_headroom, gpu_part, half_the_host, room
 from tandem.protocol import Prefill, PrefillResult, Verify
 from tandem.service import Service, StartupError, run_service
 from tandem.servicer import EngineServicer
@@ -221,7 +221,7 @@ def kv_tokens(settings: TargetSettings, engine: TargetEngine) -> int | None:
     if (asked is not None and asked > fits) or fits < KVPool.BLOCK:
         raise StartupError(
             f"the KV cache does not fit: {room('target', free, total, own, settings.shared_gpu)}; a forward takes "
-            f"{forward / GIB:.2f}, the feature ring {ring / GIB:.2f}, 5% is kept back, and each KV token {per_token} bytes plus the "
+            f"{forward / GIB:.2f}, the feature ring {ring / GIB:.2f}, {GPU_MARGIN:.0%} is kept back, and each KV token {per_token} bytes plus the "
             f"gather's {engine.gather_bytes_per_token}: room for {fits} tokens"
             + (f", --kv-cache-gib asks for {asked}" if asked is not None else "")
         )
