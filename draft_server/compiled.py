@@ -1,6 +1,7 @@
 """The draft's compiled calls (TANDEM_COMPILE): a lone session's rollout step, greedy and sampled proposes and
-the greedy ahead, over one unpacked copy of the head (inductor cannot lower PackedLinear). The engine runs
-its eager paths wherever a call is not there (yet).
+the greedy ahead of a one-layer chain head, or a P-EAGLE head's greedy propose (of any layers), over one
+unpacked copy of the head (inductor cannot lower PackedLinear). The engine runs its eager paths wherever a
+call is not there (yet).
 
 TANDEM_COMPILE=background compiles them on a thread of their own while the draft answers eagerly, as the
 target compiles its buckets: a real head's ~50 graphs take minutes on a CPU (SmolLM2-135M's: the propose
@@ -20,7 +21,7 @@ import torch
 
 from draft_server.ahead import GreedyAhead
 from draft_server.model import Eagle3Draft
-from draft_server.rollout import GreedyPropose, GreedyStep, SampledPropose
+from draft_server.rollout import GreedyPropose, GreedyStep, ParallelPropose, SampledPropose
 
 log = logging.getLogger("tandem.draft")
 
@@ -33,13 +34,16 @@ def compile_mode() -> bool | str:
 
 @dataclass(frozen=True)
 class CompiledCalls:
-    step: GreedyStep
-    propose: GreedyPropose
-    ahead: GreedyAhead
-    sampled: SampledPropose
+    step: GreedyStep | None = None  # a one-layer chain head's
+    propose: GreedyPropose | None = None
+    ahead: GreedyAhead | None = None
+    sampled: SampledPropose | None = None
+    parallel: ParallelPropose | None = None  # a P-EAGLE head's
 
     @classmethod
     def build(cls, unpacked: Eagle3Draft, draft_id: torch.Tensor, q_top_n: int) -> CompiledCalls:
+        if unpacked.config.parallel_drafting:
+            return cls(parallel=ParallelPropose(unpacked))
         step = GreedyStep(unpacked)
         return cls(step, GreedyPropose(step.model), GreedyAhead(step.model, draft_id),
                    SampledPropose(step.model, q_top_n))

@@ -28,9 +28,10 @@ P-EAGLE heads (parallel drafting, draft_server/model.py): a propose is one forwa
 masked positions after them, and gives all K drafts (K up to the head's num_depths); the KV keeps the
 pairs; a batch's proposes share that forward, each session's masked positions right after its own pairs.
 A greedy tree request with a P-EAGLE head takes its first level (the top_k of depth 1) and the chain below
-its likeliest node from that one forward (tree.parallel_tree). Heads of several layers, and P-EAGLE heads, run eagerly and answer an ahead by appending its pairs and
-preparing no branch (the compiled calls and the ahead's tensors are one layer's, and a P-EAGLE propose is
-about one extend's cost anyway).
+its likeliest node from that one forward (tree.parallel_tree). Heads of several layers, and P-EAGLE heads,
+answer an ahead by appending its pairs and preparing no branch (the ahead's tensors are one layer's, and a
+P-EAGLE propose is about one extend's cost anyway); with TANDEM_COMPILE a P-EAGLE head's lone greedy
+proposes run compiled (rollout.ParallelPropose), a chain head of several layers runs eagerly.
 
 Constrained requests (a grammar, min_tokens; tandem/constraint.py): a session opened with the request's
 constraint keeps its own matcher, advanced on the committed tokens, and walks it along each rollout: every
@@ -63,6 +64,7 @@ from draft_server.model import Eagle3Draft
 from draft_server.rollout import (
     GreedyPropose,
     GreedyStep,
+    ParallelPropose,
     SampledPropose,
     draws_for,
     parallel_rollout,
@@ -107,9 +109,9 @@ class DraftEngine(DraftSteps):
                                              aux_layer_convention=aux_layer_convention)
         if target_dir is not None:
             check_pair(read_target_shape(target_dir), self.shape())
-        # the compiled calls run one layer's KV and the chain's steps
+        # the chain's compiled calls and the ahead run one layer's KV; a P-EAGLE head compiles its own propose
         self.eager_only = self.config.num_layers > 1 or self.config.parallel_drafting
-        mode = compile_mode() if not self.eager_only else None
+        mode = compile_mode() if not self.eager_only or self.config.parallel_drafting else None
         unpacked = copy.deepcopy(self.model) if mode else None  # the compiled calls' copy: before packing
         if can_pack(self.device, self.dtype):  # a CPU in float32: big projections over prepacked weights
             pack_linears(self.model)
@@ -142,6 +144,7 @@ class DraftEngine(DraftSteps):
         self.greedy_propose: GreedyPropose | None = None
         self.greedy_ahead: GreedyAhead | None = None
         self.sampled_propose: SampledPropose | None = None
+        self.parallel_propose: ParallelPropose | None = None
         if mode:  # set once there is nothing (more) to compile
             self.compiled = compile_calls(unpacked, self._draft_id, q_top_n, self._install,
                                           background=mode == "background")
@@ -151,7 +154,7 @@ class DraftEngine(DraftSteps):
 
     def _install(self, calls: CompiledCalls) -> None:
         self.greedy_propose, self.greedy_ahead, self.sampled_propose = calls.propose, calls.ahead, calls.sampled
-        self.greedy_step = calls.step
+        self.greedy_step, self.parallel_propose = calls.step, calls.parallel
 
     def shape(self, max_target_id: int | None = None) -> DraftShape:
         if max_target_id is None:
@@ -249,12 +252,19 @@ class DraftEngine(DraftSteps):
         model, session, m, device = self.model, step.session, len(step.next_tokens), self.device
         k = min(step.k, self.config.num_depths)
         draws = draws_for([session.sampler], [session.length + m], k, self.draft_vocab, device)
+        masks = self.grammars.masks([step])
+        compiled = self.parallel_propose
+        if compiled is not None and draws is None and masks is None and session.kv.k is not None and compiled.fits(k):
+            drafts, rows = compiled.propose(session.kv, session.length, to_device(step.features, device, self.dtype),
+                                            step.next_tokens, k)
+            session.length += m
+            session.proposed = [(drafts, rows)]
+            return _drafts(drafts, None)
         tokens, positions = upload([(list_, torch.long) for list_ in model.parallel_inputs(
             step.next_tokens, session.length, max(k, 1))], device)
         a = model.parallel_draft(to_device(step.features, device, self.dtype), tokens, positions, session.kv,
                                  self._mask_row)
         session.length += m
-        masks = self.grammars.masks([step])
         try:
             drafts, q, rows = parallel_rollout(model, self.q_top_n, a[None, :k], draws, masks)
         finally:

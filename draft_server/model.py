@@ -101,6 +101,18 @@ class DraftKV:
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         return self.k, self.v
 
+    def tensors(self, layers: int) -> tuple[torch.Tensor, ...]:
+        """Each decoder layer's k and v, layer after layer (k0, v0, k1, v1, ...): a compiled call's inputs."""
+        return tuple(t for i in range(layers) for t in (self.layer(i).k, self.layer(i).v))
+
+    @classmethod
+    def of(cls, tensors: tuple[torch.Tensor, ...]) -> DraftKV:
+        """The KV that `tensors()` flattened."""
+        kv = cls()
+        for i in range(len(tensors) // 2):
+            kv.layer(i).k, kv.layer(i).v = tensors[2 * i], tensors[2 * i + 1]
+        return kv
+
     def crop(self, length: int) -> None:
         if self.k is not None and self.k.shape[2] > length:
             self.k = self.k[:, :, :length]
@@ -275,6 +287,15 @@ class Eagle3Draft(nn.Module):
         a = self(hidden[None], tokens[None], positions[None], kv)[0]  # [m + masked, H]
         kv.crop(length + m)
         return a[m - 1:]
+
+    def greedy_parallel(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                        mask_row: torch.Tensor, rounds: int, *kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A lone greedy session's P-EAGLE propose as a pure function (rollout.ParallelPropose compiles it, a graph
+        per `rounds`): parallel_draft over each layer's KV `kv` (DraftKV.tensors) -> the drafts (target ids
+        [rounds]), the outputs that proposed them [rounds, H], and each layer's KV with the m pairs."""
+        cache = DraftKV.of(kv)
+        a = self.parallel_draft(features, tokens, positions, cache, mask_row)[:rounds]
+        return self.to_target_ids(self.draft_logits(a).argmax(-1)), a, *cache.tensors(self.config.num_layers)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features [..., 3Ht] (low, mid, high) -> the hidden state h [..., H]."""

@@ -162,6 +162,48 @@ class SampledPropose:
         return drafts, qs, rows[0]
 
 
+class ParallelPropose:
+    """A lone greedy session's P-EAGLE propose after its first as one compiled call a K (Eagle3Draft.greedy_parallel):
+    the new pairs and K-1 masked positions through every layer, and the K argmaxes, in one graph, dynamic in the
+    new pairs and in the KV's length. Over an unpacked copy of the head, compiled at start-up for K = 1..KS (up
+    to the head's depths), one new pair or more; sampled and constrained proposes, and other Ks, run eagerly."""
+
+    KS = range(1, 6)
+
+    def __init__(self, model: Eagle3Draft):
+        started = time.monotonic()
+        self.model, self.layers = model, model.config.num_layers
+        self.ks = [k for k in self.KS if k <= model.config.num_depths]
+        self._propose = compile_graphs(model.greedy_parallel, 4 * len(self.ks), dynamic=True)
+        with torch.inference_mode():  # as the engine calls it: inference tensors, a contiguous KV
+            self.mask_row = model.mask_row()
+            for rounds in self.ks:
+                for m in (1, 2):
+                    features, tokens, positions, k, v = warm_inputs(model, m, m + rounds - 1)
+                    self._propose(features, tokens, positions, self.mask_row, rounds,
+                                  *[t.clone() for _ in range(self.layers) for t in (k, v)])
+        log.info("compiled the draft's P-EAGLE propose for K = %s in %.0f s", self.ks, time.monotonic() - started)
+
+    def fits(self, rounds: int) -> bool:
+        return rounds in self.ks
+
+    def propose(self, kv: DraftKV, length: int, features: torch.Tensor, next_tokens: list[int], rounds: int
+                ) -> tuple[list[int], torch.Tensor]:
+        """`kv` (of `length` committed pairs) grown by the new pairs (features [m, 3Ht] on the head's device and
+        dtype) -> `rounds` drafts (target ids, read in one sync) and the outputs that proposed them [rounds, H]."""
+        device = features.device
+        if not features.is_inference():  # a graph is guarded on it: ours were traced on inference tensors
+            features = features.clone()
+        kv.crop(length)
+        tokens, positions = upload([(values, torch.long) for values in self.model.parallel_inputs(
+            next_tokens, length, rounds)], device)
+        drafts, rows, *grown = self._propose(features, tokens, positions, self.mask_row, rounds,
+                                             *map(plain, kv.tensors(self.layers)))
+        for i in range(self.layers):
+            kv.layer(i).k, kv.layer(i).v = grown[2 * i], grown[2 * i + 1]
+        return read_rollout(drafts[None], None)[0], rows
+
+
 def warm_inputs(model: Eagle3Draft, m: int, n: int | None = None) -> tuple[torch.Tensor, ...]:
     """What a compiled draft call is traced on at start-up, made as the engine makes them (under the caller's
     inference mode; a contiguous KV of 8 pairs): features [m, 3Ht], n tokens (default m) at positions 8..,

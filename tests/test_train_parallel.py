@@ -106,3 +106,47 @@ def test_a_peagle_tree_is_the_first_level_and_the_chain_from_the_one_forward(tin
     chain = chains.propose("s", features, tokens, 4, create=True)
     assert tree.parents == [-1, -1, -1, 0, 3, 4] and len(set(tree[:3])) == 3
     assert [tree[0], *tree[3:]] == list(chain)  # the top path is the chain's drafts
+
+
+def test_a_compiled_peagle_propose_drafts_what_the_eager_one_does(tiny_dir, tmp_path, monkeypatch):
+    """TANDEM_COMPILE: a P-EAGLE head of two layers proposes after a session's first in one compiled call
+    (rollout.ParallelPropose, every layer's KV in and out), its drafts the eager engine's round after round;
+    all its graphs compiled at start-up, nothing after, whatever the new pairs; sampled proposes stay eager."""
+    from helpers import compile_eagerly
+    from published_heads import canonical_weights, layer_fields, write_speculators
+
+    from draft_server.engine import DraftEngine
+    from draft_server.rollout import ParallelPropose
+    from tandem.params import SamplingParams
+
+    layer = {**LlamaConfig(**layer_fields(), num_hidden_layers=2).to_diff_dict(), "model_type": "llama"}
+    head = write_speculators(tmp_path / "peagle", canonical_weights(53, layers=2, mask_hidden=True), layer,
+                             speculators_model_type="peagle", mask_token_id=3, num_depths=4)
+    compile_eagerly(monkeypatch)
+    monkeypatch.setattr(ParallelPropose, "KS", (1, 3, 4))
+    monkeypatch.setenv("TANDEM_COMPILE", "1")
+    torch._dynamo.reset()
+    compiled = DraftEngine(head, tiny_dir / "target")
+    monkeypatch.setenv("TANDEM_COMPILE", "0")
+    eager = DraftEngine(head, tiny_dir / "target")
+    assert compiled.parallel_propose is not None and compiled.parallel_propose.ks == [1, 3, 4]
+    assert eager.parallel_propose is None and compiled.greedy_propose is None
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    calls = []
+    propose = compiled.parallel_propose._propose
+    compiled.parallel_propose._propose = lambda *args: calls.append(args[4]) or propose(*args)
+    sampled = SamplingParams(temperature=0.8, seed=1)
+    torch.manual_seed(5)
+    for i, k in enumerate([4, 3, 4, 2, 1, 4]):
+        m = 6 if i == 0 else 1 + i % 3
+        features, tokens = torch.randn(m, 192), torch.randint(0, 512, (m,)).tolist()
+        got, want = (engine.propose("g", features, tokens, k, create=i == 0) for engine in (compiled, eager))
+        assert list(got) == list(want), (i, k)
+        for engine in (compiled, eager):
+            engine.propose("s", features, tokens, k, create=i == 0, sampling=sampled)
+    assert calls == [3, 4, 1, 4]  # the first propose eager (its KV empty), K=2 not compiled; sampled ones eager
+    assert compiled.sessions.get("g").kv.length == eager.sessions.get("g").kv.length
+    for layer_index in range(2):
+        torch.testing.assert_close(compiled.sessions.get("g").kv.layer(layer_index).k,
+                                   eager.sessions.get("g").kv.layer(layer_index).k, atol=1e-5, rtol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled after start-up
