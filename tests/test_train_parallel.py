@@ -150,3 +150,10 @@ def test_a_compiled_peagle_propose_drafts_what_the_eager_one_does(tiny_dir, tmp_
         torch.testing.assert_close(compiled.sessions.get("g").kv.layer(layer_index).k,
                                    eager.sessions.get("g").kv.layer(layer_index).k, atol=1e-5, rtol=1e-5)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled after start-up
+    from tandem_tools.opcount import OpCounter
+
+    for engine in (compiled, eager):  # one host read a propose, compiled or not
+        features, tokens = torch.randn(3, 192), torch.randint(0, 512, (3,)).tolist()
+        with OpCounter() as ops:
+            engine.propose("g", features, tokens, 4)
+        assert ops.reads <= 1, dict(ops.sync_ops)
