@@ -289,19 +289,19 @@ class AcceptanceGate:
         """A round's time with k = 0..requested drafts, in target-only rounds, at the server's load: measured
         for each K that chain rounds have run (K_ROUNDS of them), linear between those, past the largest by the
         prior `cost` per draft, and under the smallest linear down to K = 0 (1 round) but saving at most the
-        prior's cost a draft; all the prior, 1 + cost * k, until target-only rounds are measured. Not linear
-        in k from one K: a drafting round pays a fixed share (a propose, a relay) besides its drafts, so one
-        K's cost per draft overstated the others' above it (a services round at K=1 cost 1.8 target-only
-        rounds at temperature 1, and the gate shed K=3 chains that ran 1.08x) and understated them below it
-        (compiled target, one request: K=5 timed at 3.73 rounds made K=1 look like 1.55; it cost 2.1, and
-        the gate went from K=5 to K=1 and from there to target-only, shedding 64% of a bench's EAGLE-3
-        rounds that ran 1.4x target-only with the gate off)."""
+        prior's cost a draft; the prior, 1 + cost * k, where nothing is measured. Where no target-only round has
+        been timed at the load (a server whose requests all draft), the smallest K timed stands at the prior and
+        the others by their seconds against it. Not linear in k from one K: a drafting round pays a fixed share
+        (a propose, a relay) besides its drafts, so one K's cost per draft overstated the others' above it and
+        understated them below it (docs/benchmarks.md, "The acceptance gate's round costs")."""
         bucket = load_bucket(self._running)
         target = self._seconds((greedy, bucket, "target", 0), self.RATE_ROUNDS)
+        timed = {k: seconds for k in range(1, requested + 1)
+                 if (seconds := self._seconds((greedy, bucket, "chain", k), self.K_ROUNDS)) is not None}
+        if target is None and timed:  # a P-EAGLE head's K=5 costs about its K=2: the prior's 0.3 a draft cut it
+            target = timed[min(timed)] / (1 + self.cost * min(timed))
         known = {0: 1.0}  # with nothing else known, the extrapolation below is the prior
-        for k in range(1, requested + 1 if target is not None else 1):
-            if (seconds := self._seconds((greedy, bucket, "chain", k), self.K_ROUNDS)) is not None:
-                known[k] = seconds / target
+        known.update((k, seconds / target) for k, seconds in timed.items())
         costs = []
         for k in range(requested + 1):
             below = max(j for j in known if j <= k)

@@ -532,6 +532,32 @@ def test_the_gate_costs_each_k_as_measured():
     assert gate.best_k(False, 3) == 3  # 2.37 tokens for 2.2 rounds (K=1: 1.7 for 1.8)
 
 
+def test_without_target_only_rounds_the_gate_prices_the_ks_it_timed_against_each_other():
+    """A server whose requests all draft never times a target-only round. Its K=2 rounds timed at 20 ms and
+    its K=5 rounds at 21 (a P-EAGLE head: one forward whatever K) make K=5 cost 1.6 x 21/20 = 1.68 rounds,
+    not the prior's 2.5, so drafts accepted as 0.74, 0.45, 0.33, 0.25, 0.22 of rounds keep K=5 (2.99 tokens
+    for 1.68 against K=2's 2.19 for 1.6), where the prior alone cut it to K=2 (1.37 against 1.20)."""
+    from tandem.gates import AcceptanceGate
+
+    gate = AcceptanceGate(0.3)
+    gate.enter(True, greedy=True)
+    reach = [1.0, 0.74, 0.45, 0.33, 0.25, 0.22]
+    for accepted in range(6):  # of 1000 rounds of K=5, how many accepted exactly `accepted` drafts
+        for _ in range(round(1000 * (reach[accepted] - (reach[accepted + 1] if accepted < 5 else 0)))):
+            gate.record(True, 5, accepted)
+    assert gate.best_k(True, 5) == 2  # nothing timed: the prior
+    for _ in range(AcceptanceGate.K_ROUNDS):
+        gate.record_round(True, "chain", 3, 5, 0.021)
+    assert gate.round_costs(True, 5)[5] == pytest.approx(2.5) and gate.best_k(True, 5) == 2  # one K: the prior
+    for _ in range(AcceptanceGate.K_ROUNDS):
+        gate.record_round(True, "chain", 2, 2, 0.020)
+    assert gate.round_costs(True, 5)[2] == pytest.approx(1.6) and gate.round_costs(True, 5)[5] == pytest.approx(1.68)
+    assert gate.best_k(True, 5) == 5
+    gate.leave(True, greedy=True)
+    _time_target_only(gate, greedy=True)  # once target-only is timed (10 ms), it prices every K
+    assert gate.round_costs(True, 5)[2::3] == pytest.approx([2.0, 2.1])
+
+
 def test_the_gate_times_drafting_again_once_target_only_has_run_long_since():
     """A slow stretch that made K=3 look too dear (its rounds timed at 4.5 target-only rounds, so the counts
     shut it: K=0) is not kept for good: after REOPEN_ROUNDS target-only rounds timed at that load since, the
