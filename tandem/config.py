@@ -8,6 +8,7 @@ No torch here: the coordinator reads its config too.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -348,12 +349,24 @@ NO_FLAG = frozenset({"announce_file", "cpus", "threads", "burst_cpus", "shared_g
 
 
 def load_settings(cls: type[BaseSettings], **flags) -> BaseSettings:
-    """Settings from flags (None = not given) over TANDEM_* variables, or ConfigError naming what is wrong."""
+    """Settings from flags (None = not given) over TANDEM_* variables, or ConfigError naming what is wrong. A
+    variable of the service's prefix that names no setting (a typo, or a setting since made a constant) is
+    logged as ignored."""
+    for name in unknown_variables(cls):
+        logging.getLogger("tandem").warning("%s is not a setting of this service: ignored", name)
     given = {k: v for k, v in flags.items() if v is not None and k in cls.model_fields}
     try:
         return cls(**given)
     except ValidationError as exc:
         raise ConfigError(describe_errors(exc, cls)) from None
+
+
+def unknown_variables(cls: type[BaseSettings]) -> list[str]:
+    """The environment's variables of `cls`'s prefix (TANDEM_TARGET_, ...) that name none of its settings."""
+    prefix = cls.model_config.get("env_prefix") or ""
+    if not prefix:
+        return []
+    return sorted(k for k in os.environ if k.upper().startswith(prefix) and k[len(prefix):].lower() not in cls.model_fields)
 
 
 def describe_errors(exc: ValidationError, cls: type[BaseSettings] | None = None) -> str:

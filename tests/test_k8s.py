@@ -276,6 +276,7 @@ def test_the_environment_loads_as_valid_settings(objects, tmp_path, monkeypatch)
                 Path(value).mkdir(parents=True, exist_ok=True)
                 (Path(value) / "config.json").write_text("{}")
             monkeypatch.setenv(key, value)
+        assert not config.unknown_variables(SETTINGS[name]), f"{name}: variables that are no setting"
         settings = config.load_settings(SETTINGS[name])
         assert settings.host == "0.0.0.0", f"{name}: the kubelet's probes connect to the pod IP"
         assert settings.metrics_port is not None

@@ -28,6 +28,17 @@ def test_environment_variables_configure_a_service(tiny_dir, monkeypatch):
     assert (settings.model, settings.port, settings.host) == (tiny_dir / "target", 6000, "127.0.0.1")
 
 
+def test_a_variable_that_names_no_setting_is_warned_about(tiny_dir, monkeypatch, caplog):
+    """TANDEM_COORDINATOR_SPEC_DRAFT_COST was a setting once: set today, the coordinator says it ignores it."""
+    monkeypatch.setenv("TANDEM_COORDINATOR_SPEC_DRAFT_COST", "0")
+    monkeypatch.setenv("TANDEM_COORDINATOR_SPEC_TOKEN_BUDGET", "0")
+    with caplog.at_level("WARNING", logger="tandem"):
+        settings = load_settings(CoordinatorSettings, target_addr="127.0.0.1:1")
+    assert settings.spec_token_budget == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "TANDEM_COORDINATOR_SPEC_DRAFT_COST is not a setting of this service: ignored"]
+
+
 def test_flags_override_environment_variables(tiny_dir, monkeypatch):
     monkeypatch.setenv("TANDEM_TARGET_PORT", "not a port")
     settings = load_settings(TargetSettings, model=str(tiny_dir / "target"), port=7000, device=None)
