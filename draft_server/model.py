@@ -105,13 +105,11 @@ class DraftKV:
         """Each decoder layer's k and v, layer after layer (k0, v0, k1, v1, ...): a compiled call's inputs."""
         return tuple(t for i in range(layers) for t in (self.layer(i).k, self.layer(i).v))
 
-    @classmethod
-    def of(cls, tensors: tuple[torch.Tensor, ...]) -> DraftKV:
-        """The KV that `tensors()` flattened."""
-        kv = cls()
+    def put(self, tensors) -> DraftKV:
+        """Each layer's k and v set from what `tensors()` flattened -> self."""
         for i in range(len(tensors) // 2):
-            kv.layer(i).k, kv.layer(i).v = tensors[2 * i], tensors[2 * i + 1]
-        return kv
+            self.layer(i).k, self.layer(i).v = tensors[2 * i], tensors[2 * i + 1]
+        return self
 
     def crop(self, length: int) -> None:
         if self.k is not None and self.k.shape[2] > length:
@@ -293,7 +291,7 @@ class Eagle3Draft(nn.Module):
         """A lone greedy session's P-EAGLE propose as a pure function (rollout.ParallelPropose compiles it, a graph
         per `rounds`): parallel_draft over each layer's KV `kv` (DraftKV.tensors) -> the drafts (target ids
         [rounds]), the outputs that proposed them [rounds, H], and each layer's KV with the m pairs."""
-        cache = DraftKV.of(kv)
+        cache = DraftKV().put(kv)
         a = self.parallel_draft(features, tokens, positions, cache, mask_row)[:rounds]
         return self.to_target_ids(self.draft_logits(a).argmax(-1)), a, *cache.tensors(self.config.num_layers)
 

@@ -199,8 +199,7 @@ class ParallelPropose:
             next_tokens, length, rounds)], device)
         drafts, rows, *grown = self._propose(features, tokens, positions, self.mask_row, rounds,
                                              *map(plain, kv.tensors(self.layers)))
-        for i in range(self.layers):
-            kv.layer(i).k, kv.layer(i).v = grown[2 * i], grown[2 * i + 1]
+        kv.put(grown)
         return read_rollout(drafts[None], None)[0], rows
 
 
