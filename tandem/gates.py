@@ -73,18 +73,14 @@ class AcceptanceGate:
     often at temperature 0), it counts for each draft position k how often draft k was verified after
     k-1 accepted ones, and how often it was accepted: p_k. With K drafts a round commits
     E(K) = 1 + p_1 + p_1 p_2 + ... tokens and costs C(K) target-only rounds' time (measured, see below;
-    until then the prior 1 + cost * K, `cost`: one draft token's share, drafting and its transfer
-    included), so K is the one that maximises E(K) / C(K), and 0 (target-only) when none beats 1; the request's own K stays unless
-    another is better by MARGIN. On the 2-core CPU with the demo pair a K=3 round costs about two
-    target-only rounds (cost 0.3); with a random head (the tiny pair) EAGLE-3 ran at 0.55x
-    target-only, and sampling at temperature 1 with the demo head at 0.59x.
+    until then the prior 1 + cost * K, `cost`: one draft token's share, its transfer included), so K is the
+    one that maximises E(K) / C(K), 0 (target-only) when none beats 1; the request's own K stays unless another
+    is better by MARGIN (docs/benchmarks.md, "The acceptance gate's round costs", has what was measured).
 
     Until a position has been tried `MIN_ROUNDS` times it counts as always accepted, so a new server
-    speculates at the requested K until the counts say otherwise (32, not 16: a server's first rounds are
-    often one prompt's, and the demo's first prompt accepts a first draft 0.61 of the time where the
-    bench's 16 make 0.87: at 16 the gate shed 40% of a bench's EAGLE-3 rounds that ran 1.4x). While they shut it, one request
-    in `PROBE_EVERY` speculates for its first `PROBE_ROUNDS` rounds anyway, so that a change of
-    traffic (a prompt mix the head knows) can open it again. Old counts fade (halved past HALF_LIFE rounds).
+    speculates at the requested K until the counts say otherwise (a server's first rounds are often one
+    prompt's). While they shut it, one request in `PROBE_EVERY` speculates for its first `PROBE_ROUNDS` rounds
+    anyway, so that a change of traffic can open it again. Old counts fade (halved past HALF_LIFE rounds).
 
     Measured rates. Per kind of request and per load (the generations running, in powers of two:
     `load_bucket`), the gate keeps two things, each only while the whole server runs one way (all greedy
@@ -102,16 +98,13 @@ class AcceptanceGate:
     (2) Each kind of round's own time (`RoundAverage`, from one round's start to the next: drafting,
     verify, relays and the client's share), chain rounds per K: where target-only rounds have RATE_ROUNDS,
     the cost of a round of K drafts is the one measured (`round_costs`) instead of the prior 1 + cost * K.
-    The first generation that would shed at its start alone, and one in EXPLORE_EVERY after, drafts instead and
-    measures drafting afresh (see `outpaced`), and the
-    gate forgets the server's drafting rate at a load once target-only has committed REOPEN_TOKENS per
-    generation running there since it was measured, so that the next generations measure it again (the
-    head or the traffic may have changed; at worst a few percent of that traffic runs the slower way).
+    The first generation that would shed at its start alone, and one in EXPLORE_EVERY after, drafts instead
+    and measures drafting afresh (see `outpaced`), and the gate forgets the server's drafting rate at a load
+    once target-only has committed REOPEN_TOKENS per generation running there since it was measured, so that
+    the next ones measure it again (the head or the traffic may have changed).
     Likewise a drafting round's time at a load is forgotten once REOPEN_ROUNDS target-only rounds have been
     timed there since it last was (twice as many after each time, up to 16 times: where drafting does lose,
-    as at temperature 1 with the demo head, re-timing it every 512 rounds cost 4%: 0.95x against 0.99x): one
-    slow stretch early on (this VM's speed halves for seconds at a time) had shut K=5 for good at one request
-    once the compiled target made drafting a thin win (3.5 target-only rounds' time for 4.4 tokens), since the
+    re-timing it costs less and less): one slow stretch early on must not shut a K for good, since the
     probes' few rounds weigh RATE_WEIGHT each.
     """
 
@@ -322,7 +315,9 @@ class AcceptanceGate:
         leave out what the batch's other generations cost it (prefills, the gaps between generations), and at
         16 greedy sessions they said K=5 chains (4.5 tokens a round) lost to target-only, which they beat by
         9%; there the server's own rates decide (`outpaced`). Alone, or with no such rate (a server whose
-        requests all speculate), the counts do (a head that is never accepted sheds at any load)."""
+        requests all speculate), the counts do (a head that is never accepted sheds at any load). A K under the
+        request's only once the request's is timed where it would be (all drafting, the target not compiling):
+        by the prior alone a P-EAGLE head's K=5, which costs about its K=2, was cut to K=2 and never timed."""
         with self._lock:
             costs = self.round_costs(greedy, requested)
             bucket = load_bucket(self._running)
@@ -333,7 +328,12 @@ class AcceptanceGate:
                 reach *= ok[k] / tried[k] if tried[k] >= self.MIN_ROUNDS else 1.0
                 expected += reach
                 scores.append(expected / costs[k])
+            # the request's K untimed where its rounds would be timed: it runs until timed, then the times decide
+            untried = (self._running and self._drafting == self._running and not self._warming
+                       and self._seconds((greedy, bucket, "chain", requested), self.K_ROUNDS) is None)
         best = max(range(len(scores)), key=scores.__getitem__)
+        if untried and 0 < best < requested:
+            return requested
         # the cost is an estimate: a smaller K than the request's only when it is clearly better
         return requested if scores[requested] >= scores[best] / self.MARGIN else best
 

@@ -536,7 +536,9 @@ def test_without_target_only_rounds_the_gate_prices_the_ks_it_timed_against_each
     """A server whose requests all draft never times a target-only round. Its K=2 rounds timed at 20 ms and
     its K=5 rounds at 21 (a P-EAGLE head: one forward whatever K) make K=5 cost 1.6 x 21/20 = 1.68 rounds,
     not the prior's 2.5, so drafts accepted as 0.74, 0.45, 0.33, 0.25, 0.22 of rounds keep K=5 (2.99 tokens
-    for 1.68 against K=2's 2.19 for 1.6), where the prior alone cut it to K=2 (1.37 against 1.20)."""
+    for 1.68 against K=2's 2.19 for 1.6), where the prior alone cut it to K=2 (1.37 against 1.20). Nothing
+    timed, the request's K=5 runs first (cut by the prior it would never be timed); beside a generation
+    that does not draft (its rounds would not be timed) or while the target compiles, the prior decides."""
     from tandem.gates import AcceptanceGate
 
     gate = AcceptanceGate(0.3)
@@ -545,7 +547,12 @@ def test_without_target_only_rounds_the_gate_prices_the_ks_it_timed_against_each
     for accepted in range(6):  # of 1000 rounds of K=5, how many accepted exactly `accepted` drafts
         for _ in range(round(1000 * (reach[accepted] - (reach[accepted + 1] if accepted < 5 else 0)))):
             gate.record(True, 5, accepted)
-    assert gate.best_k(True, 5) == 2  # nothing timed: the prior
+    assert gate.best_k(True, 5) == 5  # nothing timed: K=5 runs to be timed
+    gate.enter(False, greedy=True)
+    assert gate.best_k(True, 5) == 2  # a target-only generation beside it: no round is timed, the prior
+    gate.leave(False, greedy=True)
+    gate.record_round(True, "target", 1, 0, 0.01, warming=True)
+    assert gate.best_k(True, 5) == 2  # the target compiles: no round is timed
     for _ in range(AcceptanceGate.K_ROUNDS):
         gate.record_round(True, "chain", 3, 5, 0.021)
     assert gate.round_costs(True, 5)[5] == pytest.approx(2.5) and gate.best_k(True, 5) == 2  # one K: the prior
