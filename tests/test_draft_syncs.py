@@ -13,7 +13,7 @@ from helpers import compile_eagerly
 from draft_server.ahead import GreedyAhead
 from draft_server.compiled import CompiledCalls
 from draft_server.engine import DraftEngine
-from draft_server.rollout import SampledPropose
+from draft_server.rollout import GreedyPropose, SampledPropose
 from draft_server.steps import _Step
 from tandem.defaults import OVERLAP_BRANCHES
 from tandem.params import SamplingParams
@@ -144,7 +144,7 @@ def compiled_and_eager(tiny_dir) -> tuple[DraftEngine, DraftEngine]:
     inductor's time) and one without."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         compile_eagerly(monkeypatch)
-        for compiled_call in (GreedyAhead, SampledPropose):  # the Ks the tests use: dynamo traces ~2 s a K
+        for compiled_call in (GreedyPropose, GreedyAhead, SampledPropose):  # the Ks the tests use: ~2 s a K
             monkeypatch.setattr(compiled_call, "KS", (1, 3, K))
         monkeypatch.setenv("TANDEM_COMPILE", "1")
         torch._dynamo.reset()
