@@ -89,12 +89,6 @@ class KeyInterceptor(grpc.ServerInterceptor):
         return handler._replace(**{kind: wrap(getattr(handler, kind), self.keys, key)})
 
 
-def interceptors(settings) -> list[grpc.ServerInterceptor]:
-    """The key check for a service with keys (the coordinator given --api-key), else none."""
-    keys = key_ring(settings)
-    return [KeyInterceptor(keys)] if keys else []
-
-
 def _refused(request, context):
     context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is required: authorization: Bearer <key>")
 

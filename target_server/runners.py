@@ -73,11 +73,6 @@ def _compile(model: torch.nn.Module, options: dict | None) -> Callable:
     return compile_graphs(model, 256, fullgraph=True, dynamic=False, options=options)
 
 
-def _new_rows(steps: list[Step]) -> list[int]:
-    """The rows of each step the acceptance rule reads: a prefill's last, a verify's all."""
-    return [1 if step.kind == "prefill" else len(step.ids) for step in steps]
-
-
 def _prefix(keep: Sequence[int]) -> bool:
     """Whether kept indices are the first len(keep) new tokens."""
     if isinstance(keep, range):
