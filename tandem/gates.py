@@ -84,17 +84,20 @@ class AcceptanceGate:
 
     Measured rates. Per kind of request and per load (the generations running, in powers of two:
     `load_bucket`), the gate keeps two things, each only while the whole server runs one way (all greedy
-    or all sampled; nobody drafting or everybody: a mixed batch says neither; for (1), all but 1 in ALMOST):
+    or all sampled; nobody drafting or everybody: in a mixed batch a target-only session waits for the
+    others' wide verify, and neither says what the server does when it all runs one way; for (1), all but
+    at most 1 in ALMOST):
     (1) The whole server's tokens per second (`ServerRate`): every token committed, over all the time the
     server ran that way, prefills and the gaps between generations included. Where target-only and
     drafting both have SERVED_TOKENS tokens per generation at the present load (a few generations'
     worth, so that their prefills weigh as they do), target-only faster by RATE_MARGIN (more while
-    drafting has little: FRESH_MARGIN) sheds every generation of that kind. Rounds timed one by one would
-    not do here: per session under load they leave out the prefills and the gaps between generations.
+    drafting has little: FRESH_MARGIN) sheds every generation of that kind (on a CPU at 16 sessions a verify of 16 x (K+1) tokens
+    can cost what the drafts win, and more at temperature 1). Rounds timed one by one would not do here:
+    per session at load 16 they overstated target-only by a quarter (97 tokens/s a session where the run
+    made 78: no prefills, no gaps) and shed greedy chains that ran 1.07x target-only.
     (2) Each kind of round's own time (`RoundAverage`, from one round's start to the next: drafting,
     verify, relays and the client's share), chain rounds per K: where target-only rounds have RATE_ROUNDS,
-    the cost of a round of K drafts is the one measured (`round_costs`) instead of the prior 1 + cost * K
-    (alone, where no generation runs target-only, a drafting one does one round in TARGET_EVERY).
+    the cost of a round of K drafts is the one measured (`round_costs`) instead of the prior 1 + cost * K.
     The first generation that would shed at its start alone, and one in EXPLORE_EVERY after, drafts instead
     and measures drafting afresh (see `outpaced`), and the gate forgets the server's drafting rate at a load
     once target-only has committed REOPEN_TOKENS per generation running there since it was measured, so that
@@ -117,13 +120,15 @@ class AcceptanceGate:
     REOPEN_TOKENS = 4096  # per generation running: 65536 at load 16
     REOPEN_ROUNDS = 512  # 8 generations of 64 tokens at one request; 16 rounds of K re-measure it (K_ROUNDS)
     EXPLORE_EVERY = 8
-    # the server's rate needs SERVED_TOKENS per generation running and follows ~16x that (`ServerRate`)
+    # the whole server's rate needs SERVED_TOKENS per generation running (1024 tokens at load 16) and
+    # follows about the last 16 times that (`ServerRate` horizon)
     SERVED_TOKENS = 64
     # the first tokens come with generations starting together (a client's first wave, a bench's warm-up):
-    # up to 30% more margin there, FRESH_MARGIN * SERVED_TOKENS / tokens
+    # up to 30% more margin there, FRESH_MARGIN * SERVED_TOKENS / tokens (at load 16 greedy chains measured
+    # up to 10.6% slower than target-only over their first 1000-4000 tokens, then 3-9% faster; sampled
+    # chains 1.36-1.48x slower all along)
     FRESH_MARGIN = 0.3
     ALMOST = 8  # the server runs one way where at most 1 in 8 of its generations run the other
-    TARGET_EVERY = 4  # alone with no target-only round timed: one round in 4 runs target-only (`times_target`)
 
     def __init__(self, cost: float = SPEC_DRAFT_COST, clock: Callable[[], float] = time.perf_counter):
         self.cost = cost
@@ -141,7 +146,6 @@ class AcceptanceGate:
         self._tried = {g: [0] * (MAX_DRAFT_TOKENS + 1) for g in (True, False)}
         self._accepted = {g: [0] * (MAX_DRAFT_TOKENS + 1) for g in (True, False)}
         self._requests = itertools.count()
-        self._alone = itertools.count(1)  # rounds of a generation alone while target-only is untimed
         self._warming = False  # the target is compiling (VerifyResult.warming): rounds are not timed
         self._reopened: dict[tuple[bool, int], int] = {}  # (greedy, load) -> drafting round times forgotten there
 
@@ -178,7 +182,8 @@ class AcceptanceGate:
             self._running += running
             self._drafting += drafting
             self._greedy += greedy
-            # all one way, or all but at most one in ALMOST (a burst's first sheds must not hide the rest)
+            # all one way, or all but at most one in ALMOST (a burst's first two generations, shed by what
+            # one request measured, had kept 14 drafting ones at 16 from being measured for their whole life)
             odd = min(self._drafting, self._running - self._drafting)
             way = "target" if self._drafting <= self._running - self._drafting else "drafting"
             kind = way if odd * self.ALMOST <= self._running else None
@@ -206,9 +211,9 @@ class AcceptanceGate:
                      timed: bool = True, warming: bool = False) -> None:
         """One round of `kind` ("target", "chain", "tree"): `committed` tokens in `seconds` (`timed`: a full
         round, one whose drafts max_new_tokens did not cut). The server's tokens count every round; the
-        round's own rate only where the whole server runs that way (target-only: nobody drafts, or alone;
-        drafting: everybody does). `warming`: the target was compiling (not timed); the first round after
-        such rounds makes the gate forget every speed it measured (the counts stay)."""
+        round's own rate only where the whole server runs that way (target-only: nobody drafts; chain or
+        tree: everybody does). `warming`: the target was compiling a bucket of its forward (not timed); the
+        first round after such rounds makes the gate forget every speed it measured (the counts stay)."""
         with self._lock:
             if warming or self._warming:  # the first round after the target's compile: what was timed is stale
                 self._warming = warming
@@ -220,8 +225,7 @@ class AcceptanceGate:
                 drafting = self._served.get((*self._state[:2], "drafting")) if self._state[2] == "target" else None
                 if drafting is not None:
                     drafting.since += committed  # target-only tokens since drafting was measured (`outpaced`)
-            # target-only: nobody drafting, or alone (its own target-only round: `times_target`)
-            clean = self._drafting == 0 or self._running == 1 if kind == "target" else self._drafting == self._running
+            clean = self._drafting == 0 if kind == "target" else self._drafting == self._running
             if not clean or not timed:
                 return
             key = (greedy, load_bucket(self._running), kind, drafted)
@@ -251,9 +255,12 @@ class AcceptanceGate:
         then this generation should shed. None (only for a generation `starting`): it would, but this one
         explores instead, drafting all its life, and the drafting rate is measured again from its rounds
         alone (the first that would shed and one in EXPLORE_EVERY after, alone on the server: there its
-        rounds count; under load an explorer's rounds are mixed, never counted, and its wide verify slows
-        the others; REOPEN_TOKENS measures there). Afresh, not added to the old rate: a server's first
-        drafting generations are its slowest (the draft's first calls)."""
+        rounds count; under load an explorer's rounds are mixed, never counted, and its wide verify slowed
+        the others: 0.78x target-only at 16 sampled sessions; REOPEN_TOKENS measures there). Afresh, not
+        added to the old rate: a server's first drafting generations are its slowest (the draft's first
+        calls), and with the compiled target at one request the first four made 118-256 tokens/s where the
+        warm ones made 420-450 against 340-370 target-only; averaged in, each explorer moved the rate a
+        little (256 -> 275 -> 300 -> 316), and the gate shed 55% of the rounds of a bench's EAGLE-3 case."""
         with self._lock:
             bucket = load_bucket(self._running)
             target = self._served_rate((greedy, bucket, "target"))
@@ -305,11 +312,12 @@ class AcceptanceGate:
     def best_k(self, greedy: bool, requested: int) -> int:
         """The K that commits the most tokens a second by the counts and round costs. 0 (target-only) is not
         a choice under load where the server has measured itself running target-only: a session's round times
-        leave out what the batch's other generations cost it (prefills, the gaps between generations); there
-        the server's own rates decide (`outpaced`). Alone, or with no such rate, the counts do (a head that is
-        never accepted sheds at any load). A K under the request's only once the request's is timed where it
-        would be (all drafting, the target not compiling): by the prior alone a P-EAGLE head's K=5, which
-        costs about its K=2, was cut to K=2 and never timed."""
+        leave out what the batch's other generations cost it (prefills, the gaps between generations), and at
+        16 greedy sessions they said K=5 chains (4.5 tokens a round) lost to target-only, which they beat by
+        9%; there the server's own rates decide (`outpaced`). Alone, or with no such rate (a server whose
+        requests all speculate), the counts do (a head that is never accepted sheds at any load). A K under the
+        request's only once the request's is timed where it would be (all drafting, the target not compiling):
+        by the prior alone a P-EAGLE head's K=5, which costs about its K=2, was cut to K=2 and never timed."""
         with self._lock:
             costs = self.round_costs(greedy, requested)
             bucket = load_bucket(self._running)
@@ -329,16 +337,6 @@ class AcceptanceGate:
         # the cost is an estimate: a smaller K than the request's only when it is clearly better
         return requested if scores[requested] >= scores[best] / self.MARGIN else best
 
-    def times_target(self, greedy: bool) -> bool:
-        """Whether a drafting generation alone on the server runs this round target-only, to time it (one in
-        TARGET_EVERY until RATE_ROUNDS are): where every request drafts, the prior alone had priced a P-EAGLE
-        head at 0.89x target-only as a win."""
-        with self._lock:
-            timed = self._seconds((greedy, 1, "target", 0), self.RATE_ROUNDS) is not None
-            if self._running != 1 or self._warming or timed:
-                return False
-            return next(self._alone) % self.TARGET_EVERY == 0
-
     def probe(self) -> int:
         """Rounds a new request that the counts shut out speculates anyway: PROBE_ROUNDS for one in PROBE_EVERY
         (only those: a probe under load, where the server's rates shed, only widened the others' verify)."""
@@ -351,8 +349,10 @@ class TreeGate:
     Per kind of request (greedy / sampled) it keeps moving averages of the tokens a round committed and of
     the round's wall time (the draft's propose and the target's verify, with whatever batching and transfer
     they met), for trees and chains, from PAIRS of rounds: a generation's tree round next to its chain round,
-    both added at once: what a round commits depends on the text far more than on its shape, so averages
-    fed apart compare different texts. Until MIN_ROUNDS pairs the rounds
+    both added at once. What a round commits depends on the text far more than on its shape (the same chain
+    commits 5 tokens a round on one prompt and 2 on the next), so two averages kept apart, one fed every
+    round and the other one round in EXPLORE_EVERY, compared different texts: a few hard prompts under the
+    chain made a slower tree look faster for hundreds of rounds. Until MIN_ROUNDS pairs the rounds
     alternate; then the better runs, and the other one round in `EXPLORE_EVERY`, each such round making a
     pair with the one before it (and the one after). Each average weighs the last pairs by `WEIGHT`.
     """

@@ -186,8 +186,7 @@ def rounds(
             verdict = _raised(answers[0])
             # commit
             accepted = len(verdict.accepted)
-            if not policy.timing:  # the gate's target-only timing rounds say nothing of the drafts
-                stats.count_round(len(drafts), accepted if drafts else 0, drafts.parents is not None)
+            stats.count_round(len(drafts), accepted if drafts else 0, drafts.parents is not None)
             now = time.perf_counter()
             policy.record(len(drafts), accepted, now - started, drafts.parents is not None, verdict.warming)
             started = now

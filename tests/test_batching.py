@@ -565,46 +565,6 @@ def test_without_target_only_rounds_the_gate_prices_the_ks_it_timed_against_each
     assert gate.round_costs(True, 5)[2::3] == pytest.approx([2.0, 2.1])
 
 
-def test_a_drafting_generation_alone_runs_target_only_rounds_to_time_them_and_sheds_a_head_that_loses():
-    """Where every request drafts no target-only round is timed, and by the prior a K=5 round costs 2.5 of
-    them (its K=2, which costs about what its K=5 does, anchored there): a P-EAGLE head's 2.93 tokens a round
-    looked like a win where its rounds took 12.3 ms against 3.7 target-only (0.89x). Alone, a drafting generation runs one round in TARGET_EVERY target-only (without
-    shedding) until RATE_ROUNDS are timed; then K=5 costs 3.32 rounds and the head sheds. Not beside another
-    generation (its round would wait on the other's verify) and not while the target compiles."""
-    from tandem.gates import AcceptanceGate
-    from tandem.policy import KPolicy, Speculation
-
-    gate = AcceptanceGate(0.3)
-    reach = [1.0, 0.73, 0.44, 0.31, 0.24, 0.21]
-    for accepted in range(6):  # of 1000 rounds of K=5, how many accepted exactly `accepted` drafts
-        for _ in range(round(1000 * (reach[accepted] - (reach[accepted + 1] if accepted < 5 else 0)))):
-            gate.record(True, 5, accepted)
-    request = GenerationRequest(prompt_ids=[1, 2], max_new_tokens=4096, num_draft_tokens=5)
-    policy = KPolicy(request, Speculation(gate=gate), limit=4096, has_draft=True)
-    def drafting_rounds():  # K=2 and K=5 cost alike (one forward): K=5 for 1.64 rounds, K=2 at the prior's 1.6
-        for k, seconds in ((2, 0.0120), (5, 0.0123)):
-            for _ in range(AcceptanceGate.K_ROUNDS):
-                gate.record_round(True, "chain", 3, k, seconds)
-
-    drafting_rounds()
-    assert gate.best_k(True, 5) == 5  # 2.93 tokens for 1.64 rounds, as priced
-    ks = [policy.k_for_round(0, 10, True) for _ in range(2 * AcceptanceGate.TARGET_EVERY)]
-    assert sorted(ks) == [0, 0] + [5] * (len(ks) - 2) and not policy.shed and policy.drafting
-    gate.enter(False, greedy=True)
-    assert not any(gate.times_target(True) for _ in range(2 * AcceptanceGate.TARGET_EVERY))  # beside another
-    gate.leave(False, greedy=True)
-    gate.record_round(True, "chain", 3, 5, 0.0123, warming=True)
-    assert not any(gate.times_target(True) for _ in range(2 * AcceptanceGate.TARGET_EVERY))  # compiling
-    gate.record_round(True, "chain", 3, 5, 0.0123)  # compiled: the speeds are timed again
-    drafting_rounds()
-    for _ in range(AcceptanceGate.RATE_ROUNDS):
-        policy.record(0, 0, 0.0037)  # its target-only rounds, timed though it drafts
-    assert gate.round_costs(True, 5)[5] == pytest.approx(12.3 / 3.7)
-    assert not gate.times_target(True) and gate.best_k(True, 5) == 0
-    assert policy.k_for_round(0, 10, True) == 0 and policy.shed
-    policy.close()
-
-
 def test_the_gate_times_drafting_again_once_target_only_has_run_long_since():
     """A slow stretch that made K=3 look too dear (its rounds timed at 4.5 target-only rounds, so the counts
     shut it: K=0) is not kept for good: after REOPEN_ROUNDS target-only rounds timed at that load since, the
