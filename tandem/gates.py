@@ -124,9 +124,7 @@ class AcceptanceGate:
     # follows about the last 16 times that (`ServerRate` horizon)
     SERVED_TOKENS = 64
     # the first tokens come with generations starting together (a client's first wave, a bench's warm-up):
-    # up to 30% more margin there, FRESH_MARGIN * SERVED_TOKENS / tokens (at load 16 greedy chains measured
-    # up to 10.6% slower than target-only over their first 1000-4000 tokens, then 3-9% faster; sampled
-    # chains 1.36-1.48x slower all along)
+    # up to 30% more margin there, FRESH_MARGIN * SERVED_TOKENS / tokens (docs/benchmarks.md: the fresh margin)
     FRESH_MARGIN = 0.3
     ALMOST = 8  # the server runs one way where at most 1 in 8 of its generations run the other
 
@@ -239,8 +237,11 @@ class AcceptanceGate:
                         self._reopened[key[:2]] = reopened + 1
 
     def _seconds(self, key: tuple[bool, int, str, int], rounds: int) -> float | None:
+        """A round's seconds once `rounds` are timed; a target-only one's per token (it decodes up to 16)."""
         seen = self._rates.get(key)
-        return seen.seconds if seen is not None and seen.rounds >= rounds else None
+        if seen is None or seen.rounds < rounds:
+            return None
+        return seen.seconds / max(seen.tokens, 1.0) if key[2] == "target" else seen.seconds
 
     def _served_rate(self, key: tuple[bool, int, str]) -> ServerRate | None:
         """The server's rate at that (greedy, load, way) once measured: target-only needs half the tokens
@@ -258,9 +259,7 @@ class AcceptanceGate:
         rounds count; under load an explorer's rounds are mixed, never counted, and its wide verify slowed
         the others: 0.78x target-only at 16 sampled sessions; REOPEN_TOKENS measures there). Afresh, not
         added to the old rate: a server's first drafting generations are its slowest (the draft's first
-        calls), and with the compiled target at one request the first four made 118-256 tokens/s where the
-        warm ones made 420-450 against 340-370 target-only; averaged in, each explorer moved the rate a
-        little (256 -> 275 -> 300 -> 316), and the gate shed 55% of the rounds of a bench's EAGLE-3 case."""
+        calls; docs/benchmarks.md, "The acceptance gate's round costs")."""
         with self._lock:
             bucket = load_bucket(self._running)
             target = self._served_rate((greedy, bucket, "target"))

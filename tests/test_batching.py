@@ -565,6 +565,28 @@ def test_without_target_only_rounds_the_gate_prices_the_ks_it_timed_against_each
     assert gate.round_costs(True, 5)[2::3] == pytest.approx([2.0, 2.1])
 
 
+def test_the_gate_prices_drafting_rounds_against_a_target_only_token_not_a_round_of_many():
+    """A target-only round decodes up to DECODE_STEPS tokens on the target before answering: 16 tokens in
+    60 ms is 3.75 ms a token, and a K=5 round of 13 ms costs 3.47 of them. Taken per round it cost 0.22, drafting
+    looked nearly free, and the gate kept a head drafting that ran below target-only (through the services, a
+    P-EAGLE head at 0.95x)."""
+    from tandem.gates import AcceptanceGate
+
+    gate = AcceptanceGate(0.3)
+    gate.enter(False, greedy=True)
+    for _ in range(AcceptanceGate.RATE_ROUNDS):
+        gate.record_round(True, "target", 16, 0, 0.060)
+    gate.leave(False, greedy=True)
+    for _ in range(40):
+        gate.record(True, 5, 1)  # the first draft accepted, never the second: 2 tokens a round
+    gate.enter(True, greedy=True)
+    for _ in range(AcceptanceGate.K_ROUNDS):
+        gate.record_round(True, "chain", 2, 5, 0.013)
+    assert gate.round_costs(True, 5)[5] == pytest.approx(0.013 / 0.00375)
+    assert gate.best_k(True, 5) == 0  # 2 tokens for 3.47 target-only tokens' time
+    gate.leave(True, greedy=True)
+
+
 def test_the_gate_times_drafting_again_once_target_only_has_run_long_since():
     """A slow stretch that made K=3 look too dear (its rounds timed at 4.5 target-only rounds, so the counts
     shut it: K=0) is not kept for good: after REOPEN_ROUNDS target-only rounds timed at that load since, the
