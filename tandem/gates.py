@@ -237,11 +237,8 @@ class AcceptanceGate:
                         self._reopened[key[:2]] = reopened + 1
 
     def _seconds(self, key: tuple[bool, int, str, int], rounds: int) -> float | None:
-        """A round's seconds once `rounds` are timed; a target-only one's per token (it decodes up to 16)."""
         seen = self._rates.get(key)
-        if seen is None or seen.rounds < rounds:
-            return None
-        return seen.seconds / max(seen.tokens, 1.0) if key[2] == "target" else seen.seconds
+        return seen.seconds if seen is not None and seen.rounds >= rounds else None
 
     def _served_rate(self, key: tuple[bool, int, str]) -> ServerRate | None:
         """The server's rate at that (greedy, load, way) once measured: target-only needs half the tokens
@@ -288,6 +285,8 @@ class AcceptanceGate:
         understated them below it (docs/benchmarks.md, "The acceptance gate's round costs")."""
         bucket = load_bucket(self._running)
         target = self._seconds((greedy, bucket, "target", 0), self.RATE_ROUNDS)
+        if target is not None:  # per token: a target-only round decodes up to 16 (the prior's unit is one)
+            target /= max(self._rates[greedy, bucket, "target", 0].tokens, 1.0)
         timed = {k: seconds for k in range(1, requested + 1)
                  if (seconds := self._seconds((greedy, bucket, "chain", k), self.K_ROUNDS)) is not None}
         if target is None and timed:  # a P-EAGLE head's K=5 costs about its K=2: the prior's 0.3 a draft cut it
@@ -327,12 +326,11 @@ class AcceptanceGate:
                 reach *= ok[k] / tried[k] if tried[k] >= self.MIN_ROUNDS else 1.0
                 expected += reach
                 scores.append(expected / costs[k])
+            best = max(range(len(scores)), key=scores.__getitem__)
             # the request's K untimed where its rounds would be timed: it runs until timed, then the times decide
-            untried = (self._running and self._drafting == self._running and not self._warming
-                       and self._seconds((greedy, bucket, "chain", requested), self.K_ROUNDS) is None)
-        best = max(range(len(scores)), key=scores.__getitem__)
-        if untried and 0 < best < requested:
-            return requested
+            if 0 < best < requested and self._running and self._drafting == self._running and not self._warming \
+                    and self._seconds((greedy, bucket, "chain", requested), self.K_ROUNDS) is None:
+                return requested
         # the cost is an estimate: a smaller K than the request's only when it is clearly better
         return requested if scores[requested] >= scores[best] / self.MARGIN else best
 
