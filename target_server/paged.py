@@ -80,14 +80,16 @@ FORWARD_ONLY = {"compute_q_blocks": False} if "compute_q_blocks" in inspect.sign
 
 class PagedKVPool(KVPool):
     """The pool in attention's layout, per layer [1, kv_heads, rows, head_dim], and per row its owner,
-    position and tree bit (0: not a tree node's). Block 0 is the scratch block."""
+    position and tree bit (0: not a tree node's). Block 0 is the scratch block. `sequence_blocks`: the most
+    blocks one sequence holds (its context over BLOCK; None: unbounded), which bounds a BlockMask's tables."""
 
     ROW_DIM = 2
 
     def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 blocks: int = 64, max_blocks: int | None = None):
+                 blocks: int = 64, max_blocks: int | None = None, sequence_blocks: int | None = None):
         super().__init__(layers, heads, head_dim, dtype, device, blocks + 1,
                          None if max_blocks is None else max_blocks + 1)
+        self.sequence_blocks = sequence_blocks
         rows = self.blocks * BLOCK
         self.owner = torch.full((rows,), FREE, dtype=torch.int32, device=device)
         self.owner[:BLOCK] = PAD
@@ -98,6 +100,15 @@ class PagedKVPool(KVPool):
     @property
     def capacity(self) -> int:
         return (self.blocks - 1) * BLOCK  # the scratch block holds no session's KV
+
+    def table_columns(self, q_block: int) -> int:
+        """The columns of a BlockMask's tables: the most pool blocks one query block can see, its q_block
+        tokens' sequences' blocks and the scratch block, as vLLM sizes a block table by max_model_len, not by the
+        pool (filled and copied each forward, a table as wide as a GPU's pool costs milliseconds: benchmarks.md,
+        "BlockMask tables"); a static shape per pool, as a compiled bucket needs."""
+        if self.sequence_blocks is None:
+            return self.blocks
+        return min(self.blocks, q_block * self.sequence_blocks + 1)
 
     def free(self, blocks: list[int]) -> None:
         """Handed out lowest first, so the rows in use stay at the front (eager attention reads up to the
@@ -254,7 +265,8 @@ def plan_with(spans: Sequence[Span], width: int, pool: PagedKVPool, dense: bool,
     tree += [0] * pad
     anc += [0] * pad
     masked, whole = ([], []) if dense else _visible_blocks(spans, width, q_block)  # dense attention reads neither
-    (kv_num, kv_idx), (full_num, full_idx) = _block_table(masked, pool.blocks), _block_table(whole, pool.blocks)
+    columns = pool.table_columns(q_block)
+    (kv_num, kv_idx), (full_num, full_idx) = _block_table(masked, columns), _block_table(whole, columns)
     int32, int64 = torch.int32, torch.int64
     parts = [(positions, int32), (slots, int64), (owner, int32), (tree, int64), (anc, int64), (kv_num, int32),
              (kv_idx, int32), (full_num, int32), (full_idx, int32), *more]
@@ -303,11 +315,14 @@ def _visible_blocks(spans: Sequence[Span], width: int, q_block: int) -> tuple[li
     return masked, whole
 
 
-def _block_table(rows: list[list[int]], blocks: int) -> tuple[numpy.ndarray, numpy.ndarray]:
-    """A BlockMask's counts [1, 1, Q] and indices [1, 1, Q, blocks] (int32) of each query block's pool blocks
+def _block_table(rows: list[list[int]], columns: int) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """A BlockMask's counts [1, 1, Q] and indices [1, 1, Q, columns] (int32) of each query block's pool blocks
     (filled in numpy: a tensor a query block cost ~1 ms a forward at 96 of them)."""
-    idx = numpy.zeros((1, 1, len(rows), blocks), dtype=numpy.int32)
+    idx = numpy.zeros((1, 1, len(rows), columns), dtype=numpy.int32)
     for j, row in enumerate(rows):
+        if len(row) > columns:
+            raise ValueError(f"a query block sees {len(row)} pool blocks, past the table's {columns} columns "
+                             "(a sequence longer than the pool's sequence_blocks)")
         idx[0, 0, j, : len(row)] = row
     return numpy.array([[[len(row) for row in rows]]], dtype=numpy.int32).reshape(1, 1, len(rows)), idx
 

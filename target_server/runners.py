@@ -122,7 +122,9 @@ class NativeRunner:
     def make_pool(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, tokens: int | None) -> PagedKVPool:
         cap = None if tokens is None else max(tokens // KVPool.BLOCK, 1)
         blocks = cap if cap is not None and (self.device.type == "cuda" or cap <= self.CPU_BLOCKS) else self.CPU_BLOCKS
-        pool = PagedKVPool(layers, heads, head_dim, dtype, self.device, blocks, cap)
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        pool = PagedKVPool(layers, heads, head_dim, dtype, self.device, blocks, cap,
+                           None if not context else -(-context // KVPool.BLOCK))
         if self.warm_up is not None:  # the buckets of a lone request's verifies and of 16 decodes, before traffic
             for width in dict.fromkeys(bucket(n, self.device.type) for n in WarmUp.FIRST):
                 self.warm_up.queue(width, pool)

@@ -77,11 +77,12 @@ def hf_reference(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_logits_and_features_equal_transformers(family, attention, checkpoints):
     """A prefill of three sequences in one flattened forward, then a verify of each (3, 1 and 5 new tokens)
-    reading the prefill's KV in the pool: every row as transformers computes it alone."""
+    reading the prefill's KV in the pool: every row as transformers computes it alone. The BlockMask's tables
+    are as wide as one sequence's blocks and the scratch block (5 columns), not as the pool (9 blocks)."""
     path, model = checkpoints[family]
     native = load_native(path, torch.device("cpu"), torch.float32, AUX)
     pool = PagedKVPool(native.num_layers, model.config.num_key_value_heads, native.head_dim, torch.float32,
-                       torch.device("cpu"), blocks=8)
+                       torch.device("cpu"), blocks=8, sequence_blocks=4)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (20, 5, 37)]
     blocks = [pool.allocate(4) for _ in prompts]
@@ -91,6 +92,7 @@ def test_logits_and_features_equal_transformers(family, attention, checkpoints):
         n = sum(len(new) for new in news)
         ids = torch.tensor([t for new in news for t in new] + [0] * (bucket(n) - n))
         positions, batch = plan(spans, bucket(n), pool, dense=attention == "dense")
+        assert attention == "dense" or batch.kv_idx.shape[-1] == 5
         with torch.inference_mode():
             hidden, features = native(ids, positions, batch)
             logits = native.lm_head(hidden)
@@ -116,6 +118,18 @@ def test_a_query_block_of_one_sequence_sees_the_blocks_below_its_past_whole():
 
     assert seen(batch.full_num, batch.full_idx) == [[3, 5], [3, 5], [], []]
     assert seen(batch.kv_num, batch.kv_idx) == [[7], [7], [9], [0]]
+
+
+def test_a_blockmask_table_is_as_wide_as_a_query_blocks_sequences_not_as_the_pool():
+    """Columns: q_block sequences' blocks and the scratch block, the pool's count where that is fewer; a
+    sequence past its blocks is refused with the count named."""
+    pool = PagedKVPool(1, 1, 8, torch.float32, torch.device("cpu"), blocks=64, sequence_blocks=4)
+    assert (pool.table_columns(1), pool.table_columns(16), pool.table_columns(32)) == (5, 65, 65)
+    assert PagedKVPool(1, 1, 8, torch.float32, torch.device("cpu"), blocks=64).table_columns(1) == 65
+    _, batch = plan([Span(0, [3, 5, 7], past=40, new=2)], 2, pool, dense=False)
+    assert batch.kv_idx.shape == batch.full_idx.shape == (1, 1, 2, 5)
+    with pytest.raises(ValueError, match="sees 6 pool blocks, past the table's 5 columns"):
+        plan([Span(0, list(range(1, 8)), past=100, new=1)], 2, pool, dense=False)
 
 
 def test_what_the_native_model_cannot_run_falls_back_to_transformers(tmp_path):
