@@ -275,7 +275,7 @@ class TargetEngine(SessionOwner):
         session.last_used = time.monotonic()
         drafts, parents, decode = list(v.drafts), v.parents, v.decode
         self._check_ids([v.token, *drafts], "the verify input")
-        check_decode(decode, drafts, v.want_features, parents)
+        check_decode(decode, drafts, parents)
         if parents is not None and not self.supports_trees:
             raise InvalidRequest("draft trees need the native engine (the Llama family) or a full-attention "
                                  f"model; this target runs transformers' {type(self.model).__name__}")

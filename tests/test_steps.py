@@ -19,7 +19,7 @@ from tandem.params import SamplingParams
 from tandem.protocol import Prefill, Propose, Verify
 from tandem.service import Service
 from tandem.v1 import draft_pb2_grpc, target_pb2_grpc
-from tandem.wire import encode_features
+from tandem.wire import decode_features, encode_features
 from target_server.engine import TargetEngine
 from target_server.service import TargetServicer
 from tests.test_services import id_prompts
@@ -49,18 +49,22 @@ def step(link: ServiceLink, steps, releases=()) -> list:
     return link.receive()
 
 
-def decode(link: ServiceLink, sid: str, prompt: list[int], n: int, per_step: int, stop_ids=()) -> list[int]:
-    """A prefill, then target-only verifies of `per_step` tokens each (Verify.decode) until n tokens."""
+def decode(link: ServiceLink, sid: str, prompt: list[int], n: int, per_step: int, stop_ids=(), features=False):
+    """A prefill, then target-only verifies of `per_step` tokens each (Verify.decode) until n tokens; with
+    `features`, (the tokens, the features of every token the verifies read [n - 1, 3H])."""
     (prefilled,) = step(link, [Prefill(sid, prompt, GREEDY, False, max_new_tokens=n + 1)])
-    out = [prefilled.prefilled.token]
+    out, rows = [prefilled.prefilled.token], []
     while len(out) < n and out[-1] not in stop_ids:
         k = min(per_step, n - len(out))
-        (answer,) = step(link, [Verify(sid, out[-1], [], False, decode=k, stop_ids=stop_ids if k > 1 else ())])
+        (answer,) = step(link, [Verify(sid, out[-1], [], features, decode=k, stop_ids=stop_ids if k > 1 else ())])
         result = verified_from_pb(answer)
-        assert result.features is None
+        assert (result.features is None) is not features
+        if features:
+            rows.append(decode_features([result.features]))
+            assert rows[-1].shape[0] == 1 + len(result.accepted)
         out += [*result.accepted, result.bonus]
     step(link, [], [sid])
-    return out
+    return (out, torch.cat(rows)) if features else out
 
 
 def test_a_batch_of_verifies_gives_what_each_gives_alone(target):
@@ -141,6 +145,11 @@ def test_a_target_only_decode_of_many_tokens_gives_what_single_tokens_give(targe
     assert [decode(link, f"many{i}", p, 12, 5) for i, p in enumerate(prompts)] == single
     stop = single[0][4]  # a decode ends after a stop id: the first one it makes
     assert decode(link, "stop", prompts[0], 12, 8, stop_ids=[stop]) == single[0][: single[0].index(stop) + 1]
+    # with features, those of every token a decode read, as single-token verifies give them (a draft is fed)
+    tokens, rows = decode(link, "rows", prompts[1], 12, 5, features=True)
+    one_tokens, one_rows = decode(link, "rows1", prompts[1], 12, 1, features=True)
+    assert tokens == one_tokens == single[1]
+    torch.testing.assert_close(rows, one_rows)
     # the decodes of several sessions in one step: each its own tokens
     answers = step(link, [Prefill(f"m{i}", p, GREEDY, False, max_new_tokens=13) for i, p in enumerate(prompts)])
     firsts = [a.prefilled.token for a in answers]
@@ -152,13 +161,13 @@ def test_a_target_only_decode_of_many_tokens_gives_what_single_tokens_give(targe
     link.close()
 
 
-def test_a_decode_with_drafts_or_features_is_refused_naming_why(target):
+def test_a_decode_with_drafts_or_too_many_tokens_is_refused_naming_why(target):
     stub, _, _ = target
     link = ServiceLink("target", stub.Step, pack_target, owner=OWNER)
     (prefilled,) = step(link, [Prefill("bad-decode", [5, 6, 7], GREEDY, False, max_new_tokens=8)])
     t = prefilled.prefilled.token
-    for kwargs, words in (({"drafts": [5]}, "takes no drafts"), ({"want_features": True}, "returns no features"),
-                          ({"decode": 65}, "at most 64"), ({"decode": 30}, "past the")):
+    for kwargs, words in (({"drafts": [5]}, "takes no drafts"), ({"decode": 65}, "at most 64"),
+                          ({"decode": 30}, "past the")):
         call = {"drafts": [], "want_features": False, "decode": 4, **kwargs}
         (refused,) = step(link, [Verify("bad-decode", t, call["drafts"], call["want_features"], decode=call["decode"])])
         assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and words in refused.details
