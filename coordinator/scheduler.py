@@ -206,10 +206,12 @@ class Scheduler:
         if not target_steps and not draft_steps and not self._release_target and not self._release_draft:
             return
         self.steps += 1
-        if draft_steps or self._waiting:  # a multi-token decode would hold the others back
-            for s in target_steps:
-                if isinstance(s, Verify) and s.decode > 1:
-                    s.decode, s.stop_ids = 1, ()
+        drafting = {id(r) for r in batch if any(is_draft_step(s) for s in r.steps)}
+        for r in batch:  # a multi-token decode would hold the others back (its own draft step, beside it, not)
+            if self._waiting or drafting - {id(r)}:
+                for s in r.steps:
+                    if isinstance(s, Verify) and s.decode > 1:
+                        s.decode, s.stop_ids = 1, ()
         sent_target = bool(target_steps or self._release_target)
         if sent_target:
             self.target.send(target_steps, self._release_target)

@@ -126,7 +126,9 @@ class DraftSteps(BudgetedSessions):
         self.take_kv(session_id, m, opened=create)
         if session.constraint is not None and not create:
             session.constraint.commit(next_tokens, session.constraint.stop_ids.tolist())
-        if not create and tree is None and not session.tree:  # a tree's outcome is not a chain's
+        # a tree's outcome is not a chain's; more pairs than a verify of K commits came from a target-only
+        # round (the acceptance gate's timing: tandem/gates.py), which says nothing of the drafts
+        if not create and tree is None and not session.tree and m <= num_draft_tokens + 1:
             self.outcomes.count(session.sampler is not None, num_draft_tokens, m - 1)
         if session.last_tree is not None:  # the pairs the verify of a sampled tree committed: its path
             self.sibling_rates.count(*session.last_tree, next_tokens)

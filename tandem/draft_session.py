@@ -82,6 +82,21 @@ class DraftSession:
             drafts = Drafts(drafts or [])  # a plain list: argmax drafts
         return drafts, ahead
 
+    def extend(self) -> Propose | None:
+        """A round the acceptance gate runs target-only to time it: the pairs not yet sent go to the draft
+        beside its verify, in a propose of no drafts (None: none to send); drafts an ahead prepared for this
+        round are dropped."""
+        self._ready = None
+        if not self._tokens or not self.sessions.draft:
+            return None
+        step = Propose(self.sessions.session_id, self._features, self._tokens, 0, want_timing=self.sessions.want_timing)
+        self._features, self._tokens = None, []
+        return step
+
+    def extended(self, result) -> None:
+        """The answer to `extend`'s propose: a failed one loses the draft."""
+        self._take(result)
+
     def settle(self, accepted: int, bonus: int, branches: list[Branch] | BaseException) -> bool | None:
         """After a verify with an ahead beside it: whether the ahead had prepared its outcome."""
         branches = self._take(branches)

@@ -15,9 +15,7 @@ from tandem.params import MAX_DRAFT_TOKENS
 
 class RoundAverage:
     """Moving averages over one kind of round: tokens committed, seconds; the last weighs `weight`, or
-    1/rounds while that is more (a plain mean over the first 1/weight rounds: from the first round on,
-    the first one still weighed 74% after 16 at weight 0.02, and a generation's first round, its draft's
-    first call, is its slowest)."""
+    1/rounds while that is more (a plain mean over the first 1/weight rounds)."""
 
     __slots__ = ("rounds", "seconds", "since", "tokens")
 
@@ -39,9 +37,8 @@ class RoundAverage:
 
 
 class ServerRate:
-    """Tokens the whole server committed and the seconds it ran, while it ran one way at one load (see
-    `AcceptanceGate.outpaced`); both halve past `horizon` tokens, so the rate follows the last ones.
-    `since` (drafting's): target-only tokens the server committed at that load since this one last grew."""
+    """Tokens the whole server committed and the seconds it ran, one way at one load (`AcceptanceGate.outpaced`);
+    both halve past `horizon` tokens. `since` (drafting's): target-only tokens at that load since it last grew."""
 
     __slots__ = ("horizon", "seconds", "since", "tokens")
 
@@ -78,34 +75,31 @@ class AcceptanceGate:
     is better by MARGIN (docs/benchmarks.md, "The acceptance gate's round costs", has what was measured).
 
     Until a position has been tried `MIN_ROUNDS` times it counts as always accepted, so a new server
-    speculates at the requested K until the counts say otherwise (a server's first rounds are often one
-    prompt's). While they shut it, one request in `PROBE_EVERY` speculates for its first `PROBE_ROUNDS` rounds
-    anyway, so that a change of traffic can open it again. Old counts fade (halved past HALF_LIFE rounds).
+    speculates at the requested K until the counts say otherwise. While they shut it, one request in
+    `PROBE_EVERY` speculates for its first `PROBE_ROUNDS` rounds anyway, so that a change of traffic can open
+    it again. Old counts fade (halved past HALF_LIFE rounds).
 
     Measured rates. Per kind of request and per load (the generations running, in powers of two:
     `load_bucket`), the gate keeps two things, each only while the whole server runs one way (all greedy
-    or all sampled; nobody drafting or everybody: in a mixed batch a target-only session waits for the
-    others' wide verify, and neither says what the server does when it all runs one way; for (1), all but
-    at most 1 in ALMOST):
+    or all sampled; nobody drafting or everybody: a mixed batch says neither; for (1), all but 1 in ALMOST):
     (1) The whole server's tokens per second (`ServerRate`): every token committed, over all the time the
     server ran that way, prefills and the gaps between generations included. Where target-only and
     drafting both have SERVED_TOKENS tokens per generation at the present load (a few generations'
     worth, so that their prefills weigh as they do), target-only faster by RATE_MARGIN (more while
-    drafting has little: FRESH_MARGIN) sheds every generation of that kind (on a CPU at 16 sessions a verify of 16 x (K+1) tokens
-    can cost what the drafts win, and more at temperature 1). Rounds timed one by one would not do here:
-    per session at load 16 they overstated target-only by a quarter (97 tokens/s a session where the run
-    made 78: no prefills, no gaps) and shed greedy chains that ran 1.07x target-only.
+    drafting has little: FRESH_MARGIN) sheds every generation of that kind. Rounds timed one by one would
+    not do here: per session under load they leave out the prefills and the gaps between generations.
     (2) Each kind of round's own time (`RoundAverage`, from one round's start to the next: drafting,
-    verify, relays and the client's share), chain rounds per K: where target-only rounds have RATE_ROUNDS,
-    the cost of a round of K drafts is the one measured (`round_costs`) instead of the prior 1 + cost * K.
+    verify, relays and the client's share), chain rounds per K: where target-only has RATE_ROUNDS tokens
+    timed, a round of K drafts costs what was measured (`round_costs`), not the prior 1 + cost * K. Where
+    nothing runs target-only, a drafting generation alone runs one round in TIMING_EVERY target-only to time
+    it (`times_target`): a decode of several tokens, as a target-only server's, its features fed to the draft.
     The first generation that would shed at its start alone, and one in EXPLORE_EVERY after, drafts instead
     and measures drafting afresh (see `outpaced`), and the gate forgets the server's drafting rate at a load
     once target-only has committed REOPEN_TOKENS per generation running there since it was measured, so that
     the next ones measure it again (the head or the traffic may have changed).
     Likewise a drafting round's time at a load is forgotten once REOPEN_ROUNDS target-only rounds have been
-    timed there since it last was (twice as many after each time, up to 16 times: where drafting does lose,
-    re-timing it costs less and less): one slow stretch early on must not shut a K for good, since the
-    probes' few rounds weigh RATE_WEIGHT each.
+    timed there since it last was (twice as many after each time, up to 16 times): one slow stretch early
+    on must not shut a K for good.
     """
 
     MIN_ROUNDS = 32
@@ -120,13 +114,13 @@ class AcceptanceGate:
     REOPEN_TOKENS = 4096  # per generation running: 65536 at load 16
     REOPEN_ROUNDS = 512  # 8 generations of 64 tokens at one request; 16 rounds of K re-measure it (K_ROUNDS)
     EXPLORE_EVERY = 8
-    # the whole server's rate needs SERVED_TOKENS per generation running (1024 tokens at load 16) and
-    # follows about the last 16 times that (`ServerRate` horizon)
+    # the server's rate needs SERVED_TOKENS per generation running and follows ~16x that (`ServerRate`)
     SERVED_TOKENS = 64
-    # the first tokens come with generations starting together (a client's first wave, a bench's warm-up):
-    # up to 30% more margin there, FRESH_MARGIN * SERVED_TOKENS / tokens (docs/benchmarks.md: the fresh margin)
+    # generations starting together (a client's first wave): up to 30% more margin (benchmarks.md: fresh margin)
     FRESH_MARGIN = 0.3
     ALMOST = 8  # the server runs one way where at most 1 in 8 of its generations run the other
+    TIMING_EVERY = 8  # alone with target-only untimed, one drafting round in 8 runs target-only (times_target)
+    TIMING_ROUNDS = 8  # target-only rounds timed before their time counts (and RATE_ROUNDS tokens)
 
     def __init__(self, cost: float = SPEC_DRAFT_COST, clock: Callable[[], float] = time.perf_counter):
         self.cost = cost
@@ -144,6 +138,7 @@ class AcceptanceGate:
         self._tried = {g: [0] * (MAX_DRAFT_TOKENS + 1) for g in (True, False)}
         self._accepted = {g: [0] * (MAX_DRAFT_TOKENS + 1) for g in (True, False)}
         self._requests = itertools.count()
+        self._rounds_alone = itertools.count(1)  # a lone generation's rounds while target-only is untimed
         self._warming = False  # the target is compiling (VerifyResult.warming): rounds are not timed
         self._reopened: dict[tuple[bool, int], int] = {}  # (greedy, load) -> drafting round times forgotten there
 
@@ -180,8 +175,7 @@ class AcceptanceGate:
             self._running += running
             self._drafting += drafting
             self._greedy += greedy
-            # all one way, or all but at most one in ALMOST (a burst's first two generations, shed by what
-            # one request measured, had kept 14 drafting ones at 16 from being measured for their whole life)
+            # all one way, or all but at most one in ALMOST (a burst's first sheds must not hide the rest)
             odd = min(self._drafting, self._running - self._drafting)
             way = "target" if self._drafting <= self._running - self._drafting else "drafting"
             kind = way if odd * self.ALMOST <= self._running else None
@@ -209,8 +203,8 @@ class AcceptanceGate:
                      timed: bool = True, warming: bool = False) -> None:
         """One round of `kind` ("target", "chain", "tree"): `committed` tokens in `seconds` (`timed`: a full
         round, one whose drafts max_new_tokens did not cut). The server's tokens count every round; the
-        round's own rate only where the whole server runs that way (target-only: nobody drafts; chain or
-        tree: everybody does). `warming`: the target was compiling a bucket of its forward (not timed); the
+        round's own rate only where the whole server runs that way (target-only: nobody drafts, or a lone
+        generation times its own; drafting: everybody does). `warming`: the target was compiling a bucket of its forward (not timed); the
         first round after such rounds makes the gate forget every speed it measured (the counts stay)."""
         with self._lock:
             if warming or self._warming:  # the first round after the target's compile: what was timed is stale
@@ -223,7 +217,8 @@ class AcceptanceGate:
                 drafting = self._served.get((*self._state[:2], "drafting")) if self._state[2] == "target" else None
                 if drafting is not None:
                     drafting.since += committed  # target-only tokens since drafting was measured (`outpaced`)
-            clean = self._drafting == 0 if kind == "target" else self._drafting == self._running
+            # target-only: nobody drafts, or a drafting generation alone times its own (`times_target`)
+            clean = self._drafting == 0 or self._running == 1 if kind == "target" else self._drafting == self._running
             if not clean or not timed:
                 return
             key = (greedy, load_bucket(self._running), kind, drafted)
@@ -237,8 +232,24 @@ class AcceptanceGate:
                         self._reopened[key[:2]] = reopened + 1
 
     def _seconds(self, key: tuple[bool, int, str, int], rounds: int) -> float | None:
-        seen = self._rates.get(key)
-        return seen.seconds if seen is not None and seen.rounds >= rounds else None
+        return seen.seconds if (seen := self._rates.get(key)) is not None and seen.rounds >= rounds else None
+
+    def _target_seconds(self, greedy: bool, bucket: int) -> float | None:
+        """A target-only token's time at that load (a round decodes up to 16), once RATE_ROUNDS tokens are timed."""
+        seen = self._rates.get((greedy, bucket, "target", 0))
+        if seen is None or seen.rounds < self.TIMING_ROUNDS or seen.rounds * seen.tokens < self.RATE_ROUNDS:
+            return None
+        return seen.seconds / max(seen.tokens, 1.0)
+
+    def times_target(self, greedy: bool) -> bool:
+        """Whether a drafting generation's next round runs target-only to be timed: alone on the server (beside
+        others it waits on their verifies), the target not compiling, target-only untimed, one round in
+        TIMING_EVERY. Where every request drafts nothing else times it (docs/benchmarks.md, "The acceptance
+        gate's round costs")."""
+        with self._lock:
+            if self._running != 1 or self._warming or self._target_seconds(greedy, 1) is not None:
+                return False
+            return next(self._rounds_alone) % self.TIMING_EVERY == 0
 
     def _served_rate(self, key: tuple[bool, int, str]) -> ServerRate | None:
         """The server's rate at that (greedy, load, way) once measured: target-only needs half the tokens
@@ -252,11 +263,10 @@ class AcceptanceGate:
         and FRESH_MARGIN more while drafting has its first tokens only, at its present load, as measured:
         then this generation should shed. None (only for a generation `starting`): it would, but this one
         explores instead, drafting all its life, and the drafting rate is measured again from its rounds
-        alone (the first that would shed and one in EXPLORE_EVERY after, alone on the server: there its
-        rounds count; under load an explorer's rounds are mixed, never counted, and its wide verify slowed
-        the others: 0.78x target-only at 16 sampled sessions; REOPEN_TOKENS measures there). Afresh, not
-        added to the old rate: a server's first drafting generations are its slowest (the draft's first
-        calls; docs/benchmarks.md, "The acceptance gate's round costs")."""
+        alone (the first that would shed and one in EXPLORE_EVERY after, alone on the server: under load an
+        explorer's rounds are mixed and never counted; REOPEN_TOKENS measures there). Afresh, not added to
+        the old rate: a server's first drafting generations are its slowest (docs/benchmarks.md, "The
+        acceptance gate's round costs")."""
         with self._lock:
             bucket = load_bucket(self._running)
             target = self._served_rate((greedy, bucket, "target"))
@@ -281,12 +291,9 @@ class AcceptanceGate:
         prior's cost a draft; the prior, 1 + cost * k, where nothing is measured. Where no target-only round has
         been timed at the load (a server whose requests all draft), the smallest K timed stands at the prior and
         the others by their seconds against it. Not linear in k from one K: a drafting round pays a fixed share
-        (a propose, a relay) besides its drafts, so one K's cost per draft overstated the others' above it and
-        understated them below it (docs/benchmarks.md, "The acceptance gate's round costs")."""
+        (a propose, a relay) besides its drafts (docs/benchmarks.md, "The acceptance gate's round costs")."""
         bucket = load_bucket(self._running)
-        target = self._seconds((greedy, bucket, "target", 0), self.RATE_ROUNDS)
-        if target is not None:  # per token: a target-only round decodes up to 16 (the prior's unit is one)
-            target /= max(self._rates[greedy, bucket, "target", 0].tokens, 1.0)
+        target = self._target_seconds(greedy, bucket)  # per token: the prior's unit is one
         timed = {k: seconds for k in range(1, requested + 1)
                  if (seconds := self._seconds((greedy, bucket, "chain", k), self.K_ROUNDS)) is not None}
         if target is None and timed:  # a P-EAGLE head's K=5 costs about its K=2: the prior's 0.3 a draft cut it
@@ -310,12 +317,10 @@ class AcceptanceGate:
     def best_k(self, greedy: bool, requested: int) -> int:
         """The K that commits the most tokens a second by the counts and round costs. 0 (target-only) is not
         a choice under load where the server has measured itself running target-only: a session's round times
-        leave out what the batch's other generations cost it (prefills, the gaps between generations), and at
-        16 greedy sessions they said K=5 chains (4.5 tokens a round) lost to target-only, which they beat by
-        9%; there the server's own rates decide (`outpaced`). Alone, or with no such rate (a server whose
-        requests all speculate), the counts do (a head that is never accepted sheds at any load). A K under the
-        request's only once the request's is timed where it would be (all drafting, the target not compiling):
-        by the prior alone a P-EAGLE head's K=5, which costs about its K=2, was cut to K=2 and never timed."""
+        leave out what the batch's other generations cost it; there the server's own rates decide (`outpaced`).
+        Alone, or with no such rate, the counts do (a head that is never accepted sheds at any load). A K under
+        the request's only once the request's is timed where it would be (all drafting, the target not
+        compiling): by the prior alone a P-EAGLE head's K=5, which costs about its K=2, was never timed."""
         with self._lock:
             costs = self.round_costs(greedy, requested)
             bucket = load_bucket(self._running)
@@ -346,10 +351,8 @@ class TreeGate:
     Per kind of request (greedy / sampled) it keeps moving averages of the tokens a round committed and of
     the round's wall time (the draft's propose and the target's verify, with whatever batching and transfer
     they met), for trees and chains, from PAIRS of rounds: a generation's tree round next to its chain round,
-    both added at once. What a round commits depends on the text far more than on its shape (the same chain
-    commits 5 tokens a round on one prompt and 2 on the next), so two averages kept apart, one fed every
-    round and the other one round in EXPLORE_EVERY, compared different texts: a few hard prompts under the
-    chain made a slower tree look faster for hundreds of rounds. Until MIN_ROUNDS pairs the rounds
+    both added at once: what a round commits depends on the text far more than on its shape, so averages
+    fed apart compare different texts. Until MIN_ROUNDS pairs the rounds
     alternate; then the better runs, and the other one round in `EXPLORE_EVERY`, each such round making a
     pair with the one before it (and the one after). Each average weighs the last pairs by `WEIGHT`.
     """

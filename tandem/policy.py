@@ -90,7 +90,7 @@ class KPolicy:
         self.tree = request.tree or speculation.default_tree  # a tree asked for turns overlap off (overlaps)
         self.asked = request.speculate and request.num_draft_tokens > 0
         self.probing = 0  # rounds it drafts before the gate decides: a probe of a gate that its counts shut
-        self.shed = self.exploring = False
+        self.shed = self.exploring = self.timing = False  # timing: this round runs target-only to be timed
         self._before: tuple[bool, int, float] | None = None  # its last drafting round, for the tree gate's pairs
         self._tail = False  # this round's drafts are cut short by max_new_tokens (the gates do not time it)
         self._drafted = False  # a drafting round has been recorded (the first is not timed: see `record`)
@@ -118,6 +118,7 @@ class KPolicy:
 
         A K > 0 with no live draft means the round wanted drafts it could not have (no draft, or lost).
         """
+        self.timing = False
         if not self.drafting:
             return 0
         k = min(self.requested, self.limit - produced - 1)
@@ -128,6 +129,9 @@ class KPolicy:
             if k > 0 and self.gate is not None and rounds >= self.probing:
                 k = 0 if not self.exploring and self.gate.outpaced(self.greedy) else self.gate.best_k(self.greedy, k)
             self.shed = k == 0
+            # this round alone target-only, the draft kept and fed: the gate times it (AcceptanceGate.times_target)
+            self.timing = k > 0 and self.gate is not None and self.gate.times_target(self.greedy)
+            k = 0 if self.timing else k
         if self._counted and (self.shed or not draft_alive):
             self._counted = False
             self.gate.stop_drafting()

@@ -159,7 +159,9 @@ def rounds(
                 stats.num_rounds_load_shed += 1
                 if drafter is not None:
                     drafter.release()
-            drafts, ahead = Drafts(), None
+            drafts, ahead, extend = Drafts(), None, None
+            if policy.timing and alive():  # target-only, timed by the gate: the draft takes in its pairs beside
+                extend = drafter.extend()
             if k > 0 and alive():
                 tree = policy.tree_for_round(k, stopper.produced)
                 branches = _ahead_branches(speculation, drafter, k, limit - stopper.produced) if tree is None else 0
@@ -178,15 +180,18 @@ def rounds(
                     if kept < len(drafts) or forced:
                         drafts = _forced(drafts.head(kept), forced)
             # verify (target-only: up to decode_steps tokens in one step of the target; one while masked)
-            decode = min(speculation.decode_steps, limit - stopper.produced) if not alive() and allowed is None \
-                else 1
+            decode = min(speculation.decode_steps, limit - stopper.produced) \
+                if (not alive() or policy.timing) and allowed is None else 1
             verify = Verify(session, token, list(drafts), alive(), drafts.q, drafts.parents,
                             decode, sorted(stop_ids) if decode > 1 else (), allowed)
-            answers = yield [verify] if ahead is None else [verify, ahead]
+            answers = yield [verify, *(step for step in (ahead, extend) if step is not None)]
             verdict = _raised(answers[0])
+            if extend is not None:
+                drafter.extended(answers[1])
             # commit
             accepted = len(verdict.accepted)
-            stats.count_round(len(drafts), accepted if drafts else 0, drafts.parents is not None)
+            if not policy.timing:  # the gate's target-only rounds say nothing of the drafts
+                stats.count_round(len(drafts), accepted if drafts else 0, drafts.parents is not None)
             now = time.perf_counter()
             policy.record(len(drafts), accepted, now - started, drafts.parents is not None, verdict.warming)
             started = now

@@ -37,7 +37,7 @@ def mean_acceptance_length(num_accepted: int, num_rounds: int) -> float:
 
 
 class GenerationStats(BaseModel):
-    num_rounds: int = 0  # verify forwards after the prefill
+    num_rounds: int = 0  # verify forwards after the prefill, but the acceptance gate's target-only ones
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = []  # [K]: rounds in which draft k was accepted

@@ -587,6 +587,54 @@ def test_the_gate_prices_drafting_rounds_against_a_target_only_token_not_a_round
     gate.leave(True, greedy=True)
 
 
+def test_a_drafting_generation_alone_times_target_only_rounds_and_sheds_a_head_that_loses():
+    """Where every request drafts no target-only round is timed, and by the prior a K=5 round costs 2.5 of
+    them (its K=2, which costs about what its K=5 does, anchored there): a P-EAGLE head's 2.88 tokens a round
+    looked like a win where its rounds took 12.9 ms against 4.1 a
+    target-only token (0.90x). Alone, a drafting generation runs one round in TIMING_EVERY target-only (the
+    draft kept: not a shed) until TIMING_ROUNDS of them are timed; a target-only round of 16 tokens is priced
+    per token, K=5 then costs 3.15 and the head sheds. Not beside another generation (its round would wait on
+    the other's verify) and not while the target compiles."""
+    from tandem.gates import AcceptanceGate
+    from tandem.policy import KPolicy, Speculation
+
+    gate = AcceptanceGate(0.3)
+    reach = [1.0, 0.73, 0.45, 0.32, 0.22, 0.16]
+    for accepted in range(6):  # of 1000 rounds of K=5, how many accepted exactly `accepted` drafts
+        for _ in range(round(1000 * (reach[accepted] - (reach[accepted + 1] if accepted < 5 else 0)))):
+            gate.record(True, 5, accepted)
+    request = GenerationRequest(prompt_ids=[1, 2], max_new_tokens=4096, num_draft_tokens=5)
+    policy = KPolicy(request, Speculation(gate=gate), limit=4096, has_draft=True)
+
+    def drafting_rounds():  # K=2 and K=5 cost alike (one forward): K=5 for 1.72 rounds, K=2 at the prior's 1.6
+        for k, seconds in ((2, 0.0120), (5, 0.0129)):
+            for _ in range(AcceptanceGate.K_ROUNDS):
+                gate.record_round(True, "chain", 3, k, seconds)
+
+    drafting_rounds()
+    assert gate.best_k(True, 5) == 5  # 2.88 tokens for 1.72 rounds, as priced
+    ks, timing = [], []
+    for _ in range(2 * AcceptanceGate.TIMING_EVERY):
+        ks.append(policy.k_for_round(0, 10, True))
+        timing.append(policy.timing)
+    assert ks.count(0) == 2 and timing == [k == 0 for k in ks] and not policy.shed and policy.drafting
+    gate.enter(False, greedy=True)
+    assert not any(gate.times_target(True) for _ in range(2 * AcceptanceGate.TIMING_EVERY))  # beside another
+    gate.leave(False, greedy=True)
+    gate.record_round(True, "chain", 3, 5, 0.0129, warming=True)
+    assert not any(gate.times_target(True) for _ in range(2 * AcceptanceGate.TIMING_EVERY))  # compiling
+    gate.record_round(True, "chain", 3, 5, 0.0129)  # compiled: the speeds are timed again
+    drafting_rounds()
+    for _ in range(AcceptanceGate.TIMING_ROUNDS - 1):
+        policy.record(0, 15, 16 * 0.0041)  # its target-only rounds of 16 tokens, timed though it drafts
+    assert gate.round_costs(True, 5)[5] == pytest.approx(12.9 / 7.5) and gate.best_k(True, 5) == 5  # one short
+    policy.record(0, 15, 16 * 0.0041)
+    assert gate.round_costs(True, 5)[5] == pytest.approx(12.9 / 4.1)
+    assert not gate.times_target(True) and gate.best_k(True, 5) == 0
+    assert policy.k_for_round(0, 10, True) == 0 and policy.shed and not policy.timing
+    policy.close()
+
+
 def test_the_gate_times_drafting_again_once_target_only_has_run_long_since():
     """A slow stretch that made K=3 look too dear (its rounds timed at 4.5 target-only rounds, so the counts
     shut it: K=0) is not kept for good: after REOPEN_ROUNDS target-only rounds timed at that load since, the
