@@ -18,7 +18,7 @@ is one wave; the ahead step (overlap) goes beside its verify.
 
 Nothing on the step path waits for a request that is not there: a step runs what is ready, at once. The
 loop sleeps only while there is no request at all. A target-only request asks for several tokens a step
-(Verify.decode); the scheduler lets it only while nothing drafts and nobody waits, else one.
+(Verify.decode); the scheduler lets it only while no other request drafts and nobody waits, else one.
 
 Admission: requests beyond `max_running` wait in the queue (at most `max_waiting`, then
 RESOURCE_EXHAUSTED); a prefill the target's KV budget refuses goes back to the front of the queue while

@@ -1,6 +1,6 @@
 """Target-only decoding of several tokens a step (Verify.decode): the target makes a session's next token
-from its last without a round trip through the coordinator. The scheduler asks for it only while nothing
-drafts and nobody waits (coordinator/scheduler.py): a target-only round is one token, and the round trip
+from its last without a round trip through the coordinator. The scheduler lets it only while no other
+request drafts and nobody waits (coordinator/scheduler.py): a target-only round is one token, and the round trip
 through the services was the other half of its time. Each token is one forward of all the batch's decodes,
 each with its own sampling: the output is what that many plain target-only rounds give. With
 want_features, the features of every token it read (t and all but the last it made) come back, as a verify's
