@@ -74,20 +74,6 @@ def _counts(call: Callable[[], object], device: torch.device, traced: bool = Fal
     return ops.ops, ops.syncs
 
 
-def _graphed(call: Callable[[], object], device: torch.device) -> Callable[[], object]:
-    """`call` (its inputs static) captured as one CUDA graph -> its replay."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):  # warm-up off the default stream, as capture asks
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph.replay
-
-
 def _bandwidth(device: torch.device) -> float:
     """Bytes per second a device-to-device copy moves (read and written), the weight-read floor's rate."""
     if device.type != "cuda":
@@ -215,21 +201,26 @@ def rollout(sizes, record, pair) -> None:
 
 
 def _rollout_at(sizes, record, head, config, b: int, device: torch.device) -> None:
-    """The K-step rollout of a batch of b rows over a past of sizes.past pairs (a padded batch's `valid`
-    beyond one row), eager, then captured and replayed."""
+    """The K-step rollout of a batch of b rows over a past of sizes.past pairs in the draft's batch buffers
+    (draft_server/batch.py), eager, then as the draft's own graph of its bucket (draft_server/graphs.py)."""
+    from draft_server.batch import BatchBuffers
+    from draft_server.graphs import RolloutGraphs
     from draft_server.model import DraftKV
     from draft_server.rollout import rollout as roll
 
-    attention, past, dtype = head.midlayer.self_attn, sizes.past, torch.bfloat16
-    k0, v0 = (torch.randn(b, attention.num_kv_heads, past, attention.head_dim, device=device, dtype=dtype)
-              for _ in range(2))
+    past, dtype = sizes.past, torch.bfloat16
+    buffers = BatchBuffers(head, device, dtype)
+    stores, valid = buffers.take(b, past + sizes.k - 1)
+    valid.fill_(True)
+    for k, v in stores:
+        k.normal_()
+        v.normal_()
+    kv = DraftKV.over(stores, past)
     a = torch.randn(b, 1, config.hidden_size, device=device, dtype=dtype)
     position = torch.full((b, 1), past, device=device)
-    valid = torch.ones(b, past, dtype=torch.bool, device=device) if b > 1 else None
-    kv = DraftKV()
 
     def call() -> torch.Tensor:
-        kv.k, kv.v = k0, v0
+        kv.crop(past)
         return roll(head, 0, a, kv, position, sizes.k, None, valid)[0]  # drafts [b, K]
 
     ms = _time(call, device, sizes.reps)
@@ -241,10 +232,13 @@ def _rollout_at(sizes, record, head, config, b: int, device: torch.device) -> No
         return
     try:
         expected = call().clone()
-        holder: list[torch.Tensor] = []
-        replay = _graphed(lambda: holder.append(call()), device)
-        replay()
-        same = torch.equal(holder[-1], expected)
+        graphs = RolloutGraphs(head, buffers, device)
+
+        def replay() -> torch.Tensor:
+            kv.crop(past)
+            return graphs.rollout(a, kv, position, sizes.k, valid)[0]
+
+        same = torch.equal(replay(), expected)  # the first call captures the bucket
         ms = _time(replay, device, sizes.reps)
         kernels, syncs = _counts(replay, device)
         record(f"graph K={sizes.k} batch {b}", "PASS" if same else "FAIL",

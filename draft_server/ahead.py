@@ -74,9 +74,10 @@ def branches(model: Eagle3Draft, features: torch.Tensor, tokens: torch.Tensor, p
     branch_kv.k = kv.k.expand(count, -1, -1, -1)  # [B, kv_heads, base+J, hd]
     branch_kv.v = kv.v.expand(count, -1, -1, -1)
     valid = torch.arange(base + j_max, device=device)[None] < (base + forks)[:, None]  # [B, base+J]
-    valid = torch.cat([valid, valid.new_ones(count, 1)], dim=1)
+    valid = torch.cat([valid, valid.new_ones(count, rounds)], dim=1)  # the bonus's column, the rollout's
     position = (base + forks)[:, None]  # [B, 1]: where each branch's bonus goes
-    a = model(fork[forks][:, None], bonus[:, None], position, branch_kv, valid[:, None, None])  # [B, 1, H]
+    a = model(fork[forks][:, None], bonus[:, None], position, branch_kv,
+              valid[:, None, None, : base + j_max + 1])  # [B, 1, H]
     # the token after the one at `position`: keyed as a propose after that outcome would key it
     if draws is not None:
         draws = replace(draws, uniforms=draws.uniforms.gather(1, forks[:, None] + torch.arange(rounds, device=device)))

@@ -22,8 +22,8 @@ from tandem.params import MAX_DRAFT_TOKENS
 from tandem.service import StartupError
 from tandem.sessions import ResourceExhausted, SessionOwner
 
-# Per token of the budget, the memory a batch can hold of it at once: the session's own KV, the batch's stacked
-# copy of it (batch.stack_kv, left-padded) and the copy each rollout step's concatenation makes of that.
+# Per token of the budget, the memory a batch can hold of it at once: the session's own KV, its copy in the batch
+# buffers (batch.BatchBuffers, left-padded, kept from step to step and at least doubled when they grow).
 KV_COPIES = 3
 # The probe propose that measures a step's working memory on a GPU: a first propose of this many pairs (the
 # target's default --max-batch-tokens, the longest prompt it prefills in one forward) and the most drafts.

@@ -5,10 +5,11 @@ a prefill — appends them to its KV at RoPE positions i, then rolls out K steps
 d_1 comes from the last extend output; step k>1 feeds (a_{k-1}, d_{k-1}) at the next position.
 The rollout's KV is dropped at the end, so the next round's exact target features replace it.
 
-The scheduler's batch of a step runs at once (`run`): the sessions' KV stacked
-left-padded, their new pairs right-padded, one extend forward and one forward per rollout step for
-all of them (draft_server/batch.py); each session keeps the KV of its committed pairs only, out of the KV budget
-(draft_server/budget.py: a step past it is refused alone).
+The scheduler's batch of a step runs at once (`run`): the sessions' KV copied left-padded into buffers kept
+from step to step, their new pairs right-padded, one extend forward and one forward per rollout step for
+all of them (draft_server/batch.py; with CUDA graphs, draft_server/graphs.py, a greedy batch's rollout is one
+replay); each session keeps the KV of its committed pairs only, out of the KV budget (draft_server/budget.py:
+a step past it is refused alone).
 
 Overlap (`ahead`, while the target verifies): the engine appends the new committed pairs as propose
 does, then feeds the drafts under verification as a rollout would (the draft's own hidden states
@@ -55,11 +56,12 @@ from pathlib import Path
 import torch
 
 from draft_server.ahead import GreedyAhead, branches
-from draft_server.batch import propose_batch
+from draft_server.batch import BatchBuffers, propose_batch
 from draft_server.budget import DraftKVBudget
 from draft_server.checkpoint import load_draft, read_config
 from draft_server.compiled import CompiledCalls, compile_calls, compile_mode
 from draft_server.constrained import DraftGrammars
+from draft_server.graphs import RolloutGraphs
 from draft_server.model import Eagle3Draft
 from draft_server.rollout import (
     GreedyPropose,
@@ -73,6 +75,7 @@ from draft_server.rollout import (
 )
 from draft_server.steps import DraftSteps, Outcomes, _Ahead, _drafts, _Session, _Step, read_target_shape
 from draft_server.tree import SiblingRates, grow_tree, parallel_tree
+from tandem.compiling import cuda_graphs_on
 from tandem.defaults import DRAFT_Q_TOP_N
 from tandem.dtypes import TORCH_DTYPES
 from tandem.packed import can_pack, pack_linears
@@ -121,6 +124,10 @@ class DraftEngine(DraftSteps):
             with torch.inference_mode():
                 self._mask_row = self.model.mask_row()
         self.sessions: SessionTable[_Session] = SessionTable("draft")
+        self.batch_buffers = BatchBuffers(self.model, self.device, self.dtype)  # a batched propose's KV and mask
+        # CUDA graphs of greedy rollouts (TANDEM_CUDA_GRAPHS=1 on CUDA): lone sessions too then run as a batch
+        self.rollout_graphs = (RolloutGraphs(self.model, self.batch_buffers, self.device)
+                               if cuda_graphs_on(self.device) else None)
         self.kv_budget = DraftKVBudget()  # unbounded until the service sizes it (draft_server/budget.py)
         self._running = threading.Lock()  # one batch at a time: in-process callers may come from several threads
         # every forward runs on this stream (None: the CPU's); a fast path's copy of a step's features is
@@ -217,9 +224,11 @@ class DraftEngine(DraftSteps):
 
     @torch.inference_mode()
     def _run_batch(self, steps: list[_Step]) -> list[list[int]]:
-        if len(steps) == 1:
+        graphs = self.rollout_graphs
+        if len(steps) == 1 and not (graphs and graphs.fits(steps, self.config, steps[0].k)):
             return [self._run_one(steps[0])]
-        return propose_batch(self.model, steps, self.grammars, self.q_top_n, self.device, self.dtype)
+        return propose_batch(self.model, steps, self.grammars, self.q_top_n, self.device, self.dtype,
+                             self.batch_buffers, graphs)
 
     def _run_one(self, step: _Step) -> Drafts:
         """One session alone: its own KV, no padding."""

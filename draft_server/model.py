@@ -78,13 +78,27 @@ class Eagle3Config:
 
 
 class DraftKV:
-    """The draft layer's KV for one sequence: [B, kv_heads, S, head_dim], grown by concatenation. A head of
-    several layers keeps layer 0's here and each deeper layer's in `deeper` (made on first use)."""
+    """The draft layer's KV for one sequence or a batch: [B, kv_heads, S, head_dim], grown by concatenation,
+    or (`over`) written in place into buffers of a fixed width, the same storage every step, which is what a
+    CUDA graph replays over (draft_server/batch.py). A head of several layers keeps layer 0's here and each
+    deeper layer's in `deeper` (made on first use)."""
 
     def __init__(self):
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.deeper: dict[int, DraftKV] = {}
+        self.store: tuple[torch.Tensor, torch.Tensor] | None = None  # `over`'s buffers, k and v
+
+    @classmethod
+    def over(cls, stores: list[tuple[torch.Tensor, torch.Tensor]], filled: int) -> DraftKV:
+        """A KV over each layer's buffers (k, v) [B, kv_heads, columns, head_dim], whose first `filled` columns
+        hold keys and values already: `append` writes the next columns in place and returns views."""
+        kv = cls()
+        for index, (k, v) in enumerate(stores):
+            layer = kv.layer(index)
+            layer.store = (k, v)
+            layer.k, layer.v = k[:, :, :filled], v[:, :, :filled]
+        return kv
 
     def layer(self, index: int) -> DraftKV:
         """The KV of decoder layer `index` (0: this one)."""
@@ -97,8 +111,17 @@ class DraftKV:
         return 0 if self.k is None else self.k.shape[2]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        if self.store is None:
+            self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+            self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+            return self.k, self.v
+        store_k, store_v = self.store
+        start, end = self.length, self.length + k.shape[2]
+        if end > store_k.shape[2]:
+            raise ValueError(f"the draft KV's buffer holds {store_k.shape[2]} columns; {end} asked for")
+        store_k[:, :, start:end] = k
+        store_v[:, :, start:end] = v
+        self.k, self.v = store_k[:, :, :end], store_v[:, :, :end]
         return self.k, self.v
 
     def tensors(self, layers: int) -> tuple[torch.Tensor, ...]:

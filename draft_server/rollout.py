@@ -256,8 +256,9 @@ def rollout(model: Eagle3Draft, top_n: int, a: torch.Tensor, kv: DraftKV, positi
             masks: Masks | None = None
             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, torch.Tensor]:
     """`rounds` drafts per row: each picked from the last output a [B, 1, H], then fed at `position` [B, 1]
-    (the last one is not fed). draws: the sampled rows' (None: all greedy). valid [B, S]: the keys each row
-    of a padded batch KV attends to, grown by one a step (None: a lone session, causal).
+    (the last one is not fed). draws: the sampled rows' (None: all greedy). valid [B, S + rounds - 1]: the
+    keys each row of a padded batch KV (S long) attends to, then the rollout's own columns, a step's read up
+    to its own (None: a lone session, causal).
     -> drafts [B, rounds] (target ids); the sampled rows' q, (ids [b, rounds, N] target ids,
     probs [b, rounds, N], support [b, rounds]), or None; the outputs whose logits proposed the drafts
     [B, rounds, H]. `step`: a lone greedy session's steps run compiled (GreedyStep). `masks`: the constrained
@@ -276,10 +277,7 @@ def rollout(model: Eagle3Draft, top_n: int, a: torch.Tensor, kv: DraftKV, positi
             ids.append(q[0])
             probs.append(q[1])
         if n + 1 < rounds:
-            mask = None
-            if valid is not None:
-                valid = torch.cat([valid, valid.new_ones(valid.shape[0], 1)], dim=1)
-                mask = valid[:, None, None]
+            mask = None if valid is None else valid[:, None, None, : kv.length + 1]  # the keys once it is fed
             a = model(a, draft[:, None], position, kv, mask)
             position = position + 1
     if not drafts:  # K = 0

@@ -12,12 +12,12 @@ as a copy (the engine hands them to a transport that reads them later); the hidd
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 
 import torch
 
+from tandem.compiling import capture, cuda_graphs_on
 from tandem.staging import Staged
 
 log = logging.getLogger("tandem.target")
@@ -41,7 +41,7 @@ class StaticInputs:
 
 def graphs_enabled(device: torch.device, compiled: bool) -> bool:
     """TANDEM_CUDA_GRAPHS=1 where the forward is compiled on CUDA (off by default until measured)."""
-    return compiled and device.type == "cuda" and os.environ.get("TANDEM_CUDA_GRAPHS", "0") == "1"
+    return compiled and cuda_graphs_on(device)
 
 
 class CudaGraphs:
@@ -59,17 +59,7 @@ class CudaGraphs:
             return hidden, features.clone()
         hidden, features = self.forward(tokens, positions, batch)  # compiles the bucket where it is new
         started = time.monotonic()
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):  # capture wants a warm run off the default stream first
-            self.forward(tokens, positions, batch)
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the background compile thread may launch on the device meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            outputs = self.forward(tokens, positions, batch)
-        self.graphs[key] = (graph, outputs)
+        self.graphs[key] = capture(lambda: self.forward(tokens, positions, batch), self.device, self.pool)
         log.info("captured the target's forward for %d tokens over a pool of %d rows as a CUDA graph in %.1f s",
                  *key, time.monotonic() - started)
         return hidden, features

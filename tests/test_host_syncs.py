@@ -82,7 +82,7 @@ def test_a_batched_rollout_syncs_the_host_once_counting_every_kind(draft, sample
     kv.k, kv.v = (torch.randn(b, attention.num_kv_heads, past, attention.head_dim, generator=g) for _ in range(2))
     a = torch.randn(b, 1, model.config.hidden_size, generator=g)
     position = torch.full((b, 1), past)
-    valid = torch.ones(b, past, dtype=torch.bool)
+    valid = torch.ones(b, past + K - 1, dtype=torch.bool)  # the past, then the rollout's own columns
     settings = QSettings.of([DraftSampler.for_request(SamplingParams(temperature=0.8, seed=i)) for i in range(b)],
                             model.config.draft_vocab_size, torch.device("cpu")) if sampled else None
     with torch.inference_mode(), OpCounter() as ops:
@@ -148,7 +148,7 @@ def test_on_cuda_a_target_verify_and_a_batched_rollout_each_sync_the_host_once(t
         kv.k, kv.v = (torch.randn(b, attention.num_kv_heads, past, attention.head_dim, device="cuda") for _ in range(2))
         a = torch.randn(b, 1, model.config.hidden_size, device="cuda")
         drafts, q, _ = rollout(model, 8, a, kv, torch.full((b, 1), past, device="cuda"), K, None,
-                               torch.ones(b, past, dtype=torch.bool, device="cuda"))
+                               torch.ones(b, past + K - 1, dtype=torch.bool, device="cuda"))
         read_rollout(drafts, q)
 
     with torch.inference_mode():

@@ -1,0 +1,93 @@
+"""CUDA graphs of the draft's batched greedy rollout (TANDEM_CUDA_GRAPHS=1, on CUDA): a chain head's K picks
+and K-1 one-token forwards, ~45 kernels a step when eager, replayed as one launch per bucket of (rows,
+columns, K).
+
+A bucket's graph reads and writes static memory only: the engine's batch buffers (batch.BatchBuffers: each
+layer's KV and the keys each row may attend, in which the K-1 steps write their own columns) and its own
+two inputs, the last extend outputs a [rows, 1, H] and the positions the first drafts are fed at [rows, 1],
+copied in before each replay. So propose_batch pads a greedy batch to a bucket: its rows to the next of
+ROWS (vLLM's capture sizes, then steps of 16), the columns its rollout starts at to the next step of a
+quarter octave (at most a quarter more keys read). A bucket is captured the first time a batch meets it, in
+milliseconds (no compile: the head's eager kernels are recorded); buffers that grow drop every graph over
+the old ones. Sampled, constrained and tree proposes, P-EAGLE heads and aheads stay eager.
+
+The graphs share one memory pool, so a replay may write over another's outputs: they leave as copies."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from draft_server.model import DraftKV, Eagle3Config, Eagle3Draft
+from draft_server.rollout import rollout
+from tandem.compiling import capture as cuda_capture
+
+log = logging.getLogger("tandem.draft")
+
+ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+MIN_COLUMN_STEP = 64
+
+
+def rows_bucket(n: int) -> int:
+    """The rows a batch of n is padded to."""
+    return next((r for r in ROWS if r >= n), -(-n // 16) * 16)
+
+
+def columns_bucket(n: int) -> int:
+    """The columns a rollout starting at column n is moved to: n up to a step of a quarter of its octave."""
+    step = max(MIN_COLUMN_STEP, (1 << (n.bit_length() - 1)) // 4)
+    return -(-n // step) * step
+
+
+class RolloutGraphs:
+    """One graph per bucket (rows, columns before the rollout, K) over the engine's batch buffers. `capture`:
+    tandem.compiling.capture, or a stand-in (the tests' on a CPU)."""
+
+    def __init__(self, model: Eagle3Draft, buffers, device: torch.device, capture: Callable = cuda_capture):
+        self.model, self.buffers, self.device, self._capture = model, buffers, device, capture
+        self.graphs: dict[tuple[int, int, int], tuple] = {}
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.generation = buffers.generation
+        self.captures = 0  # graphs captured so far (buffers' growth recaptures)
+
+    @staticmethod
+    def fits(steps, config: Eagle3Config, rounds: int) -> bool:
+        """Whether a batch's rollout replays a graph: a chain head, every session greedy and unconstrained."""
+        return (rounds > 0 and not config.parallel_drafting
+                and all(s.session.sampler is None and s.session.constraint is None for s in steps))
+
+    def rollout(self, a: torch.Tensor, kv: DraftKV, position: torch.Tensor, rounds: int, valid: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """rollout()'s greedy drafts [rows, rounds] and the outputs that proposed them [rows, rounds, H], from
+        the bucket's graph: kv over the batch buffers (its length the bucket's columns), valid their view."""
+        if self.buffers.generation != self.generation:  # the graphs read buffers that are gone
+            self.graphs.clear()
+            self.generation = self.buffers.generation
+        key = (a.shape[0], kv.length, rounds)
+        if key not in self.graphs:
+            self.graphs[key] = self._record(key, a, kv, position, valid)
+        graph, static_a, static_position, drafts, outputs = self.graphs[key]
+        static_a.copy_(a)
+        static_position.copy_(position)
+        graph.replay()
+        return drafts.clone(), outputs.clone()
+
+    def _record(self, key: tuple[int, int, int], a, kv: DraftKV, position, valid) -> tuple:
+        started = time.monotonic()
+        rows, start, rounds = key
+        static_a, static_position = a.clone(), position.clone()
+
+        def call() -> tuple[torch.Tensor, torch.Tensor]:
+            kv.crop(start)  # the steps write their columns again at every run
+            drafts, _, outputs = rollout(self.model, 0, static_a, kv, static_position, rounds, None, valid)
+            return drafts, outputs
+
+        graph, (drafts, outputs) = self._capture(call, self.device, self.pool)
+        kv.crop(start)
+        self.captures += 1
+        log.info("captured the draft's rollout of K=%d for %d rows after %d columns as a CUDA graph in %.0f ms",
+                 rounds, rows, start, (time.monotonic() - started) * 1e3)
+        return graph, static_a, static_position, drafts, outputs

@@ -1,0 +1,113 @@
+"""The draft's batched propose runs in buffers kept from step to step, and a greedy batch's rollout as a
+graph over them (draft_server/graphs.py). On a CPU the graphs are a stand-in whose replay runs the captured
+call again over what it closed over, the capture-time tensors, as a CUDA graph replays the kernels over the
+capture-time memory: whatever the rollout read that was not static would be read stale, and its drafts would
+differ from the eager engine's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft_server.engine import DraftEngine
+from draft_server.graphs import ROWS, RolloutGraphs, columns_bucket, rows_bucket
+from draft_server.steps import _Step
+from tandem.params import SamplingParams
+
+K = 4
+
+
+class _Replay:
+    def __init__(self, call, outputs):
+        self.call, self.outputs = call, outputs
+
+    def replay(self) -> None:
+        for out, fresh in zip(self.outputs, self.call(), strict=True):
+            out.copy_(fresh)
+
+
+def cpu_capture(call, device, pool):
+    """tandem.compiling.capture's contract on a CPU: the outputs' tensors, written again at each replay."""
+    outputs = tuple(t.clone() for t in call())
+    return _Replay(call, outputs), outputs
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dir) -> tuple[DraftEngine, DraftEngine]:
+    eager = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
+    graphed = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
+    graphed.rollout_graphs = RolloutGraphs(graphed.model, graphed.batch_buffers, graphed.device, capture=cpu_capture)
+    return eager, graphed
+
+
+def _pairs(engine: DraftEngine, m: int, seed: int) -> tuple[torch.Tensor, list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, engine.feature_size, generator=g), torch.randint(0, 64, (m,), generator=g).tolist()
+
+
+def _rounds(engine: DraftEngine, names: list[str], rounds: int, sampling=None) -> list[list[int]]:
+    """Each session opened with a prompt of its own, then `rounds` batched proposes of 1-3 new pairs -> every
+    session's drafts, round after round."""
+    drafts = []
+    for i, name in enumerate(names):
+        drafts.append(list(engine.propose(name, *_pairs(engine, 5 + 3 * i, i), K, create=True, sampling=sampling)))
+    for r in range(rounds):
+        steps = [_Step(engine.sessions.get(name), *_pairs(engine, 1 + (r + i) % 3, 100 * r + i), K - (r + i) % 2)
+                 for i, name in enumerate(names)]
+        with torch.inference_mode():
+            drafts += [list(d) for d in engine._run_steps(steps)]
+    for name in names:
+        engine.release(name)
+    return drafts
+
+
+def test_rows_and_columns_go_up_to_their_buckets():
+    assert [rows_bucket(n) for n in (1, 3, 5, 9, 17, 64, 65)] == [1, 4, 8, 16, 24, 64, 80]
+    assert all(rows_bucket(n) in ROWS for n in range(1, 65))
+    assert [columns_bucket(n) for n in (1, 64, 65, 300, 1000, 1025, 3000)] == [64, 64, 128, 320, 1024, 1280, 3072]
+    assert all(n <= columns_bucket(n) < max(n + 64, 1.25 * n) for n in range(1, 5000))  # a quarter more at most
+
+
+def test_a_batch_of_proposes_reuses_the_buffers_of_the_last(engines):
+    eager, _ = engines
+    names = [f"reuse-{i}" for i in range(3)]
+    _rounds(eager, names, 12)
+    buffers = eager.batch_buffers
+    generation, storage = buffers.generation, buffers.kv[0][0].data_ptr()
+    _rounds(eager, names, 12)  # the same prompts: no longer than the buffers have held
+    assert buffers.generation == generation and buffers.kv[0][0].data_ptr() == storage
+
+
+@pytest.mark.parametrize("batch", [1, 3, 6])
+def test_a_graphed_greedy_rollout_drafts_what_the_eager_one_does(engines, batch):
+    """Lone sessions too run as a batch of one bucket when graphs are on; the padded rows and columns change
+    no real row's drafts, and a bucket's graph serves every batch that meets it."""
+    eager, graphed = engines
+    names = [f"graphed-{batch}-{i}" for i in range(batch)]
+    captures = graphed.rollout_graphs.captures
+    expected = _rounds(eager, names, 10)
+    assert _rounds(graphed, names, 10) == expected
+    captured = graphed.rollout_graphs.captures - captures
+    assert 0 < captured < 10 * 2, captured  # at most a bucket of columns a few rounds, each of two Ks
+
+
+def test_sampled_rollouts_stay_eager_beside_the_graphs(engines):
+    eager, graphed = engines
+    names = ["sampled-0", "sampled-1"]
+    captures = graphed.rollout_graphs.captures
+    sampling = SamplingParams(temperature=0.8, seed=5)
+    assert _rounds(graphed, names, 4, sampling) == _rounds(eager, names, 4, sampling)
+    assert graphed.rollout_graphs.captures == captures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_graphed_rollout_drafts_what_the_eager_one_does(tiny_dir, monkeypatch):
+    eager = DraftEngine(tiny_dir / "draft", tiny_dir / "target", device="cuda")
+    monkeypatch.setenv("TANDEM_CUDA_GRAPHS", "1")
+    graphed = DraftEngine(tiny_dir / "draft", tiny_dir / "target", device="cuda")
+    assert graphed.rollout_graphs is not None
+    for batch in (1, 5):
+        names = [f"cuda-{batch}-{i}" for i in range(batch)]
+        assert _rounds(graphed, names, 6) == _rounds(eager, names, 6)
+    assert graphed.rollout_graphs.captures > 0
