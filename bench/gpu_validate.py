@@ -11,7 +11,7 @@ The stages, in order (each a child process killed at its cap, so a hung compile 
   forward     a random target of Llama-3.1-8B's shape built in bfloat16 in memory: eager, compiled and the
               compiled forward replayed as a CUDA graph at 1, 6, 16 and 96 tokens (a decode, a K=5 verify,
               16 decodes, 16 verifies) beside the weight-read floor, with kernels and host syncs per forward
-  rollout     the EAGLE-3 head of that shape: the K=5 rollout eager and as a CUDA graph at batch 1 and 16
+  rollout     the EAGLE-3 head of that shape: the K=5 rollout eager and as the draft's own graph, batch 1 and 16
   transports  shm and cuda-ipc between two processes, many sessions, every row checked (bench/gpu_links.py)
   services    the three services on the demo pair in float32: EAGLE-3 identical to target-only
 
