@@ -53,6 +53,20 @@ class BatchBuffers:
             self.generation += 1
         return [(k[:rows, :, :columns], v[:rows, :, :columns]) for k, v in self.kv], self.valid[:rows, :columns]
 
+    def lone(self, kv: DraftKV, length: int, more: int) -> tuple[DraftKV, torch.Tensor]:
+        """A lone session's KV of `length` pairs copied into row 0, left-padded to its bucket of columns, with
+        `more` columns after them -> a KV over the buffers, and the row's keys [1, columns + more]: its pairs'
+        and the `more`."""
+        start = columns_bucket(length)
+        stores, valid = self.take(1, start + more)
+        valid.fill_(True)
+        valid[:, : start - length] = False
+        for layer, (k, v) in enumerate(stores):
+            own = kv.layer(layer)
+            k[0, :, start - length : start] = own.k[0]
+            v[0, :, start - length : start] = own.v[0]
+        return DraftKV.over(stores, start), valid
+
 
 def propose_batch(model: Eagle3Draft, steps: list[_Step], grammars: DraftGrammars, q_top_n: int,
                   device: torch.device, dtype: torch.dtype, buffers: BatchBuffers,

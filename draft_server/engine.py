@@ -74,7 +74,7 @@ from draft_server.rollout import (
     rollout,
 )
 from draft_server.steps import DraftSteps, Outcomes, _Ahead, _drafts, _Session, _Step, read_target_shape
-from draft_server.tree import SiblingRates, grow_tree, parallel_tree
+from draft_server.tree import SiblingRates, grow_tree, parallel_tree, tree_shape
 from tandem.compiling import cuda_graphs_on
 from tandem.defaults import DRAFT_Q_TOP_N
 from tandem.dtypes import TORCH_DTYPES
@@ -329,8 +329,13 @@ class DraftEngine(DraftSteps):
             tree = parallel_tree(model, a, step.tree)
         else:
             a, position = self._extend(step)
-            tree = grow_tree(self.model, a, session.kv, position, step.tree, sampler and sampler.temperature, draws,
-                             self.q_top_n, values)
+            if self.rollout_graphs is not None and sampler is None:  # a greedy tree from its bucket's graph
+                k, depth, _ = tree_shape(step.tree, self.draft_vocab)
+                kv, valid = self.batch_buffers.lone(session.kv, session.length, (depth - 1) * k)
+                tree = self.rollout_graphs.tree(a, kv, position, step.tree, valid)
+            else:
+                tree = grow_tree(self.model, a, session.kv, position, step.tree, sampler and sampler.temperature,
+                                 draws, self.q_top_n, values)
         tokens, q, (parents,) = read_rollout(tree.tokens, tree.q, tree.parents)  # q: one per node, or None
         session.proposed = []  # no chain for an ahead to assume
         if sampler is not None:

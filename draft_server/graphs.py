@@ -1,6 +1,6 @@
-"""CUDA graphs of the draft's batched greedy rollout (TANDEM_CUDA_GRAPHS=1, on CUDA): a chain head's K picks
-and K-1 one-token forwards, ~45 kernels a step when eager, replayed as one launch per bucket of (rows,
-columns, K).
+"""CUDA graphs of the draft's greedy rollouts (TANDEM_CUDA_GRAPHS=1, on CUDA): a chain head's K picks and K-1
+one-token forwards, ~45 kernels a step when eager, replayed as one launch per bucket of (rows, columns, K);
+and a lone greedy session's draft tree, its depth - 1 expansions, per (columns, tree shape).
 
 A bucket's graph reads and writes static memory only: the engine's batch buffers (batch.BatchBuffers: each
 layer's KV and the keys each row may attend, in which the K-1 steps write their own columns) and its own
@@ -9,7 +9,7 @@ copied in before each replay. So propose_batch pads a greedy batch to a bucket: 
 ROWS (vLLM's capture sizes, then steps of 16), the columns its rollout starts at to the next step of a
 quarter octave (at most a quarter more keys read). A bucket is captured the first time a batch meets it, in
 milliseconds (no compile: the head's eager kernels are recorded); buffers that grow drop every graph over
-the old ones. Sampled, constrained and tree proposes, P-EAGLE heads and aheads stay eager.
+the old ones. Sampled and constrained proposes and trees, P-EAGLE heads and aheads stay eager.
 
 The graphs share one memory pool, so a replay may write over another's outputs: they leave as copies."""
 
@@ -23,7 +23,9 @@ import torch
 
 from draft_server.model import DraftKV, Eagle3Config, Eagle3Draft
 from draft_server.rollout import rollout
+from draft_server.tree import Tree, grow_tree, tree_shape
 from tandem.compiling import capture as cuda_capture
+from tandem.params import TreeParams
 
 log = logging.getLogger("tandem.draft")
 
@@ -43,12 +45,13 @@ def columns_bucket(n: int) -> int:
 
 
 class RolloutGraphs:
-    """One graph per bucket (rows, columns before the rollout, K) over the engine's batch buffers. `capture`:
-    tandem.compiling.capture, or a stand-in (the tests' on a CPU)."""
+    """One graph per bucket over the engine's batch buffers: a chain's (rows, columns before the rollout, K), a
+    greedy tree's (columns, top_k, depth, nodes). `capture`: tandem.compiling.capture, or a stand-in (the
+    tests' on a CPU)."""
 
     def __init__(self, model: Eagle3Draft, buffers, device: torch.device, capture: Callable = cuda_capture):
         self.model, self.buffers, self.device, self._capture = model, buffers, device, capture
-        self.graphs: dict[tuple[int, int, int], tuple] = {}
+        self.graphs: dict[tuple, tuple] = {}
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.generation = buffers.generation
         self.captures = 0  # graphs captured so far (buffers' growth recaptures)
@@ -63,31 +66,47 @@ class RolloutGraphs:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """rollout()'s greedy drafts [rows, rounds] and the outputs that proposed them [rows, rounds, H], from
         the bucket's graph: kv over the batch buffers (its length the bucket's columns), valid their view."""
+        start = kv.length
+
+        def run(a: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            kv.crop(start)  # the steps write their columns again at every run
+            drafts, _, outputs = rollout(self.model, 0, a, kv, position, rounds, None, valid)
+            return drafts, outputs
+
+        out = self._replay(("chain", a.shape[0], start, rounds), (a, position), run)
+        kv.crop(start)
+        return out
+
+    def tree(self, a: torch.Tensor, kv: DraftKV, position: torch.Tensor, params: TreeParams, valid: torch.Tensor
+             ) -> Tree:
+        """grow_tree()'s greedy tree from its bucket's graph: kv a lone session's over the batch buffers
+        (BatchBuffers.lone), valid [1, columns] the keys its row may attend."""
+        start = kv.length
+
+        def run(a: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            kv.crop(start)
+            tree = grow_tree(self.model, a, kv, position, params, context=valid[0, :start])
+            return tree.tokens, tree.parents, tree.scores
+
+        shape = tree_shape(params, self.model.config.draft_vocab_size)
+        return Tree(*self._replay(("tree", start, *shape), (a, position), run))
+
+    def _replay(self, key: tuple, inputs: tuple[torch.Tensor, ...], run: Callable[..., tuple[torch.Tensor, ...]]
+                ) -> tuple[torch.Tensor, ...]:
+        """run(*inputs)'s outputs from the graph of `key`, captured the first time over static copies of
+        `inputs` (the rest `run` reads is the buffers'), which each replay writes first."""
         if self.buffers.generation != self.generation:  # the graphs read buffers that are gone
             self.graphs.clear()
             self.generation = self.buffers.generation
-        key = (a.shape[0], kv.length, rounds)
         if key not in self.graphs:
-            self.graphs[key] = self._record(key, a, kv, position, valid)
-        graph, static_a, static_position, drafts, outputs = self.graphs[key]
-        static_a.copy_(a)
-        static_position.copy_(position)
+            started = time.monotonic()
+            static = tuple(t.clone() for t in inputs)
+            graph, outputs = self._capture(lambda: run(*static), self.device, self.pool)
+            self.graphs[key] = (graph, static, outputs)
+            self.captures += 1
+            log.info("captured the draft's %s as a CUDA graph in %.0f ms", key, (time.monotonic() - started) * 1e3)
+        graph, static, outputs = self.graphs[key]
+        for into, value in zip(static, inputs, strict=True):
+            into.copy_(value)
         graph.replay()
-        return drafts.clone(), outputs.clone()
-
-    def _record(self, key: tuple[int, int, int], a, kv: DraftKV, position, valid) -> tuple:
-        started = time.monotonic()
-        rows, start, rounds = key
-        static_a, static_position = a.clone(), position.clone()
-
-        def call() -> tuple[torch.Tensor, torch.Tensor]:
-            kv.crop(start)  # the steps write their columns again at every run
-            drafts, _, outputs = rollout(self.model, 0, static_a, kv, static_position, rounds, None, valid)
-            return drafts, outputs
-
-        graph, (drafts, outputs) = self._capture(call, self.device, self.pool)
-        kv.crop(start)
-        self.captures += 1
-        log.info("captured the draft's rollout of K=%d for %d rows after %d columns as a CUDA graph in %.0f ms",
-                 rounds, rows, start, (time.monotonic() - started) * 1e3)
-        return graph, static_a, static_position, drafts, outputs
+        return tuple(out.clone() for out in outputs)

@@ -189,11 +189,13 @@ def parallel_tree(model: Eagle3Draft, a: torch.Tensor, params: TreeParams) -> Tr
 
 def grow_tree(model: Eagle3Draft, a: torch.Tensor, kv: DraftKV, position: torch.Tensor, params: TreeParams,
               temperature: float | None = None, draws: Draws | None = None, top_n: int = 0,
-              values: torch.Tensor | None = None) -> Tree:
+              values: torch.Tensor | None = None, context: torch.Tensor | None = None) -> Tree:
     """The tree after a lone session's extend: `a` [1, 1, H] its last output, `kv` its committed KV, `position`
     [1, 1] where its first draft goes. A sampled session's: `temperature`, and `draws` (its settings, and
     uniforms [top_k, depth]: draw j of each depth) with the q cut `top_n` draw each expanded node's children,
-    ranked by `values` (SiblingRates.log_values). The nodes' KV is cropped off `kv` again before this returns."""
+    ranked by `values` (SiblingRates.log_values). `context` [committed]: the KV's columns the nodes attend (None:
+    all; a left-padded copy's, draft_server/graphs.py). The nodes' KV is cropped off `kv` again before this
+    returns."""
     k, depth, n = tree_shape(params, model.config.draft_vocab_size)
     device, committed = a.device, kv.length
     ids, logp, q = _children(model, a[0, -1:], k, temperature, draws, top_n, 1, values)  # level 1: [1, k]
@@ -206,7 +208,9 @@ def grow_tree(model: Eagle3Draft, a: torch.Tensor, kv: DraftKV, position: torch.
     hidden, tokens = a[:, -1:].expand(1, k, a.shape[-1]), model.to_target_ids(ids)  # [1, k, H], [1, k]
     self_only = torch.eye(k, dtype=torch.bool, device=device)
     ancestry = self_only  # [k, fed]: which of the tree nodes fed (this frontier included) each row descends from
-    context = torch.ones(k, committed, dtype=torch.bool, device=device)  # every node sees the committed pairs
+    # every node sees the committed pairs
+    context = (torch.ones(k, committed, dtype=torch.bool, device=device) if context is None
+               else context[None].expand(k, -1))
     offset = k  # candidates so far
     for level in range(2, depth + 1):
         out = model(hidden, tokens, position.expand(1, k) + (level - 2), kv, torch.cat([context, ancestry], 1))

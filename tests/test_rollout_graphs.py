@@ -12,7 +12,7 @@ import torch
 from draft_server.engine import DraftEngine
 from draft_server.graphs import ROWS, RolloutGraphs, columns_bucket, rows_bucket
 from draft_server.steps import _Step
-from tandem.params import SamplingParams
+from tandem.params import SamplingParams, TreeParams
 
 K = 4
 
@@ -91,6 +91,23 @@ def test_a_graphed_greedy_rollout_drafts_what_the_eager_one_does(engines, batch)
     assert 0 < captured < 10 * 2, captured  # at most a bucket of columns a few rounds, each of two Ks
 
 
+def test_a_graphed_greedy_tree_is_the_eager_one(engines):
+    """A lone session's tree from its bucket's graph, over a left-padded copy of its KV: the same nodes and
+    parents as grown eagerly over the session's own, round after round, and its KV as long as before."""
+    eager, graphed = engines
+    captures = graphed.rollout_graphs.captures
+    tree = TreeParams(nodes=8, depth=3, top_k=3)
+    trees = []
+    for engine in (eager, graphed):
+        engine.propose("tree", *_pairs(engine, 9, 1), 0, create=True)
+        for r in range(8):
+            drafts = engine.propose("tree", *_pairs(engine, 1 + r % 3, 50 + r), 0, tree=tree)
+            trees.append((list(drafts), drafts.parents, engine.sessions.get("tree").kv.length))
+        engine.release("tree")
+    assert trees[8:] == trees[:8]
+    assert 0 < graphed.rollout_graphs.captures - captures < 8
+
+
 def test_sampled_rollouts_stay_eager_beside_the_graphs(engines):
     eager, graphed = engines
     names = ["sampled-0", "sampled-1"]
@@ -110,4 +127,12 @@ def test_on_cuda_a_graphed_rollout_drafts_what_the_eager_one_does(tiny_dir, monk
     for batch in (1, 5):
         names = [f"cuda-{batch}-{i}" for i in range(batch)]
         assert _rounds(graphed, names, 6) == _rounds(eager, names, 6)
+    trees = []
+    for engine in (eager, graphed):
+        engine.propose("tree", *_pairs(engine, 9, 1), 0, create=True)
+        trees.append([engine.propose("tree", *_pairs(engine, 2, 50 + r), 0, tree=TreeParams(nodes=8, depth=3,
+                                                                                           top_k=3)).parents
+                      for r in range(4)])
+        engine.release("tree")
+    assert trees[0] == trees[1]
     assert graphed.rollout_graphs.captures > 0
