@@ -40,7 +40,6 @@ from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
-    repeat_kv,
 )
 
 
@@ -200,11 +199,9 @@ class Eagle3Attention(nn.Module):
         if attn_mask is None and s > 1:
             # causal over [cached | new]: new query j sees keys 0..past+j (one query sees them all)
             attn_mask = torch.ones(s, past + s, dtype=torch.bool, device=x.device).tril(diagonal=past)
-        if attn_mask is None:  # grouped-query attention without repeated KV
-            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        else:
-            n_rep = self.num_heads // self.num_kv_heads
-            out = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=attn_mask)
+        # grouped-query attention without repeated KV: a batch's KV repeated for its mask was a copy of it a step
+        # (16 rows of 1,030 keys, 3 kv heads of 9: 51 ms against 3.6 on one CPU thread)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
