@@ -1,7 +1,7 @@
 """Several sessions' chain proposes as one batch: their committed KV copied, left-padded, into the engine's
 batch buffers (BatchBuffers: the same storage every step, no per-step allocation), their new pairs
 right-padded after it, then one extend forward and one forward per rollout step for all of them, each writing
-its columns in place. Where CUDA graphs are on (draft_server/graphs.py) a greedy batch is padded to a bucket of
+its columns in place. Where CUDA graphs are on (draft_server/graphs.py) a batch all greedy or all sampled is padded to a bucket of
 rows and columns, lone sessions too, and its rollout replays the bucket's graph; elsewhere a lone session runs
 over its own KV (draft_server/engine.py).
 
@@ -20,9 +20,12 @@ from draft_server.constrained import DraftGrammars
 from draft_server.graphs import RolloutGraphs, columns_bucket, rows_bucket
 from draft_server.model import DraftKV, Eagle3Draft
 from draft_server.rollout import draws_for, parallel_rollout, read_rollout, rollout
+from draft_server.sampling import DraftSampler
 from draft_server.steps import _drafts, _Step
 from tandem.protocol import Drafts
 from tandem.staging import to_device, upload
+
+PADDING_SAMPLER = DraftSampler(temperature=1.0, top_k=0, top_p=1.0, key=0)
 
 
 class BatchBuffers:
@@ -88,7 +91,10 @@ def propose_batch(model: Eagle3Draft, steps: list[_Step], grammars: DraftGrammar
     rows, start = (rows_bucket(b), columns_bucket(longest + width)) if graphed else (b, longest + width)
     pairs_at = start - width
     samplers = [step.session.sampler for step in steps]
-    draws = draws_for(samplers, [p + m for p, m in zip(past, sizes, strict=True)], rounds, config.draft_vocab_size, device)
+    # a sampled graph's padding rows draw too, with settings of their own
+    padding = [PADDING_SAMPLER if samplers[0] is not None else None] * (rows - b)
+    draws = draws_for(samplers + padding, [p + m for p, m in zip(past, sizes, strict=True)] + [1] * (rows - b),
+                      rounds, config.draft_vocab_size, device)
     # the extend's host tables (tokens, positions, the keys each row may attend, the first draft's position) in
     # one upload
     tokens = np.zeros((rows, width), dtype=np.int64)
@@ -140,13 +146,13 @@ def propose_batch(model: Eagle3Draft, steps: list[_Step], grammars: DraftGrammar
         else:  # the rollout: one token per row per step, in the buffers' columns from `start` on
             a = torch.stack([a[i, m - 1] for i, m in enumerate(lasts)])[:, None]  # [rows, 1, H]
             if graphed:
-                (drafts, outputs), q = graphs.rollout(a, kv, position, rounds, valid), None
+                drafts, q, outputs = graphs.rollout(a, kv, position, rounds, valid, draws)
             else:
                 drafts, q, outputs = rollout(model, q_top_n, a, kv, position, rounds, draws, valid, masks=masks)
     finally:
         if masks is not None:
             masks.close()
-    drafts, qs, _ = read_rollout(drafts[:b], q)  # [B * rounds], [b * rounds]
+    drafts, qs, _ = read_rollout(drafts[:b], q and tuple(t[:b] for t in q))  # [B * rounds], [b * rounds]
     out, j = [], 0
     for i, step in enumerate(steps):
         k = min(step.k, rounds)  # a P-EAGLE head drafts up to its num_depths

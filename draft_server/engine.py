@@ -125,8 +125,8 @@ class DraftEngine(DraftSteps):
                 self._mask_row = self.model.mask_row()
         self.sessions: SessionTable[_Session] = SessionTable("draft")
         self.batch_buffers = BatchBuffers(self.model, self.device, self.dtype)  # a batched propose's KV and mask
-        # CUDA graphs of greedy rollouts (TANDEM_CUDA_GRAPHS=1 on CUDA): lone sessions too then run as a batch
-        self.rollout_graphs = (RolloutGraphs(self.model, self.batch_buffers, self.device)
+        # CUDA graphs of rollouts and greedy trees (TANDEM_CUDA_GRAPHS=1 on CUDA): lone sessions then run as a batch
+        self.rollout_graphs = (RolloutGraphs(self.model, self.batch_buffers, self.device, q_top_n)
                                if cuda_graphs_on(self.device) else None)
         self.kv_budget = DraftKVBudget()  # unbounded until the service sizes it (draft_server/budget.py)
         self._running = threading.Lock()  # one batch at a time: in-process callers may come from several threads

@@ -79,6 +79,12 @@ class QSettings:
                    cut_only=all(k == vocab for k in top_k) and all(s.top_p >= 1.0 for s in samplers))
 
 
+def q_width(settings: QSettings, vocab: int, top_n: int) -> int:
+    """The columns of the sorted probabilities draft_q reads: the top_n cut's, and the top-k mass's."""
+    n = vocab if top_n <= 0 else min(top_n, vocab)
+    return max(n, *(k for k in settings.top_k if k < vocab), 1)
+
+
 def draft_q(logits: torch.Tensor, samplers: list[DraftSampler] | QSettings, top_n: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, Vd] over the draft vocabulary -> (ids [B, N] draft ids, likeliest first; probs [B, N]
@@ -88,7 +94,7 @@ def draft_q(logits: torch.Tensor, samplers: list[DraftSampler] | QSettings, top_
     s = samplers if isinstance(samplers, QSettings) else QSettings.of(samplers, vocab, logits.device)
     probs = torch.softmax(logits.float() / s.temperature, dim=-1)  # [B, Vd]
     n = vocab if top_n <= 0 else min(top_n, vocab)
-    width = max(n, *(k for k in s.top_k if k < vocab), 1)  # the columns the cut and the top-k mass need
+    width = q_width(s, vocab, top_n)
     if width < vocab:
         sorted_p, ids = probs.topk(width, dim=-1)  # [B, width]
     else:

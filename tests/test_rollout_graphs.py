@@ -36,7 +36,8 @@ def cpu_capture(call, device, pool):
 def engines(tiny_dir) -> tuple[DraftEngine, DraftEngine]:
     eager = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
     graphed = DraftEngine(tiny_dir / "draft", tiny_dir / "target")
-    graphed.rollout_graphs = RolloutGraphs(graphed.model, graphed.batch_buffers, graphed.device, capture=cpu_capture)
+    graphed.rollout_graphs = RolloutGraphs(graphed.model, graphed.batch_buffers, graphed.device, graphed.q_top_n,
+                                           capture=cpu_capture)
     return eager, graphed
 
 
@@ -45,20 +46,36 @@ def _pairs(engine: DraftEngine, m: int, seed: int) -> tuple[torch.Tensor, list[i
     return torch.randn(m, engine.feature_size, generator=g), torch.randint(0, 64, (m,), generator=g).tolist()
 
 
-def _rounds(engine: DraftEngine, names: list[str], rounds: int, sampling=None) -> list[list[int]]:
-    """Each session opened with a prompt of its own, then `rounds` batched proposes of 1-3 new pairs -> every
-    session's drafts, round after round."""
+def _seen(drafts) -> tuple:
+    """A propose's drafts, with their q where sampled."""
+    return list(drafts), drafts.q and [(p.ids, p.probs) for p in drafts.q]
+
+
+def _rounds(engine: DraftEngine, names: list[str], rounds: int, sampled=lambda i: None) -> list[tuple]:
+    """Each session opened with a prompt of its own (and `sampled(i)`'s sampling), then `rounds` batched
+    proposes of 1-3 new pairs -> every session's drafts and q, round after round."""
     drafts = []
     for i, name in enumerate(names):
-        drafts.append(list(engine.propose(name, *_pairs(engine, 5 + 3 * i, i), K, create=True, sampling=sampling)))
+        drafts.append(_seen(engine.propose(name, *_pairs(engine, 5 + 3 * i, i), K, create=True, sampling=sampled(i))))
     for r in range(rounds):
         steps = [_Step(engine.sessions.get(name), *_pairs(engine, 1 + (r + i) % 3, 100 * r + i), K - (r + i) % 2)
                  for i, name in enumerate(names)]
         with torch.inference_mode():
-            drafts += [list(d) for d in engine._run_steps(steps)]
+            drafts += [_seen(d) for d in engine._run_steps(steps)]
     for name in names:
         engine.release(name)
     return drafts
+
+
+def _same(seen: list[tuple], expected: list[tuple]) -> None:
+    """The same drafts, each drawn from the same q but for rounding (a padded batch's softmax sums its columns
+    in another order, which can swap two near-equal tokens at the top_n cut): total variation under 1e-4."""
+    assert [drafts for drafts, _ in seen] == [drafts for drafts, _ in expected]
+    for (_, q), (_, want) in zip(seen, expected, strict=True):
+        assert (q is None) == (want is None)
+        for (ids, probs), (want_ids, want_probs) in zip(q or (), want or (), strict=True):
+            p, w = dict(zip(ids, probs, strict=True)), dict(zip(want_ids, want_probs, strict=True))
+            assert sum(abs(p.get(i, 0.0) - w.get(i, 0.0)) for i in p.keys() | w.keys()) / 2 < 1e-4
 
 
 def test_rows_and_columns_go_up_to_their_buckets():
@@ -108,12 +125,25 @@ def test_a_graphed_greedy_tree_is_the_eager_one(engines):
     assert 0 < graphed.rollout_graphs.captures - captures < 8
 
 
-def test_sampled_rollouts_stay_eager_beside_the_graphs(engines):
+def test_a_graphed_sampled_rollout_draws_what_the_eager_one_does_and_a_mixed_batch_stays_eager(engines):
+    """Sampled batches replay graphs of their own, the rows' settings and uniforms copied in (top-k and top-p
+    rows, one cut only); a batch of greedy and sampled sessions together runs eagerly."""
     eager, graphed = engines
-    names = ["sampled-0", "sampled-1"]
-    captures = graphed.rollout_graphs.captures
-    sampling = SamplingParams(temperature=0.8, seed=5)
-    assert _rounds(graphed, names, 4, sampling) == _rounds(eager, names, 4, sampling)
+    settings = [SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=1.0, top_k=8, seed=6),
+                SamplingParams(temperature=0.7, top_p=0.9, seed=7)]
+    for sampled in (lambda i: settings[i], lambda i: settings[0]):
+        names = [f"sampled-{i}" for i in range(3)]
+        captures = graphed.rollout_graphs.captures
+        _same(_rounds(graphed, names, 5, sampled), _rounds(eager, names, 5, sampled))
+        assert graphed.rollout_graphs.captures > captures
+    mixed = [f"mixed-{i}" for i in range(3)]
+
+    def half(i: int) -> SamplingParams | None:
+        return settings[0] if i % 2 else None
+
+    _same(_rounds(graphed, mixed, 4, half), _rounds(eager, mixed, 4, half))
+    captures = graphed.rollout_graphs.captures  # the lone first proposes' buckets, captured
+    _rounds(graphed, mixed, 4, half)
     assert graphed.rollout_graphs.captures == captures
 
 
