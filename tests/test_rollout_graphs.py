@@ -157,6 +157,11 @@ def test_on_cuda_a_graphed_rollout_drafts_what_the_eager_one_does(tiny_dir, monk
     for batch in (1, 5):
         names = [f"cuda-{batch}-{i}" for i in range(batch)]
         assert _rounds(graphed, names, 6) == _rounds(eager, names, 6)
+
+        def sampled(i: int) -> SamplingParams:
+            return SamplingParams(temperature=0.8, top_p=0.9, seed=i)
+
+        _same(_rounds(graphed, names, 6, sampled), _rounds(eager, names, 6, sampled))
     trees = []
     for engine in (eager, graphed):
         engine.propose("tree", *_pairs(engine, 9, 1), 0, create=True)
