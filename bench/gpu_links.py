@@ -219,6 +219,7 @@ def services(sizes, record, pair) -> None:
 
         env.setdefault("TANDEM_TARGET_KV_CACHE_GIB", "8")  # the draft shares the GPU
         env.setdefault("TANDEM_COMPILE", "0")  # the forward stage times the compiled one; this checks the bits
+        env.setdefault("TANDEM_CUDA_GRAPHS", "1")  # the draft's rollout graphs (the eager target takes none)
         del torch
     log = Path(tempfile.mkdtemp(prefix="tandem-validate-")) / "serve.log"
     begun = time.monotonic()
