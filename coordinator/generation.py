@@ -30,6 +30,7 @@ from tandem.params import MAX_STOP_LENGTH, MAX_STOP_STRINGS, GenerationRequest, 
 from tandem.policy import OVERLAP_BRANCHES, OVERLAP_MAX_RUNNING, Speculation, adaptive_k
 from tandem.service import Service
 from tandem.text import TextDelta, text_deltas
+from tandem.v1 import draft_pb2, target_pb2
 
 log = logging.getLogger("tandem.coordinator")
 
@@ -156,8 +157,13 @@ class Generations:
             if self._scheduler is None or self._scheduler[0] != made_for:
                 if self._scheduler is not None:
                     self._scheduler[1].close()
-                target = ServiceLink("target", pair.target.Step, pack_target, owner=self.owner)
-                draft = (ServiceLink("draft", pair.draft.Step, pack_draft, self.settings.draft_timeout, self.owner)
+                traffic = self.service.traffic
+                target = ServiceLink("target", pair.target.Step, pack_target, owner=self.owner,
+                                     local=_local_steps(pair.target_info), answer_type=target_pb2.TargetBatchResult,
+                                     traffic=traffic)
+                draft = (ServiceLink("draft", pair.draft.Step, pack_draft, self.settings.draft_timeout, self.owner,
+                                     local=_local_steps(pair.draft_info), answer_type=draft_pb2.DraftBatchResult,
+                                     traffic=traffic)
                          if pair.draft is not None else None)
                 scheduler = Scheduler(target, draft, list(pair.target_info.eos_token_ids),
                                       pair.target_info.max_context, self.speculation, self.settings.max_sessions,
@@ -219,3 +225,8 @@ class Generations:
                 f"({exc.code.name}: {exc.details}); retry once the coordinator reports SERVING again",
             )
         return Abort(exc.code, str(exc))
+
+
+def _local_steps(info):
+    """The service's step socket (common.LocalSteps) from its ModelInfo, or None where it offers none."""
+    return info.local_steps if info is not None and info.HasField("local_steps") else None

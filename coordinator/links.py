@@ -6,12 +6,16 @@ the draft's batches before it reads either, so both services work during the sam
 A broken stream fails the steps in flight with its status and ends every session opened on it (the
 service frees them when the stream ends); the next step opens a new stream. A draft step has a deadline
 (--draft-timeout): a draft that hangs past it is cancelled like a broken stream.
+
+A service on this host offers its steps over a Unix socket too (tandem/step_socket.py: the same messages,
+without gRPC's threads); the link takes it when it can connect, and gRPC when it cannot.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -20,6 +24,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+
+from tandem.step_socket import TRANSPORT, SocketCall, StepStreamError
+
+log = logging.getLogger("tandem.coordinator")
 
 _CLOSE = object()
 # when each service last answered a step (time.monotonic(), by service name): the health monitor keeps a
@@ -104,20 +112,25 @@ class _Stream:
         if step_timeout is not None:
             _watchdog.arm(self, step_timeout)
         try:
-            message = next(self._call)
+            message = self._next()
         except StopIteration:
             raise BackendError(self.service, grpc.StatusCode.INTERNAL, "the step stream ended early") from None
-        except grpc.RpcError as exc:
+        except (grpc.RpcError, StepStreamError) as exc:
             if self._expired:
                 raise BackendError(
                     self.service, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {step_timeout:g}s"
                 ) from None
+            if isinstance(exc, StepStreamError):
+                raise BackendError(self.service, exc.code, exc.details) from None
             raise BackendError(self.service, exc.code(), exc.details() or "") from None
         finally:
             if step_timeout is not None:
                 _watchdog.disarm(self)
         last_answer[self.service] = time.monotonic()
         return message
+
+    def _next(self):
+        return next(self._call)
 
     def expire(self) -> None:
         """Called by the watchdog when a step's deadline passed: the waiting recv() fails."""
@@ -132,6 +145,29 @@ class _Stream:
             self._call.cancel()
 
 
+class _SocketStream(_Stream):
+    """The stream over a service's step socket (tandem/step_socket.py): opened at once; each message is
+    serialized here and counted as gRPC's serializers count theirs (tandem/traffic.py), labelled unix."""
+
+    def __init__(self, service: str, local, answer_type, owner: str, traffic=None, links=("", "")):
+        super().__init__(service, None)
+        self._call = SocketCall(local.path, local.token, owner)  # OSError: no socket to reach here
+        self._answer_type, self._traffic, self._links = answer_type, traffic, links
+
+    def send(self, message) -> None:
+        data = message.SerializeToString()
+        if self._traffic is not None:
+            self._traffic.count("sent", self._links[0], len(data), message, TRANSPORT)
+        self._call.send(data)
+
+    def _next(self):
+        data = self._call.recv()
+        message = self._answer_type.FromString(data)
+        if self._traffic is not None:
+            self._traffic.count("received", self._links[1], len(data), message, TRANSPORT)
+        return message
+
+
 def code_of(value: int) -> grpc.StatusCode:
     return next((code for code in grpc.StatusCode if code.value[0] == value), grpc.StatusCode.UNKNOWN)
 
@@ -141,20 +177,41 @@ class ServiceLink:
     `results` come back one per step, each a response or a StepError."""
 
     def __init__(self, service: str, method: Callable, pack: Callable[[Sequence, Sequence[str]], Any],
-                 step_timeout: float | None = None, owner: str | None = None):
-        """`owner`: who steps the service (the coordinator's id): its own new stream may replace its last."""
+                 step_timeout: float | None = None, owner: str | None = None, local=None, answer_type=None,
+                 traffic=None):
+        """`owner`: who steps the service (the coordinator's id): its own new stream may replace its last.
+        `local`: the service's step socket (common.LocalSteps, from its ModelInfo), tried first; its streams
+        read `answer_type` messages and count them in `traffic`."""
         self.service = service
         self.owner = owner or uuid.uuid4().hex
         self._method = method
         self._pack = pack
         self._step_timeout = step_timeout
+        self._local = local if local is not None and local.path else None
+        self._answer_type, self._traffic = answer_type, traffic
         self._stream: _Stream | None = None
         self._sent = 0  # steps of the batch in flight
         self.generation = 0  # counts the streams opened: a session of an earlier one is gone
 
+    @property
+    def transport(self) -> str:
+        """What the steps go by: unix (the service's step socket) or grpc."""
+        return TRANSPORT if self._local is not None else "grpc"
+
+    def _open(self) -> _Stream:
+        if self._local is not None:
+            try:
+                return _SocketStream(self.service, self._local, self._answer_type, self.owner, self._traffic,
+                                     (f"coordinator->{self.service}", f"{self.service}->coordinator"))
+            except OSError as exc:  # another host or container: the socket is not there to reach
+                log.info("the %s's step socket %s cannot be reached (%s): its steps go over gRPC",
+                         self.service, self._local.path, exc)
+                self._local = None
+        return _Stream(self.service, self._method, [(OWNER_KEY, self.owner)])
+
     def send(self, steps: Sequence, releases: Sequence[str] = ()) -> None:
         if self._stream is None:
-            self._stream = _Stream(self.service, self._method, [(OWNER_KEY, self.owner)])
+            self._stream = self._open()
             self.generation += 1
         self._sent = len(steps)
         self._stream.send(self._pack(steps, releases))

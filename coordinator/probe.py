@@ -51,7 +51,8 @@ class _Round:
     num_tokens: int = 0
     links: dict[str, LinkCount] = field(default_factory=dict)
 
-    def to_pb(self, transport: str) -> profile_pb2.RoundProfile:
+    def to_pb(self, transport: str, steps: dict[str, str]) -> profile_pb2.RoundProfile:
+        """`transport`: the features' path target -> draft; `steps`: what each step link went by (unix, grpc)."""
         msg = profile_pb2.RoundProfile(
             index=self.index, start_ns=self.start_ns, end_ns=self.end_ns,
             draft_sent_ns=self.draft_sent_ns, draft_received_ns=self.draft_received_ns,
@@ -66,9 +67,10 @@ class _Round:
             msg.draft.CopyFrom(self.draft)
         if self.target is not None:
             msg.target.CopyFrom(self.target)
-        for link, count in self.links.items():  # the coordinator's links are gRPC; features go by the fast path
+        for link, count in self.links.items():  # features go by the fast path, the steps by their links
             msg.traffic.append(profile_pb2.LinkTraffic(
-                link=link, transport=transport if link == DIRECT else GRPC, messages=count.messages, bytes=count.bytes,
+                link=link, transport=transport if link == DIRECT else steps.get(link, GRPC), messages=count.messages,
+                bytes=count.bytes,
                 token_ids=count.token_ids, feature_rows=count.feature_rows,
             ))
         return msg
@@ -87,6 +89,7 @@ class RequestProbe:
     ):
         now = time.monotonic_ns()
         self.transport = transport
+        self.steps: dict[str, str] = {}  # link -> what the scheduler's steps go by (coordinator/links.py)
         self.profile = profile_pb2.RequestProfile(start_ns=now, transport=transport)
         if target_info is not None:
             self.profile.target_hidden_size = target_info.hidden_size
@@ -177,7 +180,7 @@ class RequestProbe:
             self._open = None
         self._finished = True
         self.profile.end_ns = now
-        self.profile.rounds.extend(r.to_pb(self.transport) for r in self._rounds)
+        self.profile.rounds.extend(r.to_pb(self.transport, self.steps) for r in self._rounds)
         msg.profile.CopyFrom(self.profile)
 
 

@@ -364,6 +364,10 @@ class Scheduler:
     def _probe_sent(self, r: _Request) -> None:
         if r.probe is None:
             return
+        for link in (self.target, self.draft):
+            if link is not None:  # what its steps went by, both ways
+                r.probe.steps[f"coordinator->{link.service}"] = r.probe.steps[f"{link.service}->coordinator"] = \
+                    link.transport
         for s in r.steps:
             if is_draft_step(s):
                 r.probe.sent("coordinator->draft", convert.draft_step_to_pb(s).request)

@@ -43,6 +43,7 @@ MAX_BRANCHES = 64  # outcomes an ahead step may prepare for: each is one row of 
 
 class DraftServicer(EngineServicer[DraftEngine], draft_pb2_grpc.DraftServiceServicer):
     WHAT = "draft"
+    BATCH = draft_pb2.DraftBatch
     SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
     def __init__(self, service: Service):
@@ -71,6 +72,7 @@ class DraftServicer(EngineServicer[DraftEngine], draft_pb2_grpc.DraftServiceServ
             target_max_context=engine.target_max_context or 0,
             transport=self.transport.caps if self.transport is not None else None,
             compiling=not engine.compiled.is_set(),
+            local_steps=self.local_steps.info() if self.local_steps is not None else None,
         )
 
     def OpenTransport(self, request, context):

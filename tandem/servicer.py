@@ -18,7 +18,9 @@ import grpc
 from tandem.errors import Abort, status_of
 from tandem.metrics import StepMetrics
 from tandem.service import Service
+from tandem.step_socket import TRANSPORT, StepSocket
 from tandem.timing import StepClock
+from tandem.traffic import SERVER_LINKS
 
 log = logging.getLogger("tandem")
 
@@ -29,6 +31,7 @@ class EngineServicer(Generic[E]):
     """The base of the target's and the draft's servicers: `loaded()` is the loaded engine or UNAVAILABLE."""
 
     WHAT = "engine"  # "target", "draft": for messages
+    BATCH: Any = None  # the Step stream's request message (TargetBatch, DraftBatch)
 
     def __init__(self, service: Service):
         self.service = service
@@ -38,9 +41,12 @@ class EngineServicer(Generic[E]):
         self._stepper: str | None = None  # who steps this service (one coordinator per pair), and on how many
         self._streams = 0  # streams: its next one may open while its last is ending
         self._stepper_lock = threading.Lock()
+        self.local_steps: StepSocket | None = None  # the scheduler's stream over a Unix socket (tandem/step_socket.py)
 
     def attach(self, engine: E, transport=None) -> None:
         self._engine, self.transport = engine, transport
+        if transport is not None and transport.caps.requested != "grpc" and self.local_steps is None:
+            self.local_steps = StepSocket(self.WHAT, self._serve_local)  # a coordinator on this host steps there
         self.metrics.count_sessions(lambda: engine.num_sessions)
         budget = getattr(engine, "kv_budget", None)
         if budget is not None:  # what the sessions hold of the KV budget (target and draft), as vLLM reports it
@@ -65,10 +71,29 @@ class EngineServicer(Generic[E]):
         message. `parse(step)` -> (the engine's step, whether it opens its session), or a typed error (that
         step fails alone); `answer([(step message, clock, result or error)])` -> the answer. Sessions opened
         on the stream end when a batch releases them or the stream ends (the coordinator is gone)."""
+        peer = dict(context.invocation_metadata()).get("tandem-coordinator") or context.peer()
+        yield from self._steps(batches, peer, parse, answer)
+
+    def _serve_local(self, frames: Iterator[bytes], owner: str) -> Iterator[bytes]:
+        """The step socket's stream: the same batches, serialized, counted as the gRPC server counts them."""
+        sent, received = SERVER_LINKS[self.WHAT]
+        traffic = self.service.traffic
+
+        def batches():
+            for data in frames:
+                batch = self.BATCH.FromString(data)
+                traffic.count("received", received, len(data), batch, TRANSPORT)
+                yield batch
+
+        for answer in self._steps(batches(), owner, self._parse, self._answer):
+            data = answer.SerializeToString()
+            traffic.count("sent", sent, len(data), answer, TRANSPORT)
+            yield data
+
+    def _steps(self, batches: Iterator, peer: str, parse, answer) -> Iterator:
         engine = self.loaded()
         if self.service.admission.draining:  # the sessions in flight finish on the stream already open
             raise Abort(grpc.StatusCode.UNAVAILABLE, f"the {self.WHAT} service is draining (shutting down)")
-        peer = dict(context.invocation_metadata()).get("tandem-coordinator") or context.peer()
         with self._stepper_lock:
             if self._stepper is not None and self._stepper != peer:  # the same one's new stream: its last is ending
                 raise Abort(grpc.StatusCode.FAILED_PRECONDITION,

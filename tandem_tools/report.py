@@ -323,7 +323,8 @@ def summary(report: dict) -> str:
             continue
         per = link["by_kind_per_token"]
         conn, share = share_of.get(name, ("", 0.0))
-        shown = f"{100 * share:5.1f}% ({conn})" if conn != "client<->coordinator" else "   in coordinator"
+        by = f" by {link['transport']}" if link.get("transport") else ""
+        shown = f"{100 * share:5.1f}% ({conn}{by})" if conn != "client<->coordinator" else "   in coordinator"
         lines.append(
             f"{name:<22}{link['messages']:>8}{_human_bytes(link['bytes']):>12}{link['bytes_per_token']:>10.1f}"
             f"{per['features']:>10.1f}{per['token_ids']:>10.2f}{per['draft_probs']:>8.1f}{per['text']:>7.2f}"

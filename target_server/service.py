@@ -73,6 +73,7 @@ def load_generation_config(model_dir) -> str:
 
 class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetServiceServicer):
     WHAT = "target"
+    BATCH = target_pb2.TargetBatch
     SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
     def __init__(self, service: Service):
@@ -105,6 +106,7 @@ class TargetServicer(EngineServicer[TargetEngine], target_pb2_grpc.TargetService
             chat_template=self.chat_template,
             special_tokens=self.special_tokens,
             generation_config=load_generation_config(str(engine.model_dir)),
+            local_steps=self.local_steps.info() if self.local_steps is not None else None,
         )
 
     def _transport(self) -> TargetTransport:

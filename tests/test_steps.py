@@ -18,7 +18,8 @@ from tandem.convert import verified_from_pb
 from tandem.params import SamplingParams
 from tandem.protocol import Prefill, Propose, Verify
 from tandem.service import Service
-from tandem.v1 import draft_pb2_grpc, target_pb2_grpc
+from tandem.step_socket import StepSocket
+from tandem.v1 import draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire import decode_features, encode_features
 from target_server.engine import TargetEngine
 from target_server.service import TargetServicer
@@ -28,20 +29,33 @@ GREEDY = SamplingParams()
 OWNER = "tests"  # every link here steps as one coordinator: a test's stream may still be ending at the next's start
 
 
-@pytest.fixture(scope="module")
-def target(tiny_dir):
-    """The tiny target's servicer on loopback; (stub, engine)."""
+@pytest.fixture(scope="module", params=["grpc", "unix"])
+def target(tiny_dir, request):
+    """The tiny target's servicer on loopback, its steps over gRPC or over its step socket (a coordinator on
+    its host); (stub, engine, address, the step socket or None)."""
     service = Service("target", TargetSettings(model=tiny_dir / "target", port=0), ["tandem.v1.TargetService"])
     servicer = TargetServicer(service)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, service.server)
     service.start()
     engine = TargetEngine(tiny_dir / "target")
     servicer.attach(engine)
+    local = StepSocket("target", servicer._serve_local) if request.param == "unix" else None
     service.ready()
     channel = grpc.insecure_channel(service.address)
-    yield target_pb2_grpc.TargetServiceStub(channel), engine, service.address
+    yield target_pb2_grpc.TargetServiceStub(channel), engine, service.address, local
     channel.close()
     service.server.stop(None)
+    if local is not None:
+        local.close()
+
+
+def target_link(target, owner: str = OWNER, stub=None) -> ServiceLink:
+    """The scheduler's link to the fixture's target, over its step socket where it has one."""
+    local = target[3].info() if target[3] is not None else None
+    link = ServiceLink("target", (stub or target[0]).Step, pack_target, owner=owner, local=local,
+                       answer_type=target_pb2.TargetBatchResult)
+    assert link.transport == ("unix" if local is not None else "grpc")
+    return link
 
 
 def step(link: ServiceLink, steps, releases=()) -> list:
@@ -68,8 +82,8 @@ def decode(link: ServiceLink, sid: str, prompt: list[int], n: int, per_step: int
 
 
 def test_a_batch_of_verifies_gives_what_each_gives_alone(target):
-    stub, engine, _ = target
-    link = ServiceLink("target", stub.Step, pack_target, owner=OWNER)
+    _, engine, _, _ = target
+    link = target_link(target)
     prompts = id_prompts(6, engine.vocab_size, seed=3)
 
     def run(sids: list[str]) -> list[list]:
@@ -103,8 +117,8 @@ def test_a_batch_of_verifies_gives_what_each_gives_alone(target):
 
 
 def test_a_bad_step_fails_alone_and_the_others_go_on(target):
-    stub, engine, _ = target
-    link = ServiceLink("target", stub.Step, pack_target, owner=OWNER)
+    _, engine, _, _ = target
+    link = target_link(target)
     (good,) = step(link, [Prefill("good", [5, 6, 7, 8], GREEDY, False)])
     t = good.prefilled.token
     answers = step(link, [Verify("good", t, [t], False), Verify("nobody", t, [t], False),
@@ -122,12 +136,12 @@ def test_a_bad_step_fails_alone_and_the_others_go_on(target):
 
 
 def test_the_streams_end_frees_its_sessions_and_a_second_coordinator_is_refused(target):
-    stub, engine, address = target
-    link = ServiceLink("target", stub.Step, pack_target, owner=OWNER)
+    _, engine, address, _ = target
+    link = target_link(target)
     step(link, [Prefill("kept", [5, 6, 7], GREEDY, False), Prefill("kept2", [8, 9], GREEDY, False)])
     assert engine.num_sessions == 2
     with grpc.insecure_channel(address) as other:  # another connection: another coordinator
-        intruder = ServiceLink("target", target_pb2_grpc.TargetServiceStub(other).Step, pack_target, owner="other")
+        intruder = target_link(target, "other", target_pb2_grpc.TargetServiceStub(other))
         (refused,) = step(intruder, [Prefill("x", [5], GREEDY, False)])
         assert refused.code == grpc.StatusCode.FAILED_PRECONDITION and "another coordinator" in refused.details
     link.close()
@@ -138,8 +152,8 @@ def test_the_streams_end_frees_its_sessions_and_a_second_coordinator_is_refused(
 
 
 def test_a_target_only_decode_of_many_tokens_gives_what_single_tokens_give(target):
-    stub, engine, _ = target
-    link = ServiceLink("target", stub.Step, pack_target, owner=OWNER)
+    _, engine, _, _ = target
+    link = target_link(target)
     prompts = id_prompts(4, engine.vocab_size, seed=5)
     single = [decode(link, f"one{i}", p, 12, 1) for i, p in enumerate(prompts)]
     assert [decode(link, f"many{i}", p, 12, 5) for i, p in enumerate(prompts)] == single
@@ -162,8 +176,7 @@ def test_a_target_only_decode_of_many_tokens_gives_what_single_tokens_give(targe
 
 
 def test_a_decode_with_drafts_or_too_many_tokens_is_refused_naming_why(target):
-    stub, _, _ = target
-    link = ServiceLink("target", stub.Step, pack_target, owner=OWNER)
+    link = target_link(target)
     (prefilled,) = step(link, [Prefill("bad-decode", [5, 6, 7], GREEDY, False, max_new_tokens=8)])
     t = prefilled.prefilled.token
     for kwargs, words in (({"drafts": [5]}, "takes no drafts"), ({"decode": 65}, "at most 64"),
@@ -218,7 +231,7 @@ def test_the_scheduler_never_waits_while_a_request_is_there(target, tiny_dir):
     from tandem.policy import Speculation
     from tandem_tools.inprocess import InProcessGenerator
 
-    stub, engine, _ = target
+    _, engine, _, _ = target
     service = Service("draft", DraftSettings(model=tiny_dir / "draft", target=tiny_dir / "target", port=0),
                       ["tandem.v1.DraftService"])
     servicer = DraftServicer(service)
@@ -227,7 +240,7 @@ def test_the_scheduler_never_waits_while_a_request_is_there(target, tiny_dir):
     servicer.attach(DraftEngine(tiny_dir / "draft", tiny_dir / "target"))
     service.ready()
     channel = grpc.insecure_channel(service.address)
-    scheduler = Scheduler(ServiceLink("target", stub.Step, pack_target, owner=OWNER),
+    scheduler = Scheduler(target_link(target),
                           ServiceLink("draft", draft_pb2_grpc.DraftServiceStub(channel).Step, pack_draft, 30),
                           engine.eos_token_ids, engine.max_context, Speculation(), max_running=8, max_waiting=8)
     waits: list[tuple[int, int]] = []
@@ -339,3 +352,42 @@ def test_a_request_without_max_new_tokens_is_fitted_to_the_kv_budget(tiny_dir):
     with pytest.raises(ResourceExhausted, match="whole KV budget is 1000"):
         engine.prefill("given", prompt, GREEDY, max_new_tokens=2000)
     engine.release("fitted")
+
+
+@pytest.mark.parametrize("target", ["unix"], indirect=True)
+def test_the_step_socket_wants_the_token_from_the_services_info_and_falls_back_to_grpc_where_it_cannot_reach(target):
+    stub, engine, _, local = target
+    forged = target_pb2.TargetInfo().local_steps
+    forged.path, forged.token = local.path, "not-the-token"
+    link = ServiceLink("target", stub.Step, pack_target, owner=OWNER, local=forged,
+                       answer_type=target_pb2.TargetBatchResult)
+    (refused,) = step(link, [Prefill("forged", [5, 6], GREEDY, False)])
+    assert refused.code == grpc.StatusCode.PERMISSION_DENIED and "token" in refused.details
+    assert engine.num_sessions == 0
+    forged.path = local.path + ".gone"  # a coordinator on another host: no such socket there
+    link = ServiceLink("target", stub.Step, pack_target, owner=OWNER, local=forged,
+                       answer_type=target_pb2.TargetBatchResult)
+    assert decode(link, "far", [5, 6, 7], 6, 1) == decode(target_link(target), "near", [5, 6, 7], 6, 1)
+    assert link.transport == "grpc"
+    link.close()
+
+
+@pytest.mark.parametrize("target", ["unix"], indirect=True)
+def test_a_service_that_closes_its_step_socket_fails_the_step_in_flight_as_unavailable(target):
+    _, engine, _, _ = target
+    service = Service("target", TargetSettings(model=engine.model_dir, port=0), ["tandem.v1.TargetService"])
+    servicer = TargetServicer(service)
+    servicer.attach(engine)
+    service.admission.ready = True
+    own = StepSocket("target", servicer._serve_local)
+    link = ServiceLink("target", None, pack_target, owner=OWNER, local=own.info(),
+                       answer_type=target_pb2.TargetBatchResult)
+    step(link, [Prefill("doomed", [5, 6, 7], GREEDY, False)])
+    assert engine.num_sessions == 1
+    own.close()
+    (lost,) = step(link, [Verify("doomed", 5, [], False)])
+    assert lost.code == grpc.StatusCode.UNAVAILABLE
+    deadline = time.monotonic() + 10
+    while engine.num_sessions and time.monotonic() < deadline:  # the connection's end frees its sessions
+        time.sleep(0.05)
+    assert engine.num_sessions == 0

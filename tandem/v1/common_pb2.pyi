@@ -110,6 +110,14 @@ class TransportCaps(_message.Message):
     visible_uuids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, requested: _Optional[str] = ..., available: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., dtype: _Optional[str] = ..., feature_width: _Optional[int] = ..., visible_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class LocalSteps(_message.Message):
+    __slots__ = ("path", "token")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    token: str
+    def __init__(self, path: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+
 class TransportPlan(_message.Message):
     __slots__ = ("transport", "reason", "dtype", "feature_width", "ring_bytes", "max_inflight", "timeout", "channel", "address", "handle", "device_uuid")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]

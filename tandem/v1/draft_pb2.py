@@ -26,7 +26,7 @@ from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 from tandem.v1 import profile_pb2 as tandem_dot_v1_dot_profile__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/draft.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x17tandem/v1/profile.proto\"\x12\n\x10\x44raftInfoRequest\"\xb8\x02\n\tDraftInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x18\n\x10\x64raft_vocab_size\x18\x03 \x01(\x03\x12\x1a\n\x12target_hidden_size\x18\x04 \x01(\x03\x12\x15\n\rmax_target_id\x18\x05 \x01(\x03\x12\x15\n\raux_layer_ids\x18\x06 \x03(\x03\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x14\n\x0cnum_sessions\x18\t \x01(\x03\x12\x13\n\x0bmax_context\x18\n \x01(\x03\x12\x1a\n\x12target_max_context\x18\x0b \x01(\x03\x12+\n\ttransport\x18\x0c \x01(\x0b\x32\x18.tandem.v1.TransportCaps\x12\x11\n\tcompiling\x18\r \x01(\x08\"\xa8\x02\n\x0c\x44raftRequest\x12\x13\n\x0bnext_tokens\x18\x02 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\x12%\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x13.tandem.v1.Features\x12\x13\n\x0bwant_timing\x18\x05 \x01(\x08\x12\x1f\n\x05\x61head\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Ahead\x12+\n\x08sampling\x18\x08 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12#\n\x04tree\x18\t \x01(\x0b\x32\x15.tandem.v1.TreeParams\x12.\n\nconstraint\x18\n \x01(\x0b\x32\x1a.tandem.v1.DraftConstraintJ\x04\x08\x01\x10\x02J\x04\x08\x07\x10\x08\"s\n\x0f\x44raftConstraint\x12#\n\x07grammar\x18\x01 \x01(\x0b\x32\x12.tandem.v1.Grammar\x12\x12\n\nmin_tokens\x18\x02 \x01(\x05\x12\x10\n\x08stop_ids\x18\x03 \x03(\x05\x12\x15\n\routput_tokens\x18\x04 \x01(\x05\"*\n\x05\x41head\x12\x0f\n\x07\x61ssumed\x18\x01 \x03(\x05\x12\x10\n\x08\x62ranches\x18\x02 \x01(\x05\"[\n\x06\x42ranch\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x12\r\n\x05\x62onus\x18\x02 \x01(\x05\x12\x0e\n\x06\x64rafts\x18\x03 \x03(\x05\x12 \n\x01q\x18\x04 \x03(\x0b\x32\x15.tandem.v1.DraftProbs\"\x9e\x01\n\rDraftResponse\x12\x0e\n\x06\x64rafts\x18\x01 \x03(\x05\x12%\n\x06timing\x18\x02 \x01(\x0b\x32\x15.tandem.v1.StepTiming\x12#\n\x08\x62ranches\x18\x03 \x03(\x0b\x32\x11.tandem.v1.Branch\x12 \n\x01q\x18\x05 \x03(\x0b\x32\x15.tandem.v1.DraftProbs\x12\x0f\n\x07parents\x18\x06 \x03(\r\"I\n\nDraftBatch\x12*\n\x05steps\x18\x01 \x03(\x0b\x32\x1b.tandem.v1.DraftSessionStep\x12\x0f\n\x07release\x18\x02 \x03(\t\"^\n\x10\x44raftSessionStep\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12(\n\x07request\x18\x02 \x01(\x0b\x32\x17.tandem.v1.DraftRequest\x12\x0c\n\x04open\x18\x03 \x01(\x08\"?\n\x10\x44raftBatchResult\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.tandem.v1.DraftStepResult\"b\n\x0f\x44raftStepResult\x12*\n\x08response\x18\x01 \x01(\x0b\x32\x18.tandem.v1.DraftResponse\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x14.tandem.v1.StepError2\xd3\x01\n\x0c\x44raftService\x12>\n\tModelInfo\x12\x1b.tandem.v1.DraftInfoRequest\x1a\x14.tandem.v1.DraftInfo\x12>\n\x04Step\x12\x15.tandem.v1.DraftBatch\x1a\x1b.tandem.v1.DraftBatchResult(\x01\x30\x01\x12\x43\n\rOpenTransport\x12\x18.tandem.v1.TransportPlan\x1a\x18.tandem.v1.TransportPlanb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/draft.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x17tandem/v1/profile.proto\"\x12\n\x10\x44raftInfoRequest\"\xe4\x02\n\tDraftInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x18\n\x10\x64raft_vocab_size\x18\x03 \x01(\x03\x12\x1a\n\x12target_hidden_size\x18\x04 \x01(\x03\x12\x15\n\rmax_target_id\x18\x05 \x01(\x03\x12\x15\n\raux_layer_ids\x18\x06 \x03(\x03\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x14\n\x0cnum_sessions\x18\t \x01(\x03\x12\x13\n\x0bmax_context\x18\n \x01(\x03\x12\x1a\n\x12target_max_context\x18\x0b \x01(\x03\x12+\n\ttransport\x18\x0c \x01(\x0b\x32\x18.tandem.v1.TransportCaps\x12\x11\n\tcompiling\x18\r \x01(\x08\x12*\n\x0blocal_steps\x18\x0e \x01(\x0b\x32\x15.tandem.v1.LocalSteps\"\xa8\x02\n\x0c\x44raftRequest\x12\x13\n\x0bnext_tokens\x18\x02 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\x12%\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x13.tandem.v1.Features\x12\x13\n\x0bwant_timing\x18\x05 \x01(\x08\x12\x1f\n\x05\x61head\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Ahead\x12+\n\x08sampling\x18\x08 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12#\n\x04tree\x18\t \x01(\x0b\x32\x15.tandem.v1.TreeParams\x12.\n\nconstraint\x18\n \x01(\x0b\x32\x1a.tandem.v1.DraftConstraintJ\x04\x08\x01\x10\x02J\x04\x08\x07\x10\x08\"s\n\x0f\x44raftConstraint\x12#\n\x07grammar\x18\x01 \x01(\x0b\x32\x12.tandem.v1.Grammar\x12\x12\n\nmin_tokens\x18\x02 \x01(\x05\x12\x10\n\x08stop_ids\x18\x03 \x03(\x05\x12\x15\n\routput_tokens\x18\x04 \x01(\x05\"*\n\x05\x41head\x12\x0f\n\x07\x61ssumed\x18\x01 \x03(\x05\x12\x10\n\x08\x62ranches\x18\x02 \x01(\x05\"[\n\x06\x42ranch\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x12\r\n\x05\x62onus\x18\x02 \x01(\x05\x12\x0e\n\x06\x64rafts\x18\x03 \x03(\x05\x12 \n\x01q\x18\x04 \x03(\x0b\x32\x15.tandem.v1.DraftProbs\"\x9e\x01\n\rDraftResponse\x12\x0e\n\x06\x64rafts\x18\x01 \x03(\x05\x12%\n\x06timing\x18\x02 \x01(\x0b\x32\x15.tandem.v1.StepTiming\x12#\n\x08\x62ranches\x18\x03 \x03(\x0b\x32\x11.tandem.v1.Branch\x12 \n\x01q\x18\x05 \x03(\x0b\x32\x15.tandem.v1.DraftProbs\x12\x0f\n\x07parents\x18\x06 \x03(\r\"I\n\nDraftBatch\x12*\n\x05steps\x18\x01 \x03(\x0b\x32\x1b.tandem.v1.DraftSessionStep\x12\x0f\n\x07release\x18\x02 \x03(\t\"^\n\x10\x44raftSessionStep\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12(\n\x07request\x18\x02 \x01(\x0b\x32\x17.tandem.v1.DraftRequest\x12\x0c\n\x04open\x18\x03 \x01(\x08\"?\n\x10\x44raftBatchResult\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.tandem.v1.DraftStepResult\"b\n\x0f\x44raftStepResult\x12*\n\x08response\x18\x01 \x01(\x0b\x32\x18.tandem.v1.DraftResponse\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x14.tandem.v1.StepError2\xd3\x01\n\x0c\x44raftService\x12>\n\tModelInfo\x12\x1b.tandem.v1.DraftInfoRequest\x1a\x14.tandem.v1.DraftInfo\x12>\n\x04Step\x12\x15.tandem.v1.DraftBatch\x1a\x1b.tandem.v1.DraftBatchResult(\x01\x30\x01\x12\x43\n\rOpenTransport\x12\x18.tandem.v1.TransportPlan\x1a\x18.tandem.v1.TransportPlanb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,25 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTINFOREQUEST']._serialized_start=85
   _globals['_DRAFTINFOREQUEST']._serialized_end=103
   _globals['_DRAFTINFO']._serialized_start=106
-  _globals['_DRAFTINFO']._serialized_end=418
-  _globals['_DRAFTREQUEST']._serialized_start=421
-  _globals['_DRAFTREQUEST']._serialized_end=717
-  _globals['_DRAFTCONSTRAINT']._serialized_start=719
-  _globals['_DRAFTCONSTRAINT']._serialized_end=834
-  _globals['_AHEAD']._serialized_start=836
-  _globals['_AHEAD']._serialized_end=878
-  _globals['_BRANCH']._serialized_start=880
-  _globals['_BRANCH']._serialized_end=971
-  _globals['_DRAFTRESPONSE']._serialized_start=974
-  _globals['_DRAFTRESPONSE']._serialized_end=1132
-  _globals['_DRAFTBATCH']._serialized_start=1134
-  _globals['_DRAFTBATCH']._serialized_end=1207
-  _globals['_DRAFTSESSIONSTEP']._serialized_start=1209
-  _globals['_DRAFTSESSIONSTEP']._serialized_end=1303
-  _globals['_DRAFTBATCHRESULT']._serialized_start=1305
-  _globals['_DRAFTBATCHRESULT']._serialized_end=1368
-  _globals['_DRAFTSTEPRESULT']._serialized_start=1370
-  _globals['_DRAFTSTEPRESULT']._serialized_end=1468
-  _globals['_DRAFTSERVICE']._serialized_start=1471
-  _globals['_DRAFTSERVICE']._serialized_end=1682
+  _globals['_DRAFTINFO']._serialized_end=462
+  _globals['_DRAFTREQUEST']._serialized_start=465
+  _globals['_DRAFTREQUEST']._serialized_end=761
+  _globals['_DRAFTCONSTRAINT']._serialized_start=763
+  _globals['_DRAFTCONSTRAINT']._serialized_end=878
+  _globals['_AHEAD']._serialized_start=880
+  _globals['_AHEAD']._serialized_end=922
+  _globals['_BRANCH']._serialized_start=924
+  _globals['_BRANCH']._serialized_end=1015
+  _globals['_DRAFTRESPONSE']._serialized_start=1018
+  _globals['_DRAFTRESPONSE']._serialized_end=1176
+  _globals['_DRAFTBATCH']._serialized_start=1178
+  _globals['_DRAFTBATCH']._serialized_end=1251
+  _globals['_DRAFTSESSIONSTEP']._serialized_start=1253
+  _globals['_DRAFTSESSIONSTEP']._serialized_end=1347
+  _globals['_DRAFTBATCHRESULT']._serialized_start=1349
+  _globals['_DRAFTBATCHRESULT']._serialized_end=1412
+  _globals['_DRAFTSTEPRESULT']._serialized_start=1414
+  _globals['_DRAFTSTEPRESULT']._serialized_end=1512
+  _globals['_DRAFTSERVICE']._serialized_start=1515
+  _globals['_DRAFTSERVICE']._serialized_end=1726
 # @@protoc_insertion_point(module_scope)

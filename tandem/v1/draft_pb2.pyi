@@ -13,7 +13,7 @@ class DraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "draft_vocab_size", "target_hidden_size", "max_target_id", "aux_layer_ids", "dtype", "device", "num_sessions", "max_context", "target_max_context", "transport", "compiling")
+    __slots__ = ("model", "vocab_size", "draft_vocab_size", "target_hidden_size", "max_target_id", "aux_layer_ids", "dtype", "device", "num_sessions", "max_context", "target_max_context", "transport", "compiling", "local_steps")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class DraftInfo(_message.Message):
     TARGET_MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     COMPILING_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     draft_vocab_size: int
@@ -40,7 +41,8 @@ class DraftInfo(_message.Message):
     target_max_context: int
     transport: _common_pb2.TransportCaps
     compiling: bool
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_hidden_size: _Optional[int] = ..., max_target_id: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., target_max_context: _Optional[int] = ..., transport: _Optional[_Union[_common_pb2.TransportCaps, _Mapping]] = ..., compiling: _Optional[bool] = ...) -> None: ...
+    local_steps: _common_pb2.LocalSteps
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_hidden_size: _Optional[int] = ..., max_target_id: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., target_max_context: _Optional[int] = ..., transport: _Optional[_Union[_common_pb2.TransportCaps, _Mapping]] = ..., compiling: _Optional[bool] = ..., local_steps: _Optional[_Union[_common_pb2.LocalSteps, _Mapping]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("next_tokens", "num_draft_tokens", "features", "want_timing", "ahead", "sampling", "tree", "constraint")

@@ -26,7 +26,7 @@ from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 from tandem.v1 import profile_pb2 as tandem_dot_v1_dot_profile__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/target.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x17tandem/v1/profile.proto\"\x13\n\x11TargetInfoRequest\"\xef\x03\n\nTargetInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x03\x12\x12\n\nnum_layers\x18\x04 \x01(\x03\x12\x11\n\tlayer_ids\x18\x05 \x03(\x03\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x13\n\x0bmax_context\x18\x07 \x01(\x03\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x16\n\x0etokenizer_size\x18\n \x01(\x03\x12\x14\n\x0cnum_sessions\x18\x0b \x01(\x03\x12+\n\ttransport\x18\x0c \x01(\x0b\x32\x18.tandem.v1.TransportCaps\x12\x15\n\rchat_template\x18\r \x01(\t\x12@\n\x0especial_tokens\x18\x0e \x03(\x0b\x32(.tandem.v1.TargetInfo.SpecialTokensEntry\x12\x19\n\x11\x62uckets_compiling\x18\x0f \x01(\x03\x12\x19\n\x11generation_config\x18\x10 \x01(\t\x12\x17\n\x0fkv_cache_tokens\x18\x11 \x01(\x03\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x15\n\x13GetTokenizerRequest\"\x19\n\tFileChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"c\n\rTargetRequest\x12%\n\x07prefill\x18\x01 \x01(\x0b\x32\x12.tandem.v1.PrefillH\x00\x12#\n\x06verify\x18\x02 \x01(\x0b\x32\x11.tandem.v1.VerifyH\x00\x42\x06\n\x04step\"\xa5\x02\n\x07Prefill\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x15\n\rwant_features\x18\x04 \x01(\x08\x12\x13\n\x0bwant_timing\x18\x05 \x01(\x08\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x1a\n\rverify_tokens\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x0f\n\x07\x61llowed\x18\x08 \x01(\x0c\x12\x19\n\x0coutput_start\x18\t \x01(\x05H\x02\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x10\n\x0e_verify_tokensB\x0f\n\r_output_start\"\xaa\x01\n\x06Verify\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0e\n\x06\x64rafts\x18\x02 \x03(\x05\x12\x15\n\rwant_features\x18\x03 \x01(\x08\x12 \n\x01q\x18\x04 \x03(\x0b\x32\x15.tandem.v1.DraftProbs\x12\x0f\n\x07parents\x18\x05 \x03(\r\x12\x0e\n\x06\x64\x65\x63ode\x18\x06 \x01(\x05\x12\x10\n\x08stop_ids\x18\x07 \x03(\x05\x12\x0f\n\x07\x61llowed\x18\t \x01(\x0cJ\x04\x08\x08\x10\t\"E\n\x0bTargetBatch\x12%\n\x05steps\x18\x01 \x03(\x0b\x32\x16.tandem.v1.SessionStep\x12\x0f\n\x07release\x18\x02 \x03(\t\"L\n\x0bSessionStep\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x07request\x18\x02 \x01(\x0b\x32\x18.tandem.v1.TargetRequest\";\n\x11TargetBatchResult\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.tandem.v1.StepResult\"^\n\nStepResult\x12+\n\x08response\x18\x01 \x01(\x0b\x32\x19.tandem.v1.TargetResponse\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x14.tandem.v1.StepError\"\xbc\x01\n\x0eTargetResponse\x12)\n\tprefilled\x18\x01 \x01(\x0b\x32\x14.tandem.v1.PrefilledH\x00\x12\'\n\x08verified\x18\x02 \x01(\x0b\x32\x13.tandem.v1.VerifiedH\x00\x12%\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x13.tandem.v1.Features\x12%\n\x06timing\x18\x04 \x01(\x0b\x32\x15.tandem.v1.StepTimingB\x08\n\x06result\"E\n\tPrefilled\x12\r\n\x05token\x18\x01 \x01(\x05\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"g\n\x08Verified\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x05\x12\r\n\x05\x62onus\x18\x02 \x01(\x05\x12\x0f\n\x07warming\x18\x03 \x01(\x08\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x32\xe6\x02\n\rTargetService\x12@\n\tModelInfo\x12\x1c.tandem.v1.TargetInfoRequest\x1a\x15.tandem.v1.TargetInfo\x12\x46\n\x0cGetTokenizer\x12\x1e.tandem.v1.GetTokenizerRequest\x1a\x14.tandem.v1.FileChunk0\x01\x12@\n\x04Step\x12\x16.tandem.v1.TargetBatch\x1a\x1c.tandem.v1.TargetBatchResult(\x01\x30\x01\x12\x43\n\rOpenTransport\x12\x18.tandem.v1.TransportPlan\x1a\x18.tandem.v1.TransportPlan\x12\x44\n\x0eStartTransport\x12\x18.tandem.v1.TransportPlan\x1a\x18.tandem.v1.TransportPlanb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/target.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x17tandem/v1/profile.proto\"\x13\n\x11TargetInfoRequest\"\x9b\x04\n\nTargetInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x03\x12\x12\n\nnum_layers\x18\x04 \x01(\x03\x12\x11\n\tlayer_ids\x18\x05 \x03(\x03\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x13\n\x0bmax_context\x18\x07 \x01(\x03\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x16\n\x0etokenizer_size\x18\n \x01(\x03\x12\x14\n\x0cnum_sessions\x18\x0b \x01(\x03\x12+\n\ttransport\x18\x0c \x01(\x0b\x32\x18.tandem.v1.TransportCaps\x12\x15\n\rchat_template\x18\r \x01(\t\x12@\n\x0especial_tokens\x18\x0e \x03(\x0b\x32(.tandem.v1.TargetInfo.SpecialTokensEntry\x12\x19\n\x11\x62uckets_compiling\x18\x0f \x01(\x03\x12\x19\n\x11generation_config\x18\x10 \x01(\t\x12\x17\n\x0fkv_cache_tokens\x18\x11 \x01(\x03\x12*\n\x0blocal_steps\x18\x12 \x01(\x0b\x32\x15.tandem.v1.LocalSteps\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x15\n\x13GetTokenizerRequest\"\x19\n\tFileChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"c\n\rTargetRequest\x12%\n\x07prefill\x18\x01 \x01(\x0b\x32\x12.tandem.v1.PrefillH\x00\x12#\n\x06verify\x18\x02 \x01(\x0b\x32\x11.tandem.v1.VerifyH\x00\x42\x06\n\x04step\"\xa5\x02\n\x07Prefill\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x15\n\rwant_features\x18\x04 \x01(\x08\x12\x13\n\x0bwant_timing\x18\x05 \x01(\x08\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x1a\n\rverify_tokens\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x0f\n\x07\x61llowed\x18\x08 \x01(\x0c\x12\x19\n\x0coutput_start\x18\t \x01(\x05H\x02\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x10\n\x0e_verify_tokensB\x0f\n\r_output_start\"\xaa\x01\n\x06Verify\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0e\n\x06\x64rafts\x18\x02 \x03(\x05\x12\x15\n\rwant_features\x18\x03 \x01(\x08\x12 \n\x01q\x18\x04 \x03(\x0b\x32\x15.tandem.v1.DraftProbs\x12\x0f\n\x07parents\x18\x05 \x03(\r\x12\x0e\n\x06\x64\x65\x63ode\x18\x06 \x01(\x05\x12\x10\n\x08stop_ids\x18\x07 \x03(\x05\x12\x0f\n\x07\x61llowed\x18\t \x01(\x0cJ\x04\x08\x08\x10\t\"E\n\x0bTargetBatch\x12%\n\x05steps\x18\x01 \x03(\x0b\x32\x16.tandem.v1.SessionStep\x12\x0f\n\x07release\x18\x02 \x03(\t\"L\n\x0bSessionStep\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x07request\x18\x02 \x01(\x0b\x32\x18.tandem.v1.TargetRequest\";\n\x11TargetBatchResult\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.tandem.v1.StepResult\"^\n\nStepResult\x12+\n\x08response\x18\x01 \x01(\x0b\x32\x19.tandem.v1.TargetResponse\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x14.tandem.v1.StepError\"\xbc\x01\n\x0eTargetResponse\x12)\n\tprefilled\x18\x01 \x01(\x0b\x32\x14.tandem.v1.PrefilledH\x00\x12\'\n\x08verified\x18\x02 \x01(\x0b\x32\x13.tandem.v1.VerifiedH\x00\x12%\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x13.tandem.v1.Features\x12%\n\x06timing\x18\x04 \x01(\x0b\x32\x15.tandem.v1.StepTimingB\x08\n\x06result\"E\n\tPrefilled\x12\r\n\x05token\x18\x01 \x01(\x05\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"g\n\x08Verified\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x05\x12\r\n\x05\x62onus\x18\x02 \x01(\x05\x12\x0f\n\x07warming\x18\x03 \x01(\x08\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x32\xe6\x02\n\rTargetService\x12@\n\tModelInfo\x12\x1c.tandem.v1.TargetInfoRequest\x1a\x15.tandem.v1.TargetInfo\x12\x46\n\x0cGetTokenizer\x12\x1e.tandem.v1.GetTokenizerRequest\x1a\x14.tandem.v1.FileChunk0\x01\x12@\n\x04Step\x12\x16.tandem.v1.TargetBatch\x1a\x1c.tandem.v1.TargetBatchResult(\x01\x30\x01\x12\x43\n\rOpenTransport\x12\x18.tandem.v1.TransportPlan\x1a\x18.tandem.v1.TransportPlan\x12\x44\n\x0eStartTransport\x12\x18.tandem.v1.TransportPlan\x1a\x18.tandem.v1.TransportPlanb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,35 +38,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TARGETINFOREQUEST']._serialized_start=86
   _globals['_TARGETINFOREQUEST']._serialized_end=105
   _globals['_TARGETINFO']._serialized_start=108
-  _globals['_TARGETINFO']._serialized_end=603
-  _globals['_TARGETINFO_SPECIALTOKENSENTRY']._serialized_start=551
-  _globals['_TARGETINFO_SPECIALTOKENSENTRY']._serialized_end=603
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=605
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=626
-  _globals['_FILECHUNK']._serialized_start=628
-  _globals['_FILECHUNK']._serialized_end=653
-  _globals['_TARGETREQUEST']._serialized_start=655
-  _globals['_TARGETREQUEST']._serialized_end=754
-  _globals['_PREFILL']._serialized_start=757
-  _globals['_PREFILL']._serialized_end=1050
-  _globals['_VERIFY']._serialized_start=1053
-  _globals['_VERIFY']._serialized_end=1223
-  _globals['_TARGETBATCH']._serialized_start=1225
-  _globals['_TARGETBATCH']._serialized_end=1294
-  _globals['_SESSIONSTEP']._serialized_start=1296
-  _globals['_SESSIONSTEP']._serialized_end=1372
-  _globals['_TARGETBATCHRESULT']._serialized_start=1374
-  _globals['_TARGETBATCHRESULT']._serialized_end=1433
-  _globals['_STEPRESULT']._serialized_start=1435
-  _globals['_STEPRESULT']._serialized_end=1529
-  _globals['_TARGETRESPONSE']._serialized_start=1532
-  _globals['_TARGETRESPONSE']._serialized_end=1720
-  _globals['_PREFILLED']._serialized_start=1722
-  _globals['_PREFILLED']._serialized_end=1791
-  _globals['_VERIFIED']._serialized_start=1793
-  _globals['_VERIFIED']._serialized_end=1896
-  _globals['_TOKENLOGPROB']._serialized_start=1898
-  _globals['_TOKENLOGPROB']._serialized_end=1968
-  _globals['_TARGETSERVICE']._serialized_start=1971
-  _globals['_TARGETSERVICE']._serialized_end=2329
+  _globals['_TARGETINFO']._serialized_end=647
+  _globals['_TARGETINFO_SPECIALTOKENSENTRY']._serialized_start=595
+  _globals['_TARGETINFO_SPECIALTOKENSENTRY']._serialized_end=647
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=649
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=670
+  _globals['_FILECHUNK']._serialized_start=672
+  _globals['_FILECHUNK']._serialized_end=697
+  _globals['_TARGETREQUEST']._serialized_start=699
+  _globals['_TARGETREQUEST']._serialized_end=798
+  _globals['_PREFILL']._serialized_start=801
+  _globals['_PREFILL']._serialized_end=1094
+  _globals['_VERIFY']._serialized_start=1097
+  _globals['_VERIFY']._serialized_end=1267
+  _globals['_TARGETBATCH']._serialized_start=1269
+  _globals['_TARGETBATCH']._serialized_end=1338
+  _globals['_SESSIONSTEP']._serialized_start=1340
+  _globals['_SESSIONSTEP']._serialized_end=1416
+  _globals['_TARGETBATCHRESULT']._serialized_start=1418
+  _globals['_TARGETBATCHRESULT']._serialized_end=1477
+  _globals['_STEPRESULT']._serialized_start=1479
+  _globals['_STEPRESULT']._serialized_end=1573
+  _globals['_TARGETRESPONSE']._serialized_start=1576
+  _globals['_TARGETRESPONSE']._serialized_end=1764
+  _globals['_PREFILLED']._serialized_start=1766
+  _globals['_PREFILLED']._serialized_end=1835
+  _globals['_VERIFIED']._serialized_start=1837
+  _globals['_VERIFIED']._serialized_end=1940
+  _globals['_TOKENLOGPROB']._serialized_start=1942
+  _globals['_TOKENLOGPROB']._serialized_end=2012
+  _globals['_TARGETSERVICE']._serialized_start=2015
+  _globals['_TARGETSERVICE']._serialized_end=2373
 # @@protoc_insertion_point(module_scope)

@@ -13,7 +13,7 @@ class TargetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "hidden_size", "num_layers", "layer_ids", "eos_token_ids", "max_context", "dtype", "device", "tokenizer_size", "num_sessions", "transport", "chat_template", "special_tokens", "buckets_compiling", "generation_config", "kv_cache_tokens")
+    __slots__ = ("model", "vocab_size", "hidden_size", "num_layers", "layer_ids", "eos_token_ids", "max_context", "dtype", "device", "tokenizer_size", "num_sessions", "transport", "chat_template", "special_tokens", "buckets_compiling", "generation_config", "kv_cache_tokens", "local_steps")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class TargetInfo(_message.Message):
     BUCKETS_COMPILING_FIELD_NUMBER: _ClassVar[int]
     GENERATION_CONFIG_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     hidden_size: int
@@ -55,7 +56,8 @@ class TargetInfo(_message.Message):
     buckets_compiling: int
     generation_config: str
     kv_cache_tokens: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_ids: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_size: _Optional[int] = ..., num_sessions: _Optional[int] = ..., transport: _Optional[_Union[_common_pb2.TransportCaps, _Mapping]] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., buckets_compiling: _Optional[int] = ..., generation_config: _Optional[str] = ..., kv_cache_tokens: _Optional[int] = ...) -> None: ...
+    local_steps: _common_pb2.LocalSteps
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_ids: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_size: _Optional[int] = ..., num_sessions: _Optional[int] = ..., transport: _Optional[_Union[_common_pb2.TransportCaps, _Mapping]] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., buckets_compiling: _Optional[int] = ..., generation_config: _Optional[str] = ..., kv_cache_tokens: _Optional[int] = ..., local_steps: _Optional[_Union[_common_pb2.LocalSteps, _Mapping]] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()
