@@ -176,6 +176,8 @@ class ServiceLink:
     """The scheduler's stream to one service. `pack(steps, releases)` -> the batch message; the answer's
     `results` come back one per step, each a response or a StepError."""
 
+    typed = False  # its answers are wire messages (the scheduler unpacks them); an in-process engine's are not
+
     def __init__(self, service: str, method: Callable, pack: Callable[[Sequence, Sequence[str]], Any],
                  step_timeout: float | None = None, owner: str | None = None, local=None, answer_type=None,
                  traffic=None):

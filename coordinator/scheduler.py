@@ -99,6 +99,7 @@ class _Request:
     target_stream: int = 0  # the link generation its sessions were opened on
     draft_stream: int = 0
     resume: Resume | None = None  # what it has produced, once it has committed tokens (preemption resumes there)
+    speculation: Speculation | None = None  # its own K policy (the in-process generator's overlap); None: the server's
 
 
 class Scheduler:
@@ -134,7 +135,7 @@ class Scheduler:
         return len(self._waiting)
 
     def submit(self, request: GenerationRequest, timeout: float | None = None, has_draft: bool = True,
-               probe=None) -> Handle:
+               probe=None, speculation: Speculation | None = None) -> Handle:
         handle = Handle(timeout)
         with self._changed:
             if self._closed:
@@ -143,7 +144,8 @@ class Scheduler:
                 raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"{len(self._running)} requests run and {len(self._waiting)} wait (--max-waiting); "
                             f"retry in {RETRY_AFTER_S}s")
-            self._waiting.append(_Request(request, handle, has_draft and self.draft is not None, probe))
+            self._waiting.append(_Request(request, handle, has_draft and self.draft is not None, probe,
+                                          speculation=speculation))
             self._changed.notify()
         return handle
 
@@ -175,6 +177,8 @@ class Scheduler:
                     self._end(r, BackendError("target", grpc.StatusCode.INTERNAL, "the coordinator failed a step"))
         for r in [*self._running, *self._waiting]:
             r.handle.put(Abort(grpc.StatusCode.UNAVAILABLE, "the coordinator is shutting down"))
+        for r in list(self._running):
+            self._end(r)  # an engine in this process keeps its sessions until told (a service's stream ends)
 
     def _admit(self) -> None:
         """Waiting requests into the running table, oldest first (the lock held)."""
@@ -185,7 +189,7 @@ class Scheduler:
                 continue
             r.sessions = Sessions(want_timing=r.probe is not None)
             r.loop = rounds(r.generation, self.eos_token_ids, r.has_draft, r.sessions, self.max_context,
-                            self.speculation, r.resume, self.grammars, self.vocab_size)
+                            r.speculation or self.speculation, r.resume, self.grammars, self.vocab_size)
             self._running.append(r)
             self._advance(r, None)
 
@@ -263,7 +267,7 @@ class Scheduler:
     def _target_results(self, steps: list) -> list:
         out = []
         for step, answer in zip(steps, self.target.receive(), strict=True):
-            if isinstance(answer, BaseException):
+            if isinstance(answer, BaseException) or self.target.typed:  # an engine's results need no unpacking
                 out.append(answer)
             elif isinstance(step, Prefill):
                 out.append(convert.prefilled_from_pb(answer))
@@ -286,6 +290,8 @@ class Scheduler:
             self._wire[id(step)] = answer
             if isinstance(answer, BaseException):
                 pass
+            elif self.draft.typed:
+                out.append(answer)
             elif isinstance(step, Propose):
                 # q and a tree's parents (wire values: tandem/convert.py) go to the target as they came
                 out.append(Drafts(answer.drafts, list(answer.q) or None, list(answer.parents) or None))
@@ -355,9 +361,19 @@ class Scheduler:
         if r.sessions.draft:
             self._release_draft.append(r.sessions.session_id)
         r.sessions.target = r.sessions.draft = False
+        if self.target.typed:  # engines in this process (no batch in flight now): freed before the end is told
+            self._flush_releases()
         r.handle.put(error if error is not None else _END)
         with self._changed:
             self._kv_full = False
+
+    def _flush_releases(self) -> None:
+        """Send the releases gathered so far on their own, now (a service's go with the next step's batch)."""
+        for link, releases in ((self.target, self._release_target), (self.draft, self._release_draft)):
+            if link is not None and releases:
+                link.send([], list(releases))
+                link.receive()
+                releases.clear()
 
     # -- a profiled request's messages ------------------------------------------------------------
 

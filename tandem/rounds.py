@@ -1,9 +1,10 @@
 """The round loop (docs/architecture.md, "One request, round by round"), written once as a coroutine of
 steps: `rounds()` yields the steps it needs of the services (tandem/protocol.py: Prefill, Verify,
-Propose, Ahead) and is sent their results; it also yields the RoundEvents of committed tokens. Two
-drivers run it: the coordinator's scheduler (coordinator/scheduler.py), which puts the steps of every
-running request into one batch per service per step, and `run_rounds` below, a batch of one over the
-in-process engines. Features are opaque here (a tensor in-process, a wire message in the coordinator).
+Propose, Ahead) and is sent their results; it also yields the RoundEvents of committed tokens. One
+driver runs it: the scheduler (coordinator/scheduler.py), which puts the steps of every running request
+into one batch per service per step, over the services' streams or over engines in one process
+(tandem_tools/inprocess.py). Features are opaque here (a tensor in-process, a wire message in the
+coordinator).
 
     prefill                       the target: t and the prompt's features
     repeat until a stop:
@@ -20,8 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from tandem.constraint import Constraint, Grammars
@@ -31,14 +31,11 @@ from tandem.params import MAX_DRAFT_TOKENS, GenerationRequest
 from tandem.policy import KPolicy, Speculation
 from tandem.protocol import (
     Ahead,
-    DraftBackend,
     DraftConstraint,
     DraftProbs,
     Drafts,
-    DraftStep,
     Prefill,
     Propose,
-    TargetBackend,
     TokenLogprob,
     Verify,
 )
@@ -255,62 +252,3 @@ def _ahead_branches(speculation: Speculation, drafter: DraftSession, k: int, rem
 
 def is_draft_step(step) -> bool:
     return isinstance(step, (Propose, Ahead))
-
-
-def run_rounds(
-    target: TargetBackend,
-    draft: DraftBackend | None,
-    request: GenerationRequest,
-    max_context: int | None = None,
-    speculation: Speculation = FIXED_K,
-    grammars: Grammars | None = None,
-) -> Iterator[RoundEvent]:
-    """The round loop over in-process engines, a batch of one: each step list goes to the engines as it
-    comes (a draft step beside a verify, an ahead, on a worker thread). Closing the iterator early (a
-    client went away, a stop string matched) releases both sessions."""
-    sessions = Sessions()
-    loop = rounds(request, target.eos_token_ids, draft is not None, sessions, max_context, speculation,
-                  grammars=grammars, vocab_size=getattr(target, "vocab_size", None))
-    pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-draft") if draft is not None else None
-    try:
-        item = next(loop)
-        while True:
-            if isinstance(item, RoundEvent):
-                yield item
-                item = loop.send(None)
-            else:
-                item = loop.send(_run(target, draft, pool, item))
-            if sessions.draft and not sessions.draft_alive:
-                draft.release(sessions.session_id)
-                sessions.draft = False
-    except StopIteration:
-        return
-    finally:
-        loop.close()
-        if sessions.target:
-            target.release(sessions.session_id)
-        if sessions.draft:
-            draft.release(sessions.session_id)
-        if pool is not None:
-            pool.shutdown(wait=True)
-
-
-def _run(target: TargetBackend, draft: DraftBackend | None, pool: ThreadPoolExecutor | None, steps: Steps) -> list:
-    """One list of steps: a draft step beside a verify (an ahead) on the worker thread, else on this one (a
-    thread of its own may sum in another order: the same draft gives the same drafts on the same thread)."""
-    drafting: list[DraftStep] = [s for s in steps if is_draft_step(s)]
-    verifying = [s for s in steps if not is_draft_step(s)]
-    pending = pool.submit(_each, draft, drafting) if drafting and verifying else None
-    results = dict(zip(map(id, verifying), _each(target, verifying), strict=True)) if verifying else {}
-    if drafting:
-        done = pending.result() if pending is not None else _each(draft, drafting)
-        results.update(zip(map(id, drafting), done, strict=True))
-    return [results[id(s)] for s in steps]
-
-
-def _each(backend, steps: list) -> list:
-    """backend.run(steps); an engine that fails the whole batch fails each of its steps."""
-    try:
-        return backend.run(steps)
-    except Exception as exc:  # noqa: BLE001 - handed to each step
-        return [exc] * len(steps)

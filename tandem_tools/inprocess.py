@@ -1,14 +1,18 @@
-"""Both engines in one process, driven by the same round loop as the coordinator: the reference
-that service tests compare to, and `tandem generate --in-process`."""
+"""Both engines in one process, stepped by the coordinator's scheduler (coordinator/scheduler.py) over links
+that call them directly: the reference that service tests compare to, and `tandem generate --in-process`.
+Concurrent generations share its batches as they do through the services."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 from pydantic import BaseModel
 
+from coordinator.scheduler import Scheduler
 from draft_server.engine import DraftEngine
 from tandem.constraint import Grammars
 from tandem.defaults import DECODE_STEPS, SPEC_DRAFT_COST
@@ -16,8 +20,66 @@ from tandem.gates import AcceptanceGate, TreeGate
 from tandem.pairing import TargetShape, check_pair
 from tandem.params import GenerationRequest
 from tandem.policy import Speculation
-from tandem.rounds import RoundEvent, run_rounds
+from tandem.rounds import FIXED_K, RoundEvent
 from target_server.engine import TargetEngine
+
+MAX_RUNNING = 64  # generations in one batch (the coordinator's --max-sessions default); more wait their turn
+MAX_WAITING = 1024
+
+
+class EngineLink:
+    """The scheduler's link to an engine in this process (protocol.TargetBackend, DraftBackend): `send` runs
+    the batch on the link's own thread, so the target's and the draft's batches of a step run at once, as on
+    two services; `receive` waits for its results. One thread per engine: a draft's sums run in one order."""
+
+    typed = True  # results as the engine gives them: no wire to unpack
+    transport = "in-process"
+    generation = 1  # one "stream" for its life: its sessions are never lost with one
+
+    def __init__(self, service: str, engine):
+        self.service, self.engine = service, engine
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"tandem-{service}")
+        self._pending = None
+
+    def send(self, steps: Sequence, releases: Sequence[str] = ()) -> None:
+        self._pending = self._pool.submit(self._run, list(steps), list(releases))
+
+    def _run(self, steps: list, releases: list[str]) -> list:
+        for session_id in releases:
+            self.engine.release(session_id)
+        if not steps:
+            return []
+        try:
+            return self.engine.run(steps)
+        except Exception as exc:  # noqa: BLE001 - an engine that fails the whole batch fails each of its steps
+            return [exc] * len(steps)
+
+    def receive(self) -> list:
+        return self._pending.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def scheduler_over(target, draft, max_context: int | None, speculation: Speculation, grammars: Grammars | None = None,
+                   max_running: int = MAX_RUNNING, max_waiting: int = MAX_WAITING) -> Scheduler:
+    """A scheduler stepping these engines (protocol.TargetBackend, DraftBackend or None)."""
+    return Scheduler(EngineLink("target", target), EngineLink("draft", draft) if draft is not None else None,
+                     list(target.eos_token_ids), max_context, speculation, max_running, max_waiting,
+                     grammars=grammars, vocab_size=getattr(target, "vocab_size", None))
+
+
+def run_rounds(target, draft, request: GenerationRequest, max_context: int | None = None,
+               speculation: Speculation = FIXED_K, grammars: Grammars | None = None) -> Iterator[RoundEvent]:
+    """One generation over these engines, the scheduler with a batch of one. Closing the iterator early (a
+    client went away, a stop string matched) releases both sessions."""
+    scheduler = scheduler_over(target, draft, max_context, speculation, grammars, max_running=1, max_waiting=0)
+    handle = scheduler.submit(request)
+    try:
+        yield from handle.events()
+    finally:
+        handle.cancel()
+        scheduler.close()
 
 
 class GenerationResult(BaseModel):
@@ -62,6 +124,8 @@ class InProcessGenerator:
         self._tokenizer = None
         self._grammars: Grammars | None = None
         self.target_dir = Path(target_dir)
+        self._stepper: Scheduler | None = None  # made at the first generation
+        self._lock = threading.Lock()
 
     @property
     def tokenizer(self):
@@ -82,10 +146,30 @@ class InProcessGenerator:
         return self._grammars
 
     def stream(self, request: GenerationRequest, overlap: bool = False) -> Iterator[RoundEvent]:
-        """`overlap`: the draft's ahead steps run on a worker thread while the target verifies."""
-        speculation = replace(self.speculation, overlap=overlap)
-        grammars = self.grammars if request.grammar is not None else None
-        return run_rounds(self.target, self.draft, request, self.target.max_context, speculation, grammars)
+        """`overlap`: the draft prepares the next round while the target verifies (an ahead beside the verify).
+        Generations streamed at once from several threads share the scheduler's batches."""
+        grammars = self.grammars if request.grammar is not None else None  # made at the first that needs them
+        handle = self._scheduler(grammars).submit(request, speculation=replace(self.speculation, overlap=overlap))
+        try:
+            yield from handle.events()
+        finally:
+            handle.cancel()  # a generation closed early: both sessions freed at the next step
+
+    def _scheduler(self, grammars: Grammars | None) -> Scheduler:
+        with self._lock:
+            if self._stepper is None:
+                self._stepper = scheduler_over(self.target, self.draft, self.target.max_context, self.speculation)
+            if grammars is not None:
+                self._stepper.grammars = grammars
+            self._stepper.eos_token_ids = list(self.target.eos_token_ids)  # as the target has them now
+            return self._stepper
+
+    def close(self) -> None:
+        """Stop its scheduler (its thread and the engines' link threads)."""
+        with self._lock:
+            if self._stepper is not None:
+                self._stepper.close()  # and its links
+                self._stepper = None
 
     def generate(self, request: GenerationRequest, detokenize: bool = False, overlap: bool = False) -> GenerationResult:
         tokens: list[int] = []

@@ -49,6 +49,18 @@ def test_concurrent_greedy_sessions_match_target_only(generator, hf_target):
     assert generator.target.kv_budget.used == 0
 
 
+def test_concurrent_in_process_generations_share_the_schedulers_steps(generator):
+    """Generations streamed at once from several threads are stepped together (one batch per engine a step),
+    each with the tokens it makes alone."""
+    requests = [GenerationRequest(prompt_ids=p, max_new_tokens=16, num_draft_tokens=3, ignore_eos=True)
+                for p in make_prompts(6, generator.target.vocab_size, seed=11)]
+    alone = [generator.generate(r) for r in requests]
+    before = generator._stepper.steps
+    assert run_concurrently(generator, requests) == [a.token_ids for a in alone]
+    steps = generator._stepper.steps - before
+    assert steps < sum(a.stats["num_rounds"] for a in alone) / 2  # alone, at least a step a round each
+
+
 def test_the_paged_kv_pool_grows_under_load_and_gets_every_block_back(generator, hf_target):
     """From a pool of one block, concurrent sessions take blocks as they grow (the pool doubles, mid-run);
     outputs equal transformers' greedy and every block is free again afterwards."""
@@ -239,7 +251,7 @@ def test_memory_does_not_grow_over_a_long_batched_run(generator):
 
 def test_adaptive_k_shrinks_with_load_and_sheds_the_draft(generator, hf_target):
     from tandem.policy import Speculation, adaptive_k
-    from tandem.rounds import run_rounds
+    from tandem_tools.inprocess import run_rounds
 
     running = [1]
     k_for = adaptive_k(64, lambda: running[0])
@@ -330,7 +342,7 @@ def test_a_generation_that_starts_under_full_load_never_opens_a_draft_session(ge
     from helpers import RecordingDraft
 
     from tandem.policy import Speculation
-    from tandem.rounds import run_rounds
+    from tandem_tools.inprocess import run_rounds
 
     draft = RecordingDraft(generator.draft)
     request = GenerationRequest(prompt_ids=[5, 6, 7, 8], max_new_tokens=10, num_draft_tokens=4, ignore_eos=True)
@@ -707,7 +719,7 @@ def test_a_head_that_is_never_accepted_is_shed_and_the_output_stays(generator, h
     target's own."""
     from tandem.gates import AcceptanceGate
     from tandem.policy import Speculation
-    from tandem.rounds import run_rounds
+    from tandem_tools.inprocess import run_rounds
 
     gate = AcceptanceGate(0.3)
     # the rounds' prices at the prior, not as timed: on a loaded machine a timed drafting round can cost so little

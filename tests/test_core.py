@@ -15,8 +15,7 @@ from draft_server.engine import DraftEngine
 from draft_server.model import Eagle3Draft
 from tandem.pairing import PairMismatch
 from tandem.params import GenerationRequest, SamplingParams
-from tandem.rounds import run_rounds
-from tandem_tools.inprocess import InProcessGenerator
+from tandem_tools.inprocess import InProcessGenerator, run_rounds
 from tandem_tools.tiny import tiny_draft_config
 from target_server.acceptance import target_probs
 from target_server.engine import TargetEngine

@@ -16,7 +16,7 @@ from transformers import (
 
 from draft_server.checkpoint import read_target_embedding
 from tandem.params import GenerationRequest
-from tandem.rounds import run_rounds
+from tandem_tools.inprocess import run_rounds
 from target_server.engine import TargetEngine
 
 SHAPE = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,

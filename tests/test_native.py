@@ -27,7 +27,7 @@ from transformers import (
 from tandem import packed
 from tandem.packed import PackedLinear
 from tandem.params import GenerationRequest, SamplingParams
-from tandem.rounds import run_rounds
+from tandem_tools.inprocess import run_rounds
 from tandem_tools.opcount import OpCounter
 from target_server import paged
 from target_server.capture import FeatureCapture

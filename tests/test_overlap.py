@@ -15,7 +15,7 @@ from test_core import assert_same_or_tie, chi_square_p_value, hf_greedy, make_pr
 from draft_server.engine import DraftEngine
 from tandem.params import GenerationRequest, SamplingParams
 from tandem.policy import Speculation
-from tandem.rounds import run_rounds
+from tandem_tools.inprocess import run_rounds
 from target_server.acceptance import target_probs
 
 

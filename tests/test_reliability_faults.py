@@ -16,9 +16,8 @@ from processes import start_stack, stop_stack, wait_for_no_sessions
 from coordinator.client import TandemClient, TandemError
 from tandem.params import GenerationRequest
 from tandem.protocol import DraftUnavailable
-from tandem.rounds import run_rounds
 from tandem.service import health_status
-from tandem_tools.inprocess import InProcessGenerator
+from tandem_tools.inprocess import InProcessGenerator, run_rounds
 
 LONG = {"prompt_ids": [11, 12, 13, 14], "max_new_tokens": 400, "ignore_eos": True, "num_draft_tokens": 3}
 

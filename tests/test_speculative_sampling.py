@@ -27,8 +27,8 @@ from tandem.constraint import Grammars, unpack_rows, words
 from tandem.params import GenerationRequest, GrammarSpec, SamplingParams
 from tandem.policy import Speculation
 from tandem.protocol import DraftProbs
-from tandem.rounds import run_rounds
 from tandem.sessions import InvalidRequest
+from tandem_tools.inprocess import run_rounds
 from target_server import acceptance
 from target_server.acceptance import target_probs
 

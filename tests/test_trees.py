@@ -17,9 +17,9 @@ from tandem.convert import parents_from_pb, parents_to_pb
 from tandem.gates import TreeGate
 from tandem.params import GenerationRequest, SamplingParams, TreeParams, parse_tree
 from tandem.policy import Speculation
-from tandem.rounds import run_rounds
 from tandem.traffic import parts_of
 from tandem.v1 import draft_pb2
+from tandem_tools.inprocess import run_rounds
 
 TREE = TreeParams(nodes=12, depth=4, top_k=3)
 PROMPTS = [[5, 9, 33, 17], [101, 7, 64, 2, 250, 19, 3], [42], [8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8]]
