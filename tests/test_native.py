@@ -287,8 +287,8 @@ def test_a_background_compile_runs_a_bucket_eagerly_until_its_graph_is_ready(che
     assert not threads and runner.buckets == {(n, rows) for n in WarmUp.FIRST}  # eager, and nothing queued
     target.release("p")
     assert greedy_rounds(target, oracle, second, 8, 3) == hf_generate(model, second, 8)
-    # the prefill (8: compiled) and the verifies, on the steps' own thread (the scheduler's target link)
-    assert threads and set(threads) == {"tandem-target_0"}
+    # the prefill (8: compiled) and the verifies, on the steps' own thread (the scheduler's)
+    assert threads and set(threads) == {"tandem-scheduler"}
 
 
 def test_a_bucket_whose_compile_fails_runs_eagerly_and_the_engine_carries_on(checkpoints, monkeypatch):
