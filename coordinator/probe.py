@@ -18,9 +18,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from tandem import convert
 from tandem.dtypes import ITEMSIZE
 from tandem.metrics import CoordinatorMetrics
-from tandem.rounds import RoundEvent
+from tandem.rounds import RoundEvent, is_draft_step
 from tandem.text import TextDelta
 from tandem.traffic import GRPC, LinkCount, Parts, parts_of
 from tandem.v1 import coordinator_pb2, draft_pb2, profile_pb2, target_pb2
@@ -114,6 +115,24 @@ class RequestProbe:
     @staticmethod
     def _count(r: _Round, link: str, msg) -> None:
         r.links.setdefault(link, LinkCount()).add(msg.ByteSize(), parts_of(msg))
+
+    def steps_sent(self, steps, links) -> None:
+        """The scheduler sent this request's steps over `links` (the target's, the draft's or None)."""
+        for link in links:
+            if link is not None:  # what its steps went by, both ways
+                self.steps[f"coordinator->{link.service}"] = self.steps[f"{link.service}->coordinator"] = link.transport
+        for s in steps:
+            if is_draft_step(s):
+                self.sent(TO_DRAFT, convert.draft_step_to_pb(s).request)
+            else:
+                self.sent(TO_TARGET, convert.target_step_to_pb(s).request)
+
+    def steps_received(self, steps, wire: dict[int, object]) -> None:
+        """Their answers as they came (`wire`: by id of the step; an error is not counted)."""
+        for s in steps:
+            answer = wire.get(id(s))
+            if answer is not None and not isinstance(answer, BaseException):
+                self.received(FROM_DRAFT if is_draft_step(s) else FROM_TARGET, answer)
 
     def sent(self, link: str, msg) -> None:
         """A message the coordinator hands to gRPC for the target or the draft."""

@@ -230,7 +230,8 @@ class Scheduler:
                     r.target_stream = self.target.generation
                 elif isinstance(s, Propose) and s.open:
                     r.draft_stream = self.draft.generation if self.draft is not None else 0
-            self._probe_sent(r)
+            if r.probe is not None:
+                r.probe.steps_sent(r.steps, (self.target, self.draft))
         answers: dict[int, object] = {}
         self._wire: dict[int, object] = {}  # the step's answer as it came, for a profiled request
         if sent_target:
@@ -240,7 +241,8 @@ class Scheduler:
         refused: list[_Request] = []
         for r in batch:
             results = [answers[id(s)] for s in r.steps]
-            self._probe_received(r, results)
+            if r.probe is not None:
+                r.probe.steps_received(r.steps, self._wire)
             if _kv_taken(results) and len(self._running) > 1:
                 if isinstance(r.steps[0], Prefill):  # back to the front of the queue
                     self._preempt(r)
@@ -374,29 +376,6 @@ class Scheduler:
                 link.send([], list(releases))
                 link.receive()
                 releases.clear()
-
-    # -- a profiled request's messages ------------------------------------------------------------
-
-    def _probe_sent(self, r: _Request) -> None:
-        if r.probe is None:
-            return
-        for link in (self.target, self.draft):
-            if link is not None:  # what its steps went by, both ways
-                r.probe.steps[f"coordinator->{link.service}"] = r.probe.steps[f"{link.service}->coordinator"] = \
-                    link.transport
-        for s in r.steps:
-            if is_draft_step(s):
-                r.probe.sent("coordinator->draft", convert.draft_step_to_pb(s).request)
-            else:
-                r.probe.sent("coordinator->target", convert.target_step_to_pb(s).request)
-
-    def _probe_received(self, r: _Request, results: list) -> None:
-        if r.probe is None:
-            return
-        for s in r.steps:
-            wire = self._wire.get(id(s))
-            if wire is not None and not isinstance(wire, BaseException):
-                r.probe.received("draft->coordinator" if is_draft_step(s) else "target->coordinator", wire)
 
 
 def _kv_taken(results: list) -> bool:
