@@ -74,6 +74,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         target, None if args.no_speculation else draft, device=args.device, dtype=args.dtype,
         aux_layer_convention=args.aux_layer_convention,
     )
+    try:
+        return _generate_in_process(args, generator)
+    finally:
+        generator.close()  # its scheduler's thread ends before the interpreter does
+
+
+def _generate_in_process(args, generator) -> int:
     prompt_ids = args.prompt_ids
     if args.chat is not None:
         prompt_ids = list(generator.tokenizer.apply_chat_template(

@@ -4,7 +4,9 @@ Concurrent generations share its batches as they do through the services."""
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -96,6 +98,11 @@ def run_rounds(target, draft, request: GenerationRequest, max_context: int | Non
         scheduler.close()
 
 
+def _close_at_exit(generator: weakref.ref) -> None:
+    if (alive := generator()) is not None:
+        alive.close()
+
+
 class GenerationResult(BaseModel):
     token_ids: list[int]  # generated tokens only
     text: str | None = None
@@ -173,6 +180,7 @@ class InProcessGenerator:
         with self._lock:
             if self._stepper is None:
                 self._stepper = scheduler_over(self.target, self.draft, self.target.max_context, self.speculation)
+                atexit.register(_close_at_exit, weakref.ref(self))  # no step left running as the interpreter ends
             if grammars is not None:
                 self._stepper.grammars = grammars
             self._stepper.eos_token_ids = list(self.target.eos_token_ids)  # as the target has them now
