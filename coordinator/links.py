@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from tandem.errors import code_of
 from tandem.step_socket import TRANSPORT, SocketCall, StepStreamError
 
 log = logging.getLogger("tandem.coordinator")
@@ -166,10 +167,6 @@ class _SocketStream(_Stream):
         if self._traffic is not None:
             self._traffic.count("received", self._links[1], len(data), message, TRANSPORT)
         return message
-
-
-def code_of(value: int) -> grpc.StatusCode:
-    return next((code for code in grpc.StatusCode if code.value[0] == value), grpc.StatusCode.UNKNOWN)
 
 
 class ServiceLink:

@@ -67,6 +67,11 @@ def describe_validation(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def code_of(value: int) -> grpc.StatusCode:
+    """The status code of its wire number (a StepError's, a step socket's error frame)."""
+    return next((code for code in grpc.StatusCode if code.value[0] == value), grpc.StatusCode.UNKNOWN)
+
+
 def status_of(exc: BaseException, errors: ErrorMap = ERRORS) -> tuple[grpc.StatusCode, str] | None:
     """The status a typed error maps to, with its message; None for an unmapped (internal) error."""
     if isinstance(exc, Abort):

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from tandem.errors import status_of
+from tandem.errors import code_of, status_of
 from tandem.v1 import common_pb2
 
 log = logging.getLogger("tandem")
@@ -204,8 +204,7 @@ class SocketCall:
             raise StepStreamError(grpc.StatusCode.UNAVAILABLE, "the step stream's socket closed") from None
         if kind == ERROR:
             error = json.loads(body)
-            code = next((c for c in grpc.StatusCode if c.value[0] == error["code"]), grpc.StatusCode.UNKNOWN)
-            raise StepStreamError(code, error["message"])
+            raise StepStreamError(code_of(error["code"]), error["message"])
         return body
 
     def cancel(self) -> None:
