@@ -153,7 +153,8 @@ class Scheduler:
         with self._changed:
             self._closed = True
             self._changed.notify()
-        self._thread.join(5.0)
+        if threading.current_thread() is not self._thread:  # a collector may run a finalizer on any thread
+            self._thread.join(5.0)
         self.target.close()
         if self.draft is not None:
             self.draft.close()

@@ -4,7 +4,6 @@ Concurrent generations share its batches as they do through the services."""
 
 from __future__ import annotations
 
-import atexit
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -98,11 +97,6 @@ def run_rounds(target, draft, request: GenerationRequest, max_context: int | Non
         scheduler.close()
 
 
-def _close_at_exit(generator: weakref.ref) -> None:
-    if (alive := generator()) is not None:
-        alive.close()
-
-
 class GenerationResult(BaseModel):
     token_ids: list[int]  # generated tokens only
     text: str | None = None
@@ -180,7 +174,9 @@ class InProcessGenerator:
         with self._lock:
             if self._stepper is None:
                 self._stepper = scheduler_over(self.target, self.draft, self.target.max_context, self.speculation)
-                atexit.register(_close_at_exit, weakref.ref(self))  # no step left running as the interpreter ends
+                # its thread holds the engines, not this generator: the scheduler stops when the generator is
+                # dropped, so that its models are freed, or as the interpreter ends (no step left running then)
+                self._stop = weakref.finalize(self, self._stepper.close)
             if grammars is not None:
                 self._stepper.grammars = grammars
             self._stepper.eos_token_ids = list(self.target.eos_token_ids)  # as the target has them now
@@ -190,7 +186,7 @@ class InProcessGenerator:
         """Stop its scheduler (its thread and the engines' link threads)."""
         with self._lock:
             if self._stepper is not None:
-                self._stepper.close()  # and its links
+                self._stop()  # the scheduler's close, and its links'
                 self._stepper = None
 
     def generate(self, request: GenerationRequest, detokenize: bool = False, overlap: bool = False) -> GenerationResult:

@@ -3,9 +3,11 @@ output changes because of it; the KV budget queues and then refuses instead of r
 
 from __future__ import annotations
 
+import gc
 import threading
 import types
 import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -59,6 +61,22 @@ def test_concurrent_in_process_generations_share_the_schedulers_steps(generator)
     assert run_concurrently(generator, requests) == [a.token_ids for a in alone]
     steps = generator._stepper.steps - before
     assert steps < sum(a.stats["num_rounds"] for a in alone) / 2  # alone, at least a step a round each
+
+
+def test_a_dropped_in_process_generator_stops_its_scheduler_and_frees_its_engines(tiny_dir):
+    """The scheduler's thread holds the engines, not the generator: once a generator that has generated is
+    dropped, its scheduler stops and its models are freed (a process making many generators keeps none)."""
+    dropped = InProcessGenerator(tiny_dir / "target", tiny_dir / "draft")
+    request = GenerationRequest(prompt_ids=[5, 6, 7], max_new_tokens=4, num_draft_tokens=2, ignore_eos=True)
+    assert len(dropped.generate(request).token_ids) == 4
+    thread, target = dropped._stepper._thread, weakref.ref(dropped.target)
+    assert thread.is_alive()
+    del dropped
+    gc.collect()
+    thread.join(5.0)
+    assert not thread.is_alive()
+    gc.collect()
+    assert target() is None
 
 
 def test_the_paged_kv_pool_grows_under_load_and_gets_every_block_back(generator, hf_target):
