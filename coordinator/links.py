@@ -200,8 +200,11 @@ class ServiceLink:
     def _open(self) -> _Stream:
         if self._local is not None:
             try:
-                return _SocketStream(self.service, self._local, self._answer_type, self.owner, self._traffic,
-                                     (f"coordinator->{self.service}", f"{self.service}->coordinator"))
+                stream = _SocketStream(self.service, self._local, self._answer_type, self.owner, self._traffic,
+                                       (f"coordinator->{self.service}", f"{self.service}->coordinator"))
+                if not self.generation:
+                    log.info("the %s's steps go over its step socket %s", self.service, self._local.path)
+                return stream
             except OSError as exc:  # another host or container: the socket is not there to reach
                 log.info("the %s's step socket %s cannot be reached (%s): its steps go over gRPC",
                          self.service, self._local.path, exc)

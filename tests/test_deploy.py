@@ -37,6 +37,7 @@ CPU_FILE = DEPLOY / "docker-compose.cpu.yml"
 COMPOSE_FILES = [GPU_FILE, CPU_FILE]
 MODEL_SERVICES = ("target", "draft")
 LONG_RUNNING = ("target", "draft", "coordinator")
+STEPS_DIR = "/run/tandem"  # TMPDIR of the three, one volume: the step sockets
 SETTINGS = {"target": config.TargetSettings, "draft": config.DraftSettings,
             "coordinator": config.CoordinatorSettings}
 # Variables the compose files set that no settings class reads yet: the feature transport is chosen
@@ -234,11 +235,27 @@ def test_checkpoints_come_from_the_models_volume_and_the_environment():
     assert environment(services["target"])["TANDEM_TARGET_DRAFT"] == "/models/d"
     assert environment(services["draft"])["TANDEM_DRAFT_MODEL"] == "/models/d"
     assert environment(services["draft"])["TANDEM_DRAFT_TARGET"] == "/models/t"
-    assert services["target"]["volumes"] == ["/srv/m:/models:ro"]
+    assert [v for v in services["target"]["volumes"] if "/models" in v] == ["/srv/m:/models:ro"]
     cpu = load(CPU_FILE)
     assert "models" in cpu["volumes"]
     assert all("models:/models" in s["volumes"] for n, s in cpu["services"].items() if n != "coordinator")
-    assert "volumes" not in cpu["services"]["coordinator"], "the coordinator needs no weights"
+    assert not any("/models" in str(v) for v in cpu["services"]["coordinator"].get("volumes", [])), \
+        "the coordinator needs no weights"
+
+
+def test_the_coordinator_reaches_the_services_step_sockets_in_one_volume(compose):
+    """With a fast path the target and the draft offer the coordinator their steps over a Unix socket in a
+    private directory under TMPDIR (tandem/step_socket.py): the three services set TMPDIR to where they
+    mount one named volume, so the paths the services announce are there for the coordinator too."""
+    shared = set()
+    for name in LONG_RUNNING:
+        service = compose["services"][name]
+        tmpdir = environment(service).get("TMPDIR")
+        assert tmpdir, f"{name}: no TMPDIR"
+        [volume] = [str(v).split(":")[0] for v in service.get("volumes", []) if str(v).split(":")[1:2] == [tmpdir]]
+        shared.add(volume)
+    [volume] = shared
+    assert volume in compose["volumes"], "a named volume of the file"
 
 
 def test_every_variable_is_a_setting_the_service_reads(compose):
@@ -537,6 +554,9 @@ class Stack:
             return self.secrets[value]
         if value == "/models" or value.startswith("/models/"):
             return str(self.models) + value.removeprefix("/models")
+        if value == STEPS_DIR:  # the step sockets' volume: a directory of this test the three share
+            (self.models.parent / "steps").mkdir(exist_ok=True)
+            return str(self.models.parent / "steps")
         m = re.fullmatch(r"(.+):(\d+)", value)
         if m and (m.group(1), int(m.group(2))) in self.ports:
             return f"127.0.0.1:{self.ports[(m.group(1), int(m.group(2)))]}"
@@ -563,7 +583,7 @@ class Stack:
             if value is None:  # passed through from the shell: unset here unless set in ours
                 continue
             env[key] = self.rewrite(value, name) if key.endswith(("_PORT", "_HOST", "_ADDR")) or \
-                value.startswith(("/models", "/run/secrets/")) else value
+                value.startswith(("/models", "/run/secrets/", STEPS_DIR)) else value
         # one torch thread per process on this small machine; a service drains if the test dies
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env[PARENT_PID_ENV] = str(os.getpid())
@@ -607,8 +627,9 @@ class Stack:
 
 
 @contextmanager
-def compose_up(path: Path, tmp_path: Path, pythons: dict[str, Path]) -> Iterator[Stack]:
-    spec = load(path)
+def compose_up(path: Path, tmp_path: Path, pythons: dict[str, Path], env: dict[str, str] | None = None
+               ) -> Iterator[Stack]:
+    spec = load(path, env)
     logs = tmp_path / "logs"
     logs.mkdir()
     stack = Stack(spec["services"], tmp_path / "models", logs, pythons)
@@ -631,10 +652,12 @@ def compose_up(path: Path, tmp_path: Path, pythons: dict[str, Path]) -> Iterator
 
 
 @pytest.mark.slow
-def test_cpu_compose_stack_serves_a_generation_through_the_coordinator(tmp_path, coordinator_image_env):
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_cpu_compose_stack_serves_a_generation_through_the_coordinator(tmp_path, coordinator_image_env, transport):
     """`docker compose -f deploy/docker-compose.cpu.yml up` without Docker: the init service writes the
     tiny pair, target and draft start once it has, the coordinator (in the light image's environment)
-    once both are healthy; a client generates through the coordinator; then all drain on SIGTERM."""
+    once both are healthy; a client generates through the coordinator; then all drain on SIGTERM. With
+    TANDEM_TRANSPORT=shm the coordinator steps both services over their sockets in the shared volume."""
     from tandem.params import GenerationRequest
     from tandem_tools.inprocess import InProcessGenerator
 
@@ -643,7 +666,8 @@ def test_cpu_compose_stack_serves_a_generation_through_the_coordinator(tmp_path,
     if isinstance(coordinator_python, str):
         coordinator_python = Path(sys.executable)
     started = time.monotonic()
-    with compose_up(CPU_FILE, tmp_path, {"tandem:coordinator": coordinator_python}) as stack:
+    with compose_up(CPU_FILE, tmp_path, {"tandem:coordinator": coordinator_python},
+                    {"TANDEM_TRANSPORT": transport}) as stack:
         up = time.monotonic() - started
         coordinator = stack.services["coordinator"]
         address = f"127.0.0.1:{stack.ports[('coordinator', container_port('coordinator', coordinator))]}"
@@ -668,6 +692,9 @@ def test_cpu_compose_stack_serves_a_generation_through_the_coordinator(tmp_path,
         want = json.loads(json.dumps(want.model_dump()))
         assert {k: v for k, v in got.items() if k != "stats"} == {k: v for k, v in want.items() if k != "stats"}
         assert got["stats"]["num_rounds"] > 0 and got["stats"]["num_draft_tokens"] > 0
+        by_socket = [line for line in stack.log("coordinator").splitlines() if "over its step socket" in line]
+        assert len(by_socket) == (2 if transport != "grpc" else 0), stack.log("coordinator")
+        assert all(str(tmp_path / "steps") in line for line in by_socket), by_socket
         procs = dict(stack.procs)
     # every long-running service drained and exited cleanly on SIGTERM; the init service had finished
     assert {name: procs[name].returncode for name in procs} == {name: 0 for name in procs}

@@ -465,6 +465,23 @@ def test_features_go_over_the_pods_shared_memory(objects):
     assert mebibytes(by_name["target"]["resources"]["limits"]["memory"]) > ring, "the ring counts against it"
 
 
+def test_the_coordinator_reaches_the_services_step_sockets_in_one_volume(objects):
+    """With a fast path the target and the draft offer the coordinator their steps over a Unix socket in a
+    private directory under TMPDIR (tandem/step_socket.py): the three containers set TMPDIR to the mount
+    of one emptyDir, so the socket paths the services announce are there for the coordinator too."""
+    spec, by_name = pod_spec(objects), containers(objects)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    shared = set()
+    for name in (*MODEL_SERVICES, "coordinator"):
+        tmpdir = env(by_name[name], objects).get("TMPDIR")
+        assert tmpdir, f"{name}: no TMPDIR"
+        [mount] = [m for m in by_name[name].get("volumeMounts", []) if m["mountPath"] == tmpdir]
+        assert not mount.get("readOnly"), name
+        shared.add((mount["name"], tmpdir))
+    [(volume, _)] = shared
+    assert "emptyDir" in volumes[volume]
+
+
 def test_models_come_from_a_volume_at_the_configmaps_paths(objects):
     spec, by_name = pod_spec(objects), containers(objects)
     volumes = {v["name"]: v for v in spec["volumes"]}
