@@ -46,7 +46,10 @@ class EngineServicer(Generic[E]):
     def attach(self, engine: E, transport=None) -> None:
         self._engine, self.transport = engine, transport
         if transport is not None and transport.caps.requested != "grpc" and self.local_steps is None:
-            self.local_steps = StepSocket(self.WHAT, self._serve_local)  # a coordinator on this host steps there
+            try:  # a coordinator on this host steps there
+                self.local_steps = StepSocket(self.WHAT, self._serve_local)
+            except OSError as exc:
+                log.warning("the %s offers no step socket (%s): the coordinator's steps go over gRPC", self.WHAT, exc)
         self.metrics.count_sessions(lambda: engine.num_sessions)
         budget = getattr(engine, "kv_budget", None)
         if budget is not None:  # what the sessions hold of the KV budget (target and draft), as vLLM reports it

@@ -85,7 +85,12 @@ class StepSocket:
         self.path = os.path.join(self._directory, "steps.sock")
         self.token = secrets.token_hex(16)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.path)
+        try:
+            self._listener.bind(self.path)  # OSError where the path is too long for AF_UNIX (a deep TMPDIR)
+        except OSError:
+            self._listener.close()
+            shutil.rmtree(self._directory, ignore_errors=True)
+            raise
         os.chmod(self.path, 0o600)
         self._listener.listen(8)
         self._connections: set[socket.socket] = set()

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -537,6 +538,7 @@ class Stack:
     ports: dict[tuple[str, int], int] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     secrets: dict[str, str] = field(default_factory=dict)  # /run/secrets/NAME -> the file made for it
+    steps: str | None = None  # what STEPS_DIR stands for here
 
     def __post_init__(self) -> None:
         for name, service in self.services.items():
@@ -554,9 +556,10 @@ class Stack:
             return self.secrets[value]
         if value == "/models" or value.startswith("/models/"):
             return str(self.models) + value.removeprefix("/models")
-        if value == STEPS_DIR:  # the step sockets' volume: a directory of this test the three share
-            (self.models.parent / "steps").mkdir(exist_ok=True)
-            return str(self.models.parent / "steps")
+        if value == STEPS_DIR:  # the step sockets' volume: a directory the three share, short enough for AF_UNIX
+            if self.steps is None:
+                self.steps = tempfile.mkdtemp(prefix="steps-", dir="/tmp")
+            return self.steps
         m = re.fullmatch(r"(.+):(\d+)", value)
         if m and (m.group(1), int(m.group(2))) in self.ports:
             return f"127.0.0.1:{self.ports[(m.group(1), int(m.group(2)))]}"
@@ -649,6 +652,8 @@ def compose_up(path: Path, tmp_path: Path, pythons: dict[str, Path], env: dict[s
         for name in reversed(order):
             if name in stack.procs:
                 stack.stop(name)
+        if stack.steps is not None:
+            shutil.rmtree(stack.steps, ignore_errors=True)
 
 
 @pytest.mark.slow
@@ -694,7 +699,7 @@ def test_cpu_compose_stack_serves_a_generation_through_the_coordinator(tmp_path,
         assert got["stats"]["num_rounds"] > 0 and got["stats"]["num_draft_tokens"] > 0
         by_socket = [line for line in stack.log("coordinator").splitlines() if "over its step socket" in line]
         assert len(by_socket) == (2 if transport != "grpc" else 0), stack.log("coordinator")
-        assert all(str(tmp_path / "steps") in line for line in by_socket), by_socket
+        assert all(f"{stack.steps}/" in line for line in by_socket), by_socket
         procs = dict(stack.procs)
     # every long-running service drained and exited cleanly on SIGTERM; the init service had finished
     assert {name: procs[name].returncode for name in procs} == {name: 0 for name in procs}

@@ -391,3 +391,18 @@ def test_a_service_that_closes_its_step_socket_fails_the_step_in_flight_as_unava
     while engine.num_sessions and time.monotonic() < deadline:  # the connection's end frees its sessions
         time.sleep(0.05)
     assert engine.num_sessions == 0
+
+
+def test_a_step_socket_path_too_long_for_af_unix_is_refused_cleanly(tmp_path, monkeypatch):
+    """Under a TMPDIR too deep for AF_UNIX's ~108 bytes, StepSocket raises OSError and leaves nothing behind
+    (the servicer then offers no socket and its steps go over gRPC, rather than the service dying)."""
+    import tempfile
+
+    from tandem.step_socket import StepSocket
+
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with pytest.raises(OSError):
+        StepSocket("target", lambda batches, owner: iter(()))
+    assert list(deep.iterdir()) == []
