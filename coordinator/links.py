@@ -191,6 +191,9 @@ class ServiceLink:
         self._stream: _Stream | None = None
         self._sent = 0  # steps of the batch in flight
         self.generation = 0  # counts the streams opened: a session of an earlier one is gone
+        # when the last batch went and its answer came (time.monotonic_ns): a profiled request's stamps, taken
+        # here because the scheduler reads the target's answer and the draft's before it hands either on
+        self.sent_ns = self.received_ns = 0
 
     @property
     def transport(self) -> str:
@@ -217,6 +220,7 @@ class ServiceLink:
             self.generation += 1
         self._sent = len(steps)
         self._stream.send(self._pack(steps, releases))
+        self.sent_ns = time.monotonic_ns()
 
     def receive(self) -> list:
         """The answers of the batch sent: a response or a BackendError per step. A broken stream (or one past
@@ -228,6 +232,8 @@ class ServiceLink:
             stream.cancel()
             self._stream = None
             return [exc] * n
+        finally:
+            self.received_ns = time.monotonic_ns()
         if len(answer.results) != n:
             self.close()
             return [BackendError(self.service, grpc.StatusCode.INTERNAL,

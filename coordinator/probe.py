@@ -117,26 +117,34 @@ class RequestProbe:
         r.links.setdefault(link, LinkCount()).add(msg.ByteSize(), parts_of(msg))
 
     def steps_sent(self, steps, links) -> None:
-        """The scheduler sent this request's steps over `links` (the target's, the draft's or None)."""
+        """The scheduler sent this request's steps over `links` (the target's, the draft's or None), each
+        stamped when its link sent it."""
         for link in links:
             if link is not None:  # what its steps went by, both ways
                 self.steps[f"coordinator->{link.service}"] = self.steps[f"{link.service}->coordinator"] = link.transport
+        target, draft = links
         for s in steps:
             if is_draft_step(s):
-                self.sent(TO_DRAFT, convert.draft_step_to_pb(s).request)
+                self.sent(TO_DRAFT, convert.draft_step_to_pb(s).request, _stamp(draft, "sent_ns"))
             else:
-                self.sent(TO_TARGET, convert.target_step_to_pb(s).request)
+                self.sent(TO_TARGET, convert.target_step_to_pb(s).request, _stamp(target, "sent_ns"))
 
-    def steps_received(self, steps, wire: dict[int, object]) -> None:
-        """Their answers as they came (`wire`: by id of the step; an error is not counted)."""
+    def steps_received(self, steps, wire: dict[int, object], links=(None, None)) -> None:
+        """Their answers as they came (`wire`: by id of the step; an error is not counted), each stamped when
+        its link (target's, draft's) read it: a verify's answer that came while an ahead still ran is not
+        counted as waited for."""
+        target, draft = links
         for s in steps:
             answer = wire.get(id(s))
             if answer is not None and not isinstance(answer, BaseException):
-                self.received(FROM_DRAFT if is_draft_step(s) else FROM_TARGET, answer)
+                if is_draft_step(s):
+                    self.received(FROM_DRAFT, answer, _stamp(draft, "received_ns"))
+                else:
+                    self.received(FROM_TARGET, answer, _stamp(target, "received_ns"))
 
-    def sent(self, link: str, msg) -> None:
-        """A message the coordinator hands to gRPC for the target or the draft."""
-        now = time.monotonic_ns()
+    def sent(self, link: str, msg, at: int | None = None) -> None:
+        """A message the coordinator hands to gRPC for the target or the draft (`at`: when, else now)."""
+        now = at or time.monotonic_ns()
         r = self._round()
         self._count(r, link, msg)
         if link == TO_TARGET and msg.WhichOneof("step") is not None:
@@ -148,9 +156,9 @@ class RequestProbe:
         elif link == TO_DRAFT and not r.draft_sent_ns and not self._in_ahead:
             r.draft_sent_ns = now  # the propose's first message; further ones are feature chunks
 
-    def received(self, link: str, msg) -> None:
-        """A message from the client, the target or the draft."""
-        now = time.monotonic_ns()
+    def received(self, link: str, msg, at: int | None = None) -> None:
+        """A message from the client, the target or the draft (`at`: when it came, else now)."""
+        now = at or time.monotonic_ns()
         r = self._round()
         self._count(r, link, msg)
         if link == FROM_TARGET and msg.HasField("features") and msg.features.WhichOneof("payload") == "ref":
@@ -287,3 +295,8 @@ class RequestObserver:
             close = getattr(deltas, "close", None)
             if close is not None:
                 close()
+
+
+def _stamp(link, name: str) -> int | None:
+    """The link's time of its last send or answer (ServiceLink), or None (now) for one that keeps none."""
+    return getattr(link, name, None) or None

@@ -243,7 +243,7 @@ class Scheduler:
         for r in batch:
             results = [answers[id(s)] for s in r.steps]
             if r.probe is not None:
-                r.probe.steps_received(r.steps, self._wire)
+                r.probe.steps_received(r.steps, self._wire, (self.target, self.draft))
             if _kv_taken(results) and len(self._running) > 1:
                 if isinstance(r.steps[0], Prefill):  # back to the front of the queue
                     self._preempt(r)

@@ -14,7 +14,7 @@ services' durations are differences on their own clocks, so no clock alignment i
 They add up to the round's wall time. Rounds run propose then verify, one after the other; with
 overlap, a round whose drafts were prepared during the last verify (a hit) has no propose, and the
 ahead step runs during the verify: only the part of it that outlasts the verify is waited for (counted
-as draft_compute). "Saved per round" estimates what overlap won: a hit round skips a propose round trip
+as draft_compute), as for a draft step sent beside a target-only round (the draft taking in its pairs). "Saved per round" estimates what overlap won: a hit round skips a propose round trip
 (the mean of the rounds that ran one), minus the time waited on aheads that outlasted their verify.
 """
 
@@ -59,21 +59,25 @@ def round_stages(r: profile_pb2.RoundProfile) -> dict[str, int]:
     wall = r.end_ns - r.start_ns
     stages = dict.fromkeys(STAGES, 0)
     waited = 0
+    beside = bool(r.draft_sent_ns and r.target_sent_ns and r.draft_sent_ns < r.target_received_ns
+                  and r.target_sent_ns < r.draft_received_ns)  # a draft step sent with the verify (an extend)
     for step, sent, received, who in (
         (r.target, r.target_sent_ns, r.target_received_ns, "target"),
         (r.draft, r.draft_sent_ns, r.draft_received_ns, "draft"),
     ):
-        if not sent or not received:
+        if not sent or not received or (who == "draft" and beside):
             continue
         rtt = received - sent
         stages[f"{who}_compute"] += step.compute_ns
         stages["queueing"] += step.queue_ns
         stages["transport"] += rtt - step.compute_ns - step.queue_ns
         waited += rtt
-    if r.ahead_sent_ns and r.ahead_received_ns:  # ran during the verify: only the rest is waited for
-        exposed = ahead_exposed_ns(r)
-        stages["draft_compute"] += exposed
-        waited += exposed
+    for sent, received in ((r.ahead_sent_ns, r.ahead_received_ns),
+                           (r.draft_sent_ns, r.draft_received_ns) if beside else (0, 0)):
+        if sent and received:  # ran during the verify: only the rest is waited for
+            exposed = max(0, received - max(r.target_received_ns, sent))
+            stages["draft_compute"] += exposed
+            waited += exposed
     stages["coordinator"] = wall - waited
     return stages
 

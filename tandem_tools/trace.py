@@ -1,6 +1,6 @@
 """trace.json: the profiled requests on one timeline, in the Chrome trace event format (chrome://tracing,
 https://ui.perfetto.dev). One pid per process (client, coordinator, target, draft), one thread per
-request; each round is a slice in the coordinator with its propose and verify round trips inside,
+request; each round is a slice in the coordinator with its propose, verify and ahead round trips inside,
 and the services' steps (queue, compute, codec) sit under them, joined by flow arrows.
 
 Every process stamps CLOCK_MONOTONIC, which the processes of one host share. For services on other
@@ -39,7 +39,8 @@ def clock_offsets(records: list[RequestRecord]) -> dict[str, int]:
             bounds["client"].append((p.end_ns - rec.delta_ns[-1], p.start_ns - rec.sent_ns))
         for r in p.rounds:
             for who, step, sent, received in (("target", r.target, r.target_sent_ns, r.target_received_ns),
-                                              ("draft", r.draft, r.draft_sent_ns, r.draft_received_ns)):
+                                              ("draft", r.draft, r.draft_sent_ns, r.draft_received_ns),
+                                              ("draft", r.ahead, r.ahead_sent_ns, r.ahead_received_ns)):
                 if sent and received and step.received_ns:
                     bounds[who].append((sent - step.received_ns, received - step.sent_ns))
     return {who: _offset(b) for who, b in bounds.items()}
@@ -110,6 +111,7 @@ def build_trace(records: list[RequestRecord]) -> dict:
             for who, step, sent, received, name in (
                 ("draft", r.draft, r.draft_sent_ns, r.draft_received_ns, "propose"),
                 ("target", r.target, r.target_sent_ns, r.target_received_ns, step_name),
+                ("draft", r.ahead, r.ahead_sent_ns, r.ahead_received_ns, "ahead"),
             ):
                 if not (sent and received):
                     continue

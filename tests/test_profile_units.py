@@ -183,6 +183,12 @@ def test_the_stages_of_a_round_add_up_to_its_wall_time():
                                   target=profile_pb2.StepTiming(compute_ns=6 * ms)))
     assert prefill["draft_compute"] == 0 and sum(prefill.values()) == 10 * ms
     assert set(stages) == set(STAGES)
+    # a target-only round timed by the gate, the draft taking in its pairs beside it: only what outlasts it counts
+    beside = round_stages(_round(index=4, start_ns=100 * ms, end_ns=153 * ms, target_sent_ns=101 * ms,
+                                 target_received_ns=150 * ms, draft_sent_ns=101 * ms, draft_received_ns=151 * ms,
+                                 target=profile_pb2.StepTiming(compute_ns=48 * ms),
+                                 draft=profile_pb2.StepTiming(compute_ns=2 * ms)))
+    assert beside["coordinator"] == 3 * ms and beside["draft_compute"] == ms and sum(beside.values()) == 53 * ms
 
 
 def test_clock_offsets_prefer_zero_and_recover_a_shifted_clock():
@@ -195,3 +201,29 @@ def test_clock_offsets_prefer_zero_and_recover_a_shifted_clock():
     offset = _offset(bounds)
     assert true - 2 <= offset <= true + 5
     assert all(low <= offset <= high for low, high in bounds)
+
+
+def test_an_overlapped_rounds_answers_are_stamped_when_each_link_read_them():
+    """The scheduler reads the target's answer and then the draft's before it hands either on: the probe takes
+    each step's times from its own link (ServiceLink.sent_ns / received_ns), so a verify that answered while
+    its ahead still ran is not counted as waited for, and the ahead's overrun is (report: ahead_exposed_ns)."""
+    from types import SimpleNamespace
+
+    from coordinator.probe import RequestProbe
+    from tandem.protocol import Ahead, Verify
+    from tandem_tools.report import ahead_exposed_ns
+
+    ms = 1_000_000
+    probe = RequestProbe(coordinator_pb2.GenerateRequest(prompt_ids=[1, 2, 3], profile=True))
+    target = SimpleNamespace(service="target", transport="unix", sent_ns=100 * ms, received_ns=106 * ms)
+    draft = SimpleNamespace(service="draft", transport="unix", sent_ns=101 * ms, received_ns=109 * ms)
+    verify, ahead = Verify("s", 5, [6, 7]), Ahead("s", None, [], [6, 7], 2, 8)
+    probe.steps_sent([verify, ahead], (target, draft))
+    answers = {id(verify): target_pb2.TargetResponse(verified=target_pb2.Verified(accepted=[6], bonus=9)),
+               id(ahead): draft_pb2.DraftResponse(branches=[draft_pb2.Branch(accepted=1, bonus=9, drafts=[4, 4])])}
+    probe.steps_received([verify, ahead], answers, (target, draft))
+    probe.round_done(2)
+    r = probe._rounds[-1].to_pb("grpc", probe.steps)
+    assert (r.target_sent_ns, r.target_received_ns) == (100 * ms, 106 * ms)
+    assert (r.ahead_sent_ns, r.ahead_received_ns) == (101 * ms, 109 * ms)
+    assert ahead_exposed_ns(r) == 3 * ms
