@@ -55,6 +55,24 @@ def test_the_flat_training_forward_is_the_one_forward_propose():
                     torch.testing.assert_close(flat[at], rows[d], atol=1e-5, rtol=1e-5)
 
 
+def test_the_offline_scorer_picks_what_a_propose_after_each_position_drafts():
+    """bench/head_accuracy.py scores a P-EAGLE head from one flat forward: at index i its picks are the drafts a
+    greedy propose after the pairs 0..i proposes."""
+    from tests.test_trees import _bench
+
+    draft = _head()
+    torch.manual_seed(3)
+    t = 10
+    ids, features = torch.randint(0, 64, (1, t)), torch.randn(1, t, 48)
+    with torch.no_grad():
+        picks = _bench("head_accuracy").depth_picks(draft, ids, features, 4)
+        assert [len(p) for p in picks] == [t - 1] * 4
+        for i in (0, 3, 8):
+            tokens, positions = draft.parallel_inputs(ids[0, 1 : i + 2].tolist(), 0, 4)
+            rows = draft.parallel_draft(features[0, : i + 1], torch.tensor(tokens), torch.tensor(positions), DraftKV())
+            assert draft.to_target_ids(draft.draft_logits(rows).argmax(-1)).tolist() == [int(p[i]) for p in picks]
+
+
 def test_a_peagle_head_saved_in_either_layout_loads_back(tmp_path):
     draft = _head(layers=3)
     for layout in ("reference", SPECULATORS):
