@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -440,3 +441,22 @@ def test_bench_reads_vllm_custom_chat_jsonl(tmp_path):
         [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
         [{"role": "user", "content": "q"}],
     ]
+
+
+def test_the_served_name_is_the_targets_as_last_seen_while_it_is_marked_down():
+    """A target the monitor marks down (late health checks) while a request runs must not turn that request's
+    answer into a 500: the front names the model from the services as last seen, and only a coordinator that
+    never saw a target refuses (503)."""
+    from types import SimpleNamespace
+
+    from coordinator.http.app import Front
+    from tandem.errors import Abort
+
+    def down(patience: float = 0.0):
+        raise Abort(grpc.StatusCode.UNAVAILABLE, "the target service is unavailable")
+
+    seen = SimpleNamespace(target_info=SimpleNamespace(model="/models/target-8b"))
+    front = Front(SimpleNamespace(monitor=SimpleNamespace(current=seen), pair=down))
+    assert front.model_name() == "target-8b"
+    with pytest.raises(Abort):
+        Front(SimpleNamespace(monitor=SimpleNamespace(current=None), pair=down)).model_name()

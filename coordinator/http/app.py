@@ -63,9 +63,12 @@ class Front:
     # -- what the front serves -------------------------------------------------------------------
 
     def model_name(self, pair: Pair | None = None) -> str:
+        """The served name: --served-model-name, else the target's as the monitor last saw it (up or not: a
+        target marked down for late health checks while a request ran must not fail that request's answer)."""
         if self.served_model_name:
             return self.served_model_name
-        pair = pair or self.generations.pair()
+        monitor = self.generations.monitor
+        pair = pair or (monitor.current if monitor is not None else None) or self.generations.pair()
         return Path(pair.target_info.model).name or pair.target_info.model
 
     def serving(self) -> tuple[bool, str]:
@@ -150,7 +153,7 @@ class Front:
                 choice.close()
             return error_response(http_error(exc))
         pair = self.generations.monitor.current
-        answer = Answer(self.model_name(), pair.tokenizer if pair is not None else None, params, chat, choices, first,
+        answer = Answer(self.model_name(pair), pair.tokenizer if pair is not None else None, params, chat, choices, first,
                         parser_for(self.chat_template or (pair.target_info.chat_template if pair else None)))
         if params.stream:
             return StreamingResponse(answer.events(), media_type="text/event-stream",
