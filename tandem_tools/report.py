@@ -14,8 +14,9 @@ services' durations are differences on their own clocks, so no clock alignment i
 They add up to the round's wall time. Rounds run propose then verify, one after the other; with
 overlap, a round whose drafts were prepared during the last verify (a hit) has no propose, and the
 ahead step runs during the verify: only the part of it that outlasts the verify is waited for (counted
-as draft_compute), as for a draft step sent beside a target-only round (the draft taking in its pairs). "Saved per round" estimates what overlap won: a hit round skips a propose round trip
-(the mean of the rounds that ran one), minus the time waited on aheads that outlasted their verify.
+as draft_compute), as for a draft step sent beside a target-only round (the draft taking in its pairs).
+"Saved per round" estimates what overlap won: a hit round skips a propose round trip (the mean of the
+rounds that ran one), minus the time waited on aheads that outlasted their verify.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def round_stages(r: profile_pb2.RoundProfile) -> dict[str, int]:
     for sent, received in ((r.ahead_sent_ns, r.ahead_received_ns),
                            (r.draft_sent_ns, r.draft_received_ns) if beside else (0, 0)):
         if sent and received:  # ran during the verify: only the rest is waited for
-            exposed = max(0, received - max(r.target_received_ns, sent))
+            exposed = outlasting_ns(r, sent, received)
             stages["draft_compute"] += exposed
             waited += exposed
     stages["coordinator"] = wall - waited
@@ -84,7 +85,12 @@ def round_stages(r: profile_pb2.RoundProfile) -> dict[str, int]:
 
 def ahead_exposed_ns(r: profile_pb2.RoundProfile) -> int:
     """How long the round waited for its ahead step after the verify had answered."""
-    return max(0, r.ahead_received_ns - max(r.target_received_ns, r.ahead_sent_ns))
+    return outlasting_ns(r, r.ahead_sent_ns, r.ahead_received_ns)
+
+
+def outlasting_ns(r: profile_pb2.RoundProfile, sent: int, received: int) -> int:
+    """How long a draft step sent beside the round's verify (`sent`, answered at `received`) outlasted it."""
+    return max(0, received - max(r.target_received_ns, sent))
 
 
 def connection_transport(r: profile_pb2.RoundProfile) -> dict[str, int]:
