@@ -60,22 +60,23 @@ def round_stages(r: profile_pb2.RoundProfile) -> dict[str, int]:
     wall = r.end_ns - r.start_ns
     stages = dict.fromkeys(STAGES, 0)
     waited = 0
-    beside = bool(r.draft_sent_ns and r.target_sent_ns and r.draft_sent_ns < r.target_received_ns
-                  and r.target_sent_ns < r.draft_received_ns)  # a draft step sent with the verify (an extend)
-    for step, sent, received, who in (
-        (r.target, r.target_sent_ns, r.target_received_ns, "target"),
-        (r.draft, r.draft_sent_ns, r.draft_received_ns, "draft"),
-    ):
-        if not sent or not received or (who == "draft" and beside):
+    steps = [(r.target, r.target_sent_ns, r.target_received_ns, "target")]  # waited for whole
+    besides = [(r.ahead_sent_ns, r.ahead_received_ns)]  # ran during the verify: only what outlasts it
+    if r.draft_sent_ns and r.target_sent_ns and r.draft_sent_ns < r.target_received_ns \
+            and r.target_sent_ns < r.draft_received_ns:  # a draft step sent with the verify (an extend)
+        besides.append((r.draft_sent_ns, r.draft_received_ns))
+    else:
+        steps.append((r.draft, r.draft_sent_ns, r.draft_received_ns, "draft"))
+    for step, sent, received, who in steps:
+        if not sent or not received:
             continue
         rtt = received - sent
         stages[f"{who}_compute"] += step.compute_ns
         stages["queueing"] += step.queue_ns
         stages["transport"] += rtt - step.compute_ns - step.queue_ns
         waited += rtt
-    for sent, received in ((r.ahead_sent_ns, r.ahead_received_ns),
-                           (r.draft_sent_ns, r.draft_received_ns) if beside else (0, 0)):
-        if sent and received:  # ran during the verify: only the rest is waited for
+    for sent, received in besides:
+        if sent and received:
             exposed = outlasting_ns(r, sent, received)
             stages["draft_compute"] += exposed
             waited += exposed
