@@ -42,7 +42,9 @@ def check_runs(runs: list[dict], stacks: set[str], ks: list[int], temperatures: 
         assert RUN_KEYS <= set(run), run
         assert run["stack"] in ("services", "in-process")
         assert run["mode"] in ("target-only", "eagle3", "assisted-peer", "p-eagle")
-        assert run["overlap"] is (run["mode"] in ("eagle3", "p-eagle")) and run["concurrency"] == 1
+        # overlap as each stack runs by default: on through the services, off in-process (one device)
+        assert run["overlap"] is (run["mode"] in ("eagle3", "p-eagle") and run["stack"] == "services")
+        assert run["concurrency"] == 1
         if run["stack"] == "services" and run["mode"] in ("eagle3", "p-eagle"):  # the draft's time by head kind
             assert run["head"].startswith("eagle3" if run["mode"] == "eagle3" else "p-eagle")
             assert run["draft_ms_per_round"] > 0

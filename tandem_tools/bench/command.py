@@ -235,9 +235,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", "-k", type=_list(int), default=[1, 3, 5], help="K values (default 1,3,5)")
     p.add_argument("--temperature", type=_list(float), default=[0.0, 1.0], help="default 0,1")
     p.add_argument("--concurrency", type=_list(int), default=[1], help="concurrent requests (default 1)")
-    p.add_argument("--overlap", type=_list(_on_off), default=[True],
-                   help="on,off: EAGLE-3 cases with overlapped drafting (greedy ones), without, or both (default "
-                        "on, as the servers)")
+    p.add_argument("--overlap", type=_list(_on_off),
+                   help="on,off: EAGLE-3 cases with overlapped drafting (greedy ones), without, or both (default: "
+                        "as each stack runs, on through the services and off in-process)")
     p.add_argument("--tree", type=_list(int), default=[], metavar="N,...",
                    help="EAGLE-2 draft trees of N nodes too (cases 'eagle3-tree', beside the chains)")
     p.add_argument("--tree-depth", type=int, help="the trees' depth (default: the largest K, the chain's)")

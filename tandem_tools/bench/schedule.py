@@ -50,7 +50,7 @@ class BenchConfig:
     num_draft_tokens: Sequence[int] = (1, 3, 5)
     temperatures: Sequence[float] = (0.0, 1.0)
     concurrency: Sequence[int] = (1,)
-    overlap: Sequence[bool] = (True,)
+    overlap: Sequence[bool] | None = None  # None: each stack as its generator runs by default (`overlaps`)
     max_new_tokens: int = 64
     seed: int = 0
     threads: int = 1
@@ -151,10 +151,10 @@ def make_cases(config: BenchConfig, peer: bool, vllm: bool | Sequence[int] = Fal
             for stack in config.stacks:
                 cases.append(Case(stack, TARGET_ONLY, 0, temperature, concurrency))
                 cases += [Case(stack, EAGLE3, k, temperature, concurrency, overlap)
-                          for k in config.num_draft_tokens for overlap in config.overlap]
+                          for k in config.num_draft_tokens for overlap in overlaps(config, stack)]
                 if stack == "services" and config.peagle is not None:
                     cases += [Case(stack, P_EAGLE, k, temperature, concurrency, overlap)
-                              for k in config.num_draft_tokens for overlap in config.overlap]
+                              for k in config.num_draft_tokens for overlap in overlaps(config, stack)]
                 cases += [Case(stack, EAGLE3_TREE, max(config.num_draft_tokens), temperature, concurrency,
                                tree=tree_params(config, n)) for n in config.trees]
             if vllm is not False:  # vLLM's engines draft without overlap
@@ -167,6 +167,13 @@ def make_cases(config: BenchConfig, peer: bool, vllm: bool | Sequence[int] = Fal
             if peer and concurrency == 1:  # generate() with an assistant takes one sequence at a time
                 cases += [Case("in-process", PEER, k, temperature, 1) for k in config.num_draft_tokens]
     return cases
+
+
+def overlaps(config: BenchConfig, stack: str) -> Sequence[bool]:
+    """Overlap on, off or both for a stack's EAGLE-3 cases: as asked, else as each runs by default, on through
+    the services (`tandem serve`) and off in-process (`tandem generate --in-process`): on one device the ahead
+    step is work done in series with the verify, not beside it."""
+    return config.overlap if config.overlap is not None else (stack == "services",)
 
 
 def tree_params(config: BenchConfig, nodes: int):
@@ -238,7 +245,7 @@ def _start_runners(config: BenchConfig, out_dir: Path, runners: dict, echo: Call
     """Into `runners`, as each starts (so that a failure stops those already started): one per
     (stack, mode, overlap) the cases use; target-only shares the services without overlap."""
     if "services" in config.stacks:
-        for overlap in sorted(set(config.overlap)):
+        for overlap in sorted(set(overlaps(config, "services"))):
             echo(f"bench: starting the target, draft and coordinator services (tandem serve --overlap "
                  f"{'on' if overlap else 'off'}) ...")
             log = out_dir / ("serve-overlap.log" if overlap else "serve.log")
