@@ -5,9 +5,7 @@ recovered or bonus draw (accept). Best of 5 passes, microseconds per round.
 
     python bench/q_path.py [--k 3] [--top-n 256] [--vocab 2048] [--temperature 1]
 
-Measured on the 2-core CPU, K=3, N=256, V=2048, temperature 1 (the demo pair's shapes): 575 us a round
-before (Python lists and torch.tensor of them, transformers' warpers, torch.multinomial), 214 after
-(numpy, the temperature-only softmax, the inverse-CDF draw).
+Results: docs/benchmarks.md, "Sampling".
 """
 
 from __future__ import annotations

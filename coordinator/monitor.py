@@ -49,11 +49,10 @@ CHECK_TIMEOUT = 1.0  # a health check that takes longer is a slow answer...
 SLOW_CHECKS = 3  # ...and this many in a row (each re-checked at once) a hung service: one busy second of a
 # loaded host (a big batch, another engine spinning on the same cores) must not take a serving service down;
 # nor must more, while it answers steps: a service that answered one within the slow checks' span is busy, not
-# hung (beside vLLM's four engines, with a bucket compiling, the target missed three checks at 16 requests and
-# every request in flight failed)
+# hung (taken down for checks it missed while busy, a target failed every request in flight)
 RETRY_MIN, RETRY_MAX = 0.1, 2.0
 # A new generation waits this long for a target that is down for late checks (not for a refusal) before it is
-# refused: on a loaded host (beside vLLM's engines, a compile) an idle target missed its checks for ~10 s, and
+# refused: on a loaded host (another engine, a compile) an idle target can miss its checks for seconds, and
 # every request that came meanwhile failed UNAVAILABLE where it would have run seconds later
 LATE_PATIENCE_S = 5.0
 # Statuses of a failed step that mean the service itself is gone (or, for the draft, stuck past its

@@ -4,9 +4,8 @@ unpacked copy of the head (inductor cannot lower PackedLinear). The engine runs 
 call is not there (yet).
 
 TANDEM_COMPILE=background compiles them on a thread of their own while the draft answers eagerly, as the
-target compiles its buckets: a real head's ~50 graphs take minutes on a CPU (SmolLM2-135M's: the propose
-97 s, the ahead 479 s on this 2-core machine), past the services' 600 s start-up timeout together with the
-target's. Any other non-zero value compiles them before the service answers."""
+target compiles its buckets: a real head's ~50 graphs take minutes on a CPU, past the services' 600 s start-up
+timeout together with the target's. Any other non-zero value compiles them before the service answers."""
 
 from __future__ import annotations
 

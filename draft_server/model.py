@@ -157,8 +157,8 @@ class Float32Rotary(LlamaRotaryEmbedding):
 
 class RMSNorm(LlamaRMSNorm):
     """Llama's RMSNorm (its weight, epsilon and float32 arithmetic) in torch's one op, not Llama's five: the
-    rollout runs four norms a step, and a step's cost on a CPU is mostly per-op overhead (one thread, the demo
-    head's 192 wide: 14 us a norm against 23; a K=5 propose at one request is ~2.8 ms)."""
+    rollout runs four norms a step, and a step's cost on a CPU is mostly per-op overhead (the demo head is 192
+    wide)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype == torch.float32:
@@ -200,7 +200,7 @@ class Eagle3Attention(nn.Module):
             # causal over [cached | new]: new query j sees keys 0..past+j (one query sees them all)
             attn_mask = torch.ones(s, past + s, dtype=torch.bool, device=x.device).tril(diagonal=past)
         # grouped-query attention without repeated KV: a batch's KV repeated for its mask was a copy of it a step
-        # (16 rows of 1,030 keys, 3 kv heads of 9: 51 ms against 3.6 on one CPU thread)
+        # (docs/benchmarks.md, "The draft's batched propose")
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 

@@ -35,11 +35,11 @@ log = logging.getLogger("tandem.draft")
 
 class GreedyStep:
     """A lone greedy session's rollout step, the layer's forward through the next draft's argmax and d2t
-    (Eagle3Draft.greedy_step), as one compiled graph, dynamic in the KV's length. On this CPU (one thread,
-    the demo head) a step ran in 318 us against 668 eagerly over the same unpacked weights, but a K=5 propose
-    at one request only went from 2.67-2.85 ms to 2.42-2.68 (the eager path's packed weights, the extend and
-    the compiled call's own wrappers, ~250 us a call, are the rest). It runs over an unpacked copy of the head
-    (inductor cannot lower PackedLinear), compiled at start-up, two graphs (~7 s here the first time). With
+    (Eagle3Draft.greedy_step), as one compiled graph, dynamic in the KV's length. On a CPU (one thread, the
+    demo head) a step runs far faster than eagerly over the same unpacked weights, but a K=5 propose at
+    one request gains far less (the eager path's packed weights, the extend and the compiled call's own
+    wrappers are the rest). It runs over an unpacked copy of the head (inductor cannot lower PackedLinear),
+    compiled at start-up, two graphs (seconds the first time). With
     TANDEM_COMPILE set to 1 or background; untested on a GPU, so not by default there."""
 
     def __init__(self, model: Eagle3Draft):
@@ -66,10 +66,10 @@ class GreedyStep:
 class GreedyPropose:
     """A lone greedy session's propose after its first (its KV not empty) as one compiled graph a K
     (Eagle3Draft.greedy_propose), dynamic in its new pairs and in the KV's length: the extend, then the K
-    picks and steps, with one call's wrappers and guards a propose where GreedyStep pays them a step. On this
-    CPU (one thread, the demo head, 1-5 new pairs, K=5): 1.16 ms a propose against 1.98 with GreedyStep;
-    through the services (`tandem profile`, one request) the draft's compute went 3.01 -> 2.21 ms a round. Over GreedyStep's unpacked copy of the head, compiled at start-up for K = 1..KS, two graphs
-    each (one new pair is a shape of its own), ~3 s a graph the first time; other Ks run GreedyStep."""
+    picks and steps, with one call's wrappers and guards a propose where GreedyStep pays them a step: faster
+    than GreedyStep on a CPU, through the services too (`tandem profile`). Over GreedyStep's unpacked copy of
+    the head, compiled at start-up for K = 1..KS, two graphs each (one new pair is a shape of its own),
+    seconds a graph the first time; other Ks run GreedyStep."""
 
     KS = range(1, 6)
 
@@ -364,7 +364,7 @@ def read_back(*tensors: torch.Tensor) -> list[np.ndarray]:
 def q_support(ids: np.ndarray, bits: np.ndarray, support: np.ndarray, width: int) -> list[DraftProbs]:
     """The q of each draft, read back flat ([n_drafts * width] ids and probability bits, [n_drafts]
     support), each cut to its support (the non-zero prefix that draft_q leaves). numpy splits and converts:
-    a q of 3 x 256 read in 71 us, where Python lists and array took 105."""
+    faster than Python lists and array."""
     probs = bits.astype(np.int32).view(np.float32)
     return [DraftProbs(ids[at : at + n].tolist(), probs[at : at + n].tolist())
             for at, n in zip(range(0, len(ids), width), support.tolist(), strict=True)]

@@ -6,7 +6,7 @@ constant says why it is what it is. No torch, no pydantic: the coordinator and t
 # the target on half the CPUs, the draft and the coordinator on the rest, a torch thread per CPU, the target's
 # forwards borrowing all of them where that measures faster), not product settings: these fields have no
 # flag, and serve sets their variables for its children only. Two model processes on one CPU must not both
-# spin a thread per core: oversubscribed, a round on a busy 2-core machine took 100x longer.
+# spin a thread per core: oversubscribed, their spinning threads slow a round many times over.
 THREADS_HELP = "internal to `tandem serve`, which sets it: torch CPU threads (default: torch's choice, one per core)"
 CPUS_HELP = ("internal to `tandem serve`, which sets it: run on these CPUs only, every thread (Linux), e.g. 0 or "
              "2-3,6 (default: all)")
@@ -56,38 +56,31 @@ SPEC_TOKEN_BUDGET = 24
 SPEC_TOKEN_BUDGET_HELP = (f"adaptive K: draft tokens per round over all running generations (default "
                           f"{SPEC_TOKEN_BUDGET}; 0 = off: every round drafts the request's K, no acceptance gate)")
 # Acceptance gate (tandem.gates.AcceptanceGate): one draft token's cost as a share of a verify
-# round, drafting and moving the features included. Measured on the 2-core CPU: a K=3 round of the
-# demo pair takes about twice a target-only round (1 + 0.3 * 3 = 1.9), as does one of the tiny pair.
+# round, drafting and moving the features included: on the 2-core CPU it prices a K=3 round of the demo
+# pair, 1 + 0.3 * 3, at what it cost (docs/benchmarks.md, "The acceptance gate's round costs").
 # On GPUs, where a one-layer head is far cheaper than the target, it is smaller: measure it as
 # (round time at K / target-only step time - 1) / K with `tandem bench`. Not a setting: the gate measures the
 # round times it decides by, and this prior weighs only until it has (tandem/gates.py).
 SPEC_DRAFT_COST = 0.3
-# Overlap: outcomes of a verify the draft prepares the next round for while it runs. On the demo pair
-# (K=3) 4, 8, 16, 32 branches hit about 63%, 73%, 82%, 90% of verifies; their rollouts are one batch,
-# cheap on a GPU, but on a CPU core the ahead step grows past the verify it hides behind beyond 16
-# (tokens/s over overlap off, 2 cores: 1.12x, 1.15x, 1.18x, 1.07x; 64: 0.81x). Compiled (TANDEM_COMPILE,
-# draft_server/ahead.py), a K=5 ahead of the demo head takes 2.4-2.8 ms with 4 branches, 3.3-3.9 with 8 and
-# 6.7-7.9 with 16, where the verify it hides behind takes ~4.5 ms; through the services (one request) 8 hit
-# 59% of verifies and 4 45%: 8, the branches the draft compiles for.
+# Overlap: outcomes of a verify the draft prepares the next round for while it runs. More branches hit more
+# verifies; their rollouts are one batch, cheap on a GPU, but on a CPU core the ahead step grows past the
+# verify it hides behind with them. Compiled (TANDEM_COMPILE, draft_server/ahead.py), a K=5 ahead of the demo
+# head with 16 branches outlasts the verify, with 8 it does not and hits more verifies than 4: 8, the branches
+# the draft compiles for.
 OVERLAP_BRANCHES = 8
-# On by default, for this measurement: greedy, one request, K=5, the demo pair through the services beside vLLM's CPU
-# backend in one run (`tandem bench --demo --stack services -k 5 --concurrency 1 --temperature 0 --overlap on
-# --peer vllm`): Tandem EAGLE-3 200.0 tokens/s (69% of verifies hit, 3.97 tokens a round) against vLLM's 173.1,
-# target-only 118.2 against 116.8; overlap off ran 0.89x vLLM's EAGLE-3 in the run before (212.8 against
-# 239.6). Sampled generations stay off (OVERLAP_SAMPLED_HELP), and above one running generation the coordinator
-# overlaps none (tandem/policy.py: OVERLAP_MAX_RUNNING).
+# On by default: a lone greedy generation through the services runs faster with it than without
+# (docs/benchmarks.md, "Overlap"). Sampled generations stay off (OVERLAP_SAMPLED_HELP), and above one
+# running generation the coordinator overlaps none (tandem/policy.py: OVERLAP_MAX_RUNNING).
 OVERLAP_HELP = "on: the draft prepares a lone greedy generation's next round while the target verifies"
-# Sampled generations do not overlap in the services: at temperature 0.7 / 1, K=3, through the services, overlap
-# on ran 0.91x / 0.93x target-only against 1.05x / 1.01x off (47% / 27% of the aheads hit: a sampled outcome is
-# harder to guess). In-process, Speculation(overlap_sampled=True) still runs them.
+# Sampled generations do not overlap in the services: a sampled outcome is harder to guess, and there the
+# ahead step costs a round more than its fewer hits save (docs/benchmarks.md, "Overlap"). In-process,
+# Speculation(overlap_sampled=True) still runs them.
 OVERLAP_SAMPLED = False
 # Speculative sampling: a sampled request's drafts are drawn from the draft's q cut to its N likeliest
-# tokens (renormalised), and q's support crosses to the target with each draft. Measured on the demo pair
-# (bench/q_truncation.py, K=3, 32 prompts; a draft's chance of acceptance at temperature 0.7 / 1, and q's
-# bytes per draft): N=32 0.63 / 0.50, 183 B; 64 0.67 / 0.56, 367 B; 128 0.71 / 0.63, 743 B; 256 0.73 / 0.68,
-# 1.5 KB; 512 0.73 / 0.70, 3 KB; the whole 1024-token vocabulary 0.73 / 0.72, 6 KB. 256 keeps 99% of the
-# whole q's acceptance at 0.7 and 94% at 1, in bytes that do not grow with the vocabulary (a whole 32k
-# head's q is 190 KB a draft; a feature row of an 8B target in bf16 is 24 KB).
+# tokens (renormalised), and q's support crosses to the target with each draft. On the demo pair
+# (bench/q_truncation.py; docs/benchmarks.md, "Sampling") 256 keeps most of the whole q's acceptance, in
+# bytes that do not grow with the vocabulary (a whole 32k head's q is 190 KB a draft; a feature row of an
+# 8B target in bf16 is 24 KB).
 DRAFT_Q_TOP_N = 256
 
 

@@ -2,8 +2,7 @@
 
 The default CPU GEMM costs a few rows nearly as many times one row, and a verify of K+1 tokens, or a
 draft's steps for a few sessions, is a few rows. With the weight packed once the GEMM reads it about
-once. Measured on the 2-core test machine, one thread: lm_head 49152x576 at 2 / 6 rows 22.7 / 19.6 ms
--> 9.5 / 5.9 (one row 10.4 -> 7.8); a 1536x576 projection 0.14 / 0.24 -> 0.07 / 0.12 ms. Inductor's
+once (docs/benchmarks.md, "Prepacked CPU weights"). Inductor's
 freezing and vLLM's CPU backend do the same; a compiled model packs its own. Also `concatenated`, the one
 product of several projections of one input (target_server/native.py: fuse_projections). Imported by the
 services only (torch at import)."""
@@ -14,7 +13,7 @@ import torch
 from torch import nn
 
 # Below this many weights oneDNN's call costs more than the GEMM saves: the demo target (hidden 192) decoded
-# a token in 4.1 ms with every projection packed, 3.3-3.7 ms with none.
+# slower with every projection packed than with none.
 PACK_MIN_WEIGHTS = 1 << 18
 
 

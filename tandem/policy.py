@@ -152,11 +152,11 @@ class KPolicy:
         """A round: `accepted` of `drafted` drafts (a tree's: the accepted path; none: target-only); `seconds`
         from this round's start to the next's. The gates time it unless max_new_tokens cut its drafts short:
         such rounds say how a generation ends, not what drafting does (a bench's short warm-up generations
-        are nearly all such rounds, and timed they shed greedy chains that ran 1.6x target-only), or the
+        are nearly all such rounds, and timed they shed greedy chains that beat target-only), or the
         target was `warming` (compiling a bucket: its speed changes; the gates forget what they timed once
         it is done), or it is the generation's first drafting round: the draft takes in the prompt's features
-        there, its prefill, and target-only rounds are timed without theirs (a server's very first one took
-        484 ms where K=5 rounds take 10, and its plain mean made K=5 cost 13 target-only rounds: shed)."""
+        there, its prefill, and target-only rounds are timed without theirs (a server's very first one takes
+        many rounds' time, and in a plain mean it made K=5 look costly enough to shed)."""
         timed = not self._tail and not warming and (self._drafted or not drafted)
         self._drafted = self._drafted or bool(drafted)
         if self.gate is not None:

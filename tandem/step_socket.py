@@ -2,7 +2,7 @@
 
 It carries what the gRPC stream (TargetService.Step, DraftService.Step) carries, the batch messages and
 their answers, one frame each, written and read by the threads that use them. Over gRPC's synchronous API a
-message crosses three threads on its way, 100-300 us each on a 2-core machine; here a round trip costs the
+message crosses three threads on its way, a wake-up each; here a round trip costs the
 two processes' wake-ups (docs/benchmarks.md, "A round's hops").
 
     coordinator                                      service

@@ -130,7 +130,7 @@ def text_deltas(
 
 
 # A prompt's text is tokenized before its length can be checked against the context, and tokenizing is
-# linear in the text: 15 MiB over gRPC took the coordinator 35 s to refuse, 7 MiB over HTTP 7.7 s. No
+# linear in the text: a prompt of a few MiB kept the coordinator busy for seconds before it was refused. No
 # real prompt averages this many characters a token (English text is about 4), so past context * this
 # many characters a prefix of that length alone decides.
 MAX_CHARS_PER_TOKEN = 64

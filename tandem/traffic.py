@@ -99,7 +99,7 @@ class Parts:
 
 def _draft_probs(parts: Parts, q) -> None:
     # the messages' own sizes (computed in C): walking hundreds of ids in Python at each of the four
-    # places q is counted cost a sampled round 0.6 ms on the 2-core CPU
+    # places q is counted slowed a sampled round on a CPU
     parts.draft_probs += sum(dist.ByteSize() for dist in q)
 
 

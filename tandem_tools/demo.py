@@ -42,8 +42,8 @@ class DemoSpec:
     train_bytes: int = 3_000_000  # training text (the tokenizer is trained on it too): ~900k tokens
     heldout_every: int = 10
     vocab_size: int = 2048
-    # 192 wide, 8 deep: on a CPU a forward of 1 token costs ~8 draft steps and one of K+1 = 6 tokens only
-    # ~1.4x one of 1 (at 256 it is ~1.8x: the verify eats the speed-up); it also trains 1.7x faster than 256
+    # 192 wide, 8 deep: on a CPU a forward of 1 token costs several draft steps and one of K+1 = 6 tokens
+    # little more than one of 1 (at 256 the verify costs more: it eats the speed-up); it also trains faster
     hidden_size: int = 192
     num_layers: int = 8  # EAGLE-3 captures the inputs of layers (2, 4, 5); 6 layers would give (2, 3, 3)
     intermediate_size: int = 512
@@ -59,8 +59,8 @@ class DemoSpec:
     assistant_steps: int = 300
     assistant_lr: float = 3e-3
     # the EAGLE-3 head: trained on the target's own continuations of prompts cut from the training text
-    # 1800 steps on 3072 sequences (~9 minutes): against 600 on 1536, K=5 rounds at temperature 0.7 / 1
-    # accept 3.46 / 2.96 tokens where they accepted 2.75 / 2.55 (the accuracy still rises slowly at 1800)
+    # 1800 steps on 3072 sequences: K=5 rounds accept clearly more tokens than after 600 on 1536 (the accuracy
+    # still rises slowly at 1800)
     head_steps: int = 1800
     head_sequences: int = 3072
     head_seq_len: int = 96
@@ -69,7 +69,7 @@ class DemoSpec:
     head_lr: float = 1e-2
     draft_vocab_size: int = 1024
     # the P-EAGLE head (draft-peagle/): the same data, steps and width as the EAGLE-3 head, one layer as it has
-    # (a training step of two layers took 2x as long), and depths for K up to 5
+    # (two layers would double a training step), and depths for K up to 5
     peagle_layers: int = 1
     peagle_depths: int = 5
     # held-out prompts for bench
@@ -159,7 +159,7 @@ def build_demo(out_dir: str | Path | None = None, spec: DemoSpec | None = None, 
     """Build the demo pair into `out_dir` (default: default_demo_dir()); returns that path. The files appear
     at once when everything is done (built in a sibling directory, then renamed)."""
     # Waiting torch workers sleep instead of spinning: on a 2-core machine that something else also uses,
-    # spinning made 2 threads 5x slower than 1. Read when torch loads, so only a first import sees it.
+    # spinning made 2 threads slower than 1. Read when torch loads, so only a first import sees it.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

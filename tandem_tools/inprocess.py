@@ -32,7 +32,7 @@ class EngineLink:
     """The scheduler's link to an engine in this process (protocol.TargetBackend, DraftBackend). A batch runs
     on the scheduler's thread when `receive` asks for it; a draft batch `beside` a target batch of the same step
     runs on the draft's own thread meanwhile, so an ahead goes beside its verify as on two services. Alone it
-    runs on the scheduler's thread too: a thread hand-off a step cost a lone generation 10-15% here."""
+    runs on the scheduler's thread too: a thread hand-off a step slowed a lone generation."""
 
     typed = True  # results as the engine gives them: no wire to unpack
     transport = "in-process"

@@ -14,7 +14,7 @@ import time
 
 def pick_threads() -> int:
     """All cores, unless the machine is busy: then torch's thread pool waits on descheduled workers and one
-    thread is faster (10x, measured on a loaded 2-core VM). A 0.1 s probe of each decides."""
+    thread is faster, many times over. A 0.1 s probe of each decides."""
     import torch
 
     cores = os.cpu_count() or 1

@@ -202,9 +202,8 @@ def shared_gpu(target_device: str, draft_device: str | None) -> int | None:
 def split_cpus(target_device: str) -> dict[str, list[int]] | None:
     """With the target on the CPU, the CPUs this process may use in two halves: the first (the larger)
     for the target, the rest for the draft and the coordinator, as two devices would hold them. On a
-    2-core machine at 16 requests, sharing every core cost the demo pair a fifth of its throughput: a
-    round's steps queued behind the other processes' threads (two runs each way: target-only 322-367 ->
-    419-447 tok/s split, EAGLE-3 420-470 -> 492-541). None where there is nothing to split (one CPU, or
+    2-core machine at 16 requests, sharing every core cost the demo pair throughput: a round's steps queued
+    behind the other processes' threads. None where there is nothing to split (one CPU, or
     the target on a GPU)."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if target_device != "cpu" or len(cpus) < 2:
@@ -217,7 +216,7 @@ def cpu_threads(target_device: str, draft_device: str | None,
                 cpus: dict[str, list[int]] | None = None) -> dict[str, int | None]:
     """The torch threads of the model processes on the CPU (None: not on the CPU): a thread per CPU of its
     own when the CPUs are split, else the cores shared out, so that two torch thread pools do not
-    oversubscribe the machine (spinning workers slow a round 100x)."""
+    oversubscribe the machine (spinning workers slow a round many times over)."""
     on_cpu = [name for name, device in (("target", target_device), ("draft", draft_device)) if device == "cpu"]
     share = max(1, (os.cpu_count() or 1) // max(1, len(on_cpu)))
     return {name: (len(cpus[name]) if cpus else share) if name in on_cpu else None for name in ("target", "draft")}

@@ -59,7 +59,7 @@ class KVPool:
     per layer one keys and one values tensor [blocks * BLOCK, kv_heads, head_dim]. A session holds a list
     of blocks and `rows`, the pool row of each of its positions. A batch's past is one gather per layer,
     and the tokens it commits one scatter per layer, whatever the number of sessions (per-session
-    buffers cost two copies per session and layer each way: 30% of the target's time at 16 sessions).
+    buffers cost two copies per session and layer each way: much of the target's time at 16 sessions).
     The KV budget sizes it (`max_blocks`): a GPU target's pool is preallocated there, so the memory is
     claimed at start-up; a CPU's grows by doubling up to it. Without a budget it grows without bound."""
 

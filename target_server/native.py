@@ -38,8 +38,7 @@ ROPE_TYPES = {"default", "linear", "llama3", "yarn"}  # static frequencies; dyna
 
 class RMSNorm(nn.Module):
     """As transformers computes it: in float32, the weight applied in the input's dtype; through torch's
-    F.rms_norm rather than transformers' six ops (same bits here; one thread, hidden 192: 20.2 -> 16.8 us at
-    16 tokens, about even at one)."""
+    F.rms_norm rather than transformers' six ops (same bits here; faster at 16 tokens, about even at one)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -168,10 +167,9 @@ class NativeCausalLM(nn.Module):
 def fuse_projections(decoder: nn.Module) -> None:
     """For an eager forward: each layer's q, k and v projections become one product, and gate and up another
     (weights and biases concatenated, the three and two dropped), as vLLM's QKVParallelLinear and
-    MergedColumnParallelLinear do: 3 products a layer fewer. One thread, the best of 10 forwards, the median of
-    4-6 interleaved passes: demo target, a decode 2.38 -> 2.32 ms, a verify of 6 tokens 3.33 -> 3.24, 16
-    decodes about even; SmolLM2-135M (oneDNN-packed weights), a decode 55.3 -> 53.1 ms, a verify of 6 tokens
-    69.0 -> 66.2. A compiled forward keeps them apart: inductor plans its own kernels."""
+    MergedColumnParallelLinear do: 3 products a layer fewer, a decode and a verify a little faster on the demo
+    target and on SmolLM2-135M (16 decodes about even). A compiled forward keeps them apart: inductor plans
+    its own kernels."""
     for layer in decoder.layers:
         attention, mlp = layer.self_attn, layer.mlp
         attention.qkv = concatenated(attention.q_proj, attention.k_proj, attention.v_proj)

@@ -31,8 +31,7 @@ attention is flex's enable_gqa, or (CPU) the group's heads packed as query rows:
 torch.compile flex materialises its scores (correct, slow); "dense" attention runs SDPA over the whole pool
 with the rule as a boolean mask (eager's faster choice), over the rows up to the batch's highest block, but
 for a batch of prefills only (`fresh`: nothing before their new tokens), where each sequence attends its own new
-tokens causally, one SDPA each, without reading the pool back. Eager, 16 closed-loop demo clients target-only
-(16 prefills of 48 tokens together): a prefill batch 56-74 -> 36.5 ms (the target's /metrics, one run each).
+tokens causally, one SDPA each, without reading the pool back.
 """
 
 from __future__ import annotations
@@ -58,16 +57,13 @@ FREE = -1  # the owner of rows never written
 # the blocks below its past whole (plan: "full" blocks, no mask_mod). Inductor's CPU flex template walks, per
 # kv head, query head and query block, each pool block it may see with a few tiny products and a softmax
 # update; on the CPU a query block is one token, and the g query heads of a kv head are g query rows of it
-# (row t * g + i: token t, head i of its group, PACK_GROUPS), so one walk serves them all. Demo target (3
-# heads, 1 kv head), compiled, one thread, medians of 30 (bench/engine_profile.py's Pair; old and new in
-# alternate processes): 16 decodes 4.87-4.99 -> 3.80-3.86 ms a batch (attention 267 -> 92 us a layer), 16
-# verifies of 6 tokens 13.0-13.4 -> 11.8-12.0 (best of 30), one session's even; without the packing 16
-# decodes 4.06-4.51, 16 verifies 12.5-13.1; with pages of 64 rows (KVPool.BLOCK) 16 decodes 4.52 against
-# 3.75. Before full blocks, 16 verifies of K=4 took 16.5 ms with 16-token query blocks, 14.6 with 8 and 13.7
-# with 4. On CUDA flex's Triton kernel tiles by 16 rows at least, and the block sizes must be multiples of
-# its tiles (torch 2.11, H100: with its default tiles no kernel compiles for (16, 16) blocks, nor for any
-# query block below 16 whatever the tiles), so a CUDA forward is padded to 16 tokens at least (MIN_TOKENS) and
-# runs tiles of (16, 16) (KERNEL_OPTIONS).
+# (row t * g + i: token t, head i of its group, PACK_GROUPS), so one walk serves them all. On the demo target
+# (3 heads, 1 kv head), compiled, that runs a batch of 16 decodes or verifies faster and one session's as
+# fast; without the packing, or with pages of 64 rows rather than KVPool.BLOCK's, 16 decodes ran slower.
+# Before full blocks, each smaller query block ran 16 verifies faster. On CUDA flex's Triton kernel tiles by
+# 16 rows at least, and the block sizes must be multiples of its tiles (torch 2.11, H100: with its default
+# tiles no kernel compiles for (16, 16) blocks, nor for any query block below 16 whatever the tiles), so a
+# CUDA forward is padded to 16 tokens at least (MIN_TOKENS) and runs tiles of (16, 16) (KERNEL_OPTIONS).
 Q_BLOCK = {"cpu": 1, "cuda": 16}
 MIN_TOKENS = {"cpu": 2, "cuda": 16}  # inductor's CPU flex template fails on one query row
 KERNEL_OPTIONS = {"cuda": {"BLOCK_M": 16, "BLOCK_N": 16}}
@@ -228,8 +224,7 @@ def ancestor_bits(parents: list[int]) -> list[int]:
 def bucket(n: int, device: str = "cpu") -> int:
     """The padded token count of a forward of n tokens on a `device` type: the next power of two up to 16 (at
     least MIN_TOKENS), then the next multiple of 16 up to 256, then of 256. Finer than powers of two above 16:
-    16 verifies of K=4 are 80 tokens, padded to 128 they cost 60% more (measured on the demo target: 19.7 ms
-    against transformers' 15.6); each bucket compiles once."""
+    16 verifies of K=4 are 80 tokens, and padded to 128 they cost far more; each bucket compiles once."""
     if n <= 16:
         return max(1 << max(n - 1, 0).bit_length(), MIN_TOKENS.get(device, 2))
     step = 16 if n <= 256 else 256
@@ -317,7 +312,7 @@ def _visible_blocks(spans: Sequence[Span], width: int, q_block: int) -> tuple[li
 
 def _block_table(rows: list[list[int]], columns: int) -> tuple[numpy.ndarray, numpy.ndarray]:
     """A BlockMask's counts [1, 1, Q] and indices [1, 1, Q, columns] (int32) of each query block's pool blocks
-    (filled in numpy: a tensor a query block cost ~1 ms a forward at 96 of them)."""
+    (filled in numpy: a tensor a query block was slow at a forward's many query blocks)."""
     idx = numpy.zeros((1, 1, len(rows), columns), dtype=numpy.int32)
     for j, row in enumerate(rows):
         if len(row) > columns:

@@ -49,19 +49,16 @@ log = logging.getLogger("tandem.target")
 
 def compile_default(device: torch.device) -> bool | str:
     """TANDEM_COMPILE=1 compiles the native forward (each bucket on its first use), "background" compiles each
-    bucket on a thread of its own while that bucket runs eagerly (WarmUp), 0 runs it eagerly. Unset: compiled on
-    a GPU, eager on a CPU. On this 2-core CPU a bucket compiles in 4-50 s (the first time; inductor's disk cache
-    helps later), and then (one thread, frozen weights) the demo target decodes in 1.76 ms against 2.57 eager,
-    verifies 6 tokens in 2.80 against 4.11, 16 decodes in 4.23 against 6.59 (3.8 since paged.Q_BLOCK's full
-    blocks); SmolLM2-135M in 45.7 and 70.0 against 54.9 and 72.1. Compiled on first use, a service stalled every
-    request for each new bucket (13 in a bench at 1 and 16 requests, p99 latency 48 s). In the background the buckets cost nothing on the path, but
-    the speed changes under the acceptance gate as each one lands (tandem bench: demo pair, 1 request, target-only
-    305-405 tokens/s against 255 eager, EAGLE-3 K=5 407-559 with the gate off; with it on, since the gate times
-    drafting again after REOPEN_ROUNDS, 1.17-1.28x in three runs and shed 98% in a fourth beside vLLM's
-    engines; at 16 1.11x once WarmUp.FIRST held the verifies' buckets). The gate copes now (no round shed at 1
-    and 16, beside vLLM's engines too: see AcceptanceGate), but a first start compiles FIRST in ~8 minutes
-    of the target's core on the demo target (53 s from inductor's FX graph cache later), longer for bigger
-    targets, and the eager copy doubles the weights in memory meanwhile: still not the CPU default."""
+    bucket on a thread of its own while that bucket runs eagerly (WarmUp), 0 runs it eagerly. Unset: compiled
+    on a GPU, eager on a CPU. On a CPU a bucket takes seconds to compile the first time (inductor's disk cache
+    helps later), and then (one thread, frozen weights) the demo target's decodes and verifies run faster than
+    eager, SmolLM2-135M's by less. Compiled on first use, a service stalled every request for each new bucket.
+    In the background the buckets cost nothing on the path, but the speed changes under the acceptance gate as
+    each one lands (before the gate timed drafting again after REOPEN_ROUNDS, and before WarmUp.FIRST held the
+    verifies' buckets, it could shed nearly every drafting round). The gate copes now (see AcceptanceGate),
+    but a first start compiles FIRST in minutes of the target's core on the demo target (less from inductor's
+    FX graph cache later), longer for bigger targets, and the eager copy doubles the weights in memory
+    meanwhile: still not the CPU default."""
     value = os.environ.get("TANDEM_COMPILE")
     if value is None:
         return device.type == "cuda"
@@ -104,10 +101,9 @@ class NativeRunner:
                 # Not what it reads as: given as a compile option (torch 2.13), freezing leaves the weights the
                 # graph's inputs, and every projection runs as an extern aten::mm (TORCH_LOGS=output_code). Only
                 # the global torch._inductor.config.freezing makes them constants, packed for mkl._mkl_linear;
-                # on the demo target that was no faster (one thread: 68 us a projection against 43 for mm at
-                # one decode; 16 decodes 14.4 ms against 9-13), nor on SmolLM2-135M (441 us against 386-407, a
-                # decode 115.6 ms against 111.9, CI running beside), so it stays as it is. The eager PackedLinear
-                # (oneDNN) ran a lone 576x1536 projection in about half mm's time: not tried inside the graph.
+                # on the demo target and on SmolLM2-135M that was no faster than mm, so it stays as it is. The
+                # eager PackedLinear (oneDNN) ran a lone 576x1536 projection faster than mm: not tried inside
+                # the graph.
                 options = {"freezing": True}
                 if packs and model.lm_head.weight.numel() >= PACK_MIN_WEIGHTS:  # outside the graph
                     model.lm_head = PackedLinear(model.lm_head)
@@ -132,12 +128,11 @@ class NativeRunner:
 
     def parts(self, steps: list[Step], budget: int | None, pool: PagedKVPool) -> list[list[Step]]:
         """One forward whatever the sessions' pasts (nothing is gathered or padded), compiled prefills and
-        verifies together: a forward's fixed cost once (demo target, 15 decodes and a 48-token prompt: 8.1 ms
-        together, 10.2 apart). Unless the compiled forward has no graph for their width together (a new width
-        would run eagerly, or compile on the requests' path: in a bench at 16 requests, decodes joined by two or
-        three prompts ran eagerly in a third of the target's time), or the forward is eager (its attention is
-        dense over the pool's rows where a batch of prompts alone attends each prompt's own: 30.4 ms together,
-        20.1 apart): then the verifies run first and the prefills after, as they come."""
+        verifies together: a forward's fixed cost once. Unless the compiled forward has no graph for their
+        width together (a new width would run eagerly, or compile on the requests' path), or the forward is
+        eager (its attention is dense over the pool's rows where a batch of prompts alone attends each
+        prompt's own, slower together than apart): then the verifies run first and the prefills after, as they
+        come."""
         prefills = [step for step in steps if step.kind == "prefill"]
         if not prefills or len(prefills) == len(steps):
             return [steps]

@@ -2,15 +2,14 @@
 
 `tandem serve` on a CPU splits the cores: the target on half, the draft and the coordinator on the rest,
 as two devices would hold them (tandem_tools/serve.py:split_cpus). The target's model then runs on one
-thread per CPU of its own. A forward heavy enough to be bound by its matmuls (SmolLM2-135M: 16 decodes
-250 -> 157 ms in-process with 2 threads on this 2-core machine, one decode 97 -> 73 ms, memory-bound: two
-cores draw more bandwidth) runs faster over every CPU, while the demo target's small ones do not (16
-decodes 17 -> 14 ms, one decode the same) and a thread woken for each of its ~60 matmuls costs a
-drafting round more than it gives (measured: two threads for every forward took target-only at one request
-from 267 to 113-137 tokens/s). So each width class of forward (its tokens to a power of two) is timed both
-ways, alternately, and borrows the CPUs only where that was faster by GAIN (deciding after EARLY forwards
-each way where the two ways did not overlap); the choice is measured again
-every REVISIT forwards of the class, since what the draft's CPU is doing meanwhile changes with the load.
+thread per CPU of its own. A forward heavy enough to be bound by its matmuls (SmolLM2-135M's, decodes
+included: memory-bound, two cores draw more bandwidth) runs faster over every CPU, while the demo target's
+small ones hardly do, and a thread woken for each of its ~60 matmuls costs a drafting round more than it
+gives (two threads for every forward slowed target-only at one request too). So each width class of
+forward (its tokens to a power of two) is timed both ways, alternately, and borrows the CPUs only where that
+was faster by GAIN (deciding after EARLY forwards each way where the two ways did not overlap); the choice is
+measured again every REVISIT forwards of the class, since what the draft's CPU is doing meanwhile changes
+with the load.
 
 OpenMP's workers are started by the thread that runs the forward (a batch runs on whichever handler thread
 leads it) and inherit its affinity: that thread's first borrowing forward runs on every
@@ -117,9 +116,9 @@ class ThreadBurst:
 
     def _yield_workers(self, started: set[int]) -> None:
         """The threads `started` on every CPU, OpenMP's workers, get the lowest priority: the draft and the
-        coordinator own the CPUs they borrow and come first there (a worker at full priority beside them, the
-        coordinator's health checks of a SmolLM2 target at 16 requests went unanswered for 3 s and it took the
-        target down)."""
+        coordinator own the CPUs they borrow and come first there (with workers at full priority beside them,
+        a busy SmolLM2 target's health checks went unanswered long enough for the coordinator to take it
+        down)."""
         for tid in started:
             try:
                 if os.sched_getaffinity(tid) == self.cpus:

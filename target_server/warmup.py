@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.target")
 
 # While a bucket compiles (Python, holding the GIL for seconds), the serving thread gets the GIL back after each
-# op it ran without it within this many seconds rather than the default 5 ms: 4 demo generations ran in 2.7 s
-# against 0.6 compiled, where with the default they took 9.3 s.
+# op it ran without it within this many seconds rather than the default 5 ms: with the default, generations
+# running beside a compile were several times slower.
 SWITCH_S = 2e-4
 
 
@@ -41,17 +41,14 @@ class WarmUp:
     rows) has no graph yet runs eagerly (unpadded, SDPA over the pool, packed weights) and queues the bucket;
     one thread compiles the queued buckets in turn, each with a forward of padding only (the scratch block: no
     session's KV is touched), and the bucket runs compiled from its next batch. A prefill batch runs compiled
-    where its bucket already is, and never queues one: wide, of any length, each would be a bucket of its own
-    (768, 512, 240, 192, 144 tokens in one bench). Demo pair, 48-token prompts, 16 closed-loop clients of 64
-    tokens, EAGLE-3 K=5, gate off: prefill batches 23.9 -> 19.4 ms, 1784 -> 2032 tokens/s (one run each; in
-    lockstep, target-only, all 16 prefill together: 768 tokens, eager either way).
-    The FIRST buckets are queued with the pool, before any request. With CUDA graphs on (graphs.py) the thread
-    captures each bucket's graph too, over the bucket's static inputs, so no request compiles or captures."""
+    where its bucket already is (faster than eager), and never queues one: wide, of any length, each would be a
+    bucket of its own. The FIRST buckets are queued with the pool, before any request. With CUDA graphs on
+    (graphs.py) the thread captures each bucket's graph too, over the bucket's static inputs, so no request
+    compiles or captures."""
 
     # a lone request's verifies and 16 decodes, then 16 sessions' verifies of up to K=5 in cohorts of any size:
     # a bucket first met under load compiled during it, taking a core, and each compile reset the gates' speeds
-    # (demo pair, 16 greedy requests, gate on: EAGLE-3 at 0.60-0.77x target-only, 42-92% shed, with the first four
-    # only; 1.11x, none shed, with these)
+    # (with the first four only, the gate shed drafting at 16 greedy requests that paid with these)
     FIRST = (2, 4, 8, 16, 32, 48, 64, 80, 96)
 
     def __init__(self, runner: Compiled):

@@ -1,6 +1,6 @@
 """CUDA IPC on one node: the target allocates one CUDA ring and a pool of interprocess events at the
-handshake and exports them once; the draft maps them once (opening a handle costs ~1 ms, far too
-much per step) and keeps them.
+handshake and exports them once; the draft maps them once (opening a handle is far too slow to do
+per step) and keeps them.
 
 Per step the target copies the rows into its range on a side stream, after the engine's `ready`
 event (the end of the batch that computed them, not behind the forward the engine may have queued

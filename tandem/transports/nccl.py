@@ -60,7 +60,7 @@ from tandem.v1 import common_pb2
 
 log = logging.getLogger("tandem.transports")
 
-WARMUP = -1  # the sequence number of the first exchange: NCCL's first send/recv sets up for ~0.7 s
+WARMUP = -1  # the sequence number of the first exchange: NCCL's first send/recv sets up, slowly
 CLOSE = -2  # the target's last header: the draft's receiver thread ends
 POLL = 0.0005  # seconds between looks at posted sends while some are in flight
 IDLE = timedelta(days=1)  # the draft's receiver waits this long for the next step; the target's close or death ends it sooner

@@ -43,8 +43,7 @@ class Outcome:
 def patiently(call: Callable[[], T], echo: Callable[[str], None], patience: float = PATIENCE_S) -> T:
     """`call()`, again while the server answers UNAVAILABLE: on a busy machine (a compile, vLLM's start) the
     coordinator may have marked a service down that missed three health checks, and takes it back when it
-    answers (a bench beside vLLM's compile lost its warm-up to that, and one beside two vLLM servers just
-    started its wait for the target's compiles)."""
+    answers (a bench beside a compile would lose its warm-up to that)."""
     from coordinator.client import TandemError
 
     deadline = time.monotonic() + patience

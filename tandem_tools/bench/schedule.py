@@ -227,9 +227,9 @@ def _warm_up(group: list, runners: dict, requests: list, c: int, config: BenchCo
              echo: Callable[[str], None]) -> None:
     """One untimed block of each case, as vLLM's own warm-up (a compiled target meets this concurrency's
     buckets); once more after the target compiled what it met. Of WARM_REQUESTS at least: the acceptance
-    gate starts from what the head accepted here, and one prompt's acceptance is not the traffic's (with
-    the demo's first prompt alone, 0.61 for the first draft where the bench's prompts make 0.87, and the
-    gate shed 93% of the compiled target's EAGLE-3 rounds at one request)."""
+    gate starts from what the head accepted here, and one prompt's acceptance is not the traffic's (the
+    demo's first prompt alone accepts far less than the bench's prompts, and from it the gate shed most of
+    the compiled target's EAGLE-3 rounds at one request)."""
     for again in (False, True):
         for case in group:
             runner = runners[case.stack, case.mode, case.overlap]

@@ -21,7 +21,7 @@ finishes, which is the closed loop of `tandem bench`'s c clients; greedy or seed
 max_tokens tokens each (ignore_eos), prefix caching off (the bench repeats its prompts; Tandem prefills
 each request). It is vLLM without its HTTP server: an upper bound for vLLM serving, against Tandem
 measured through its gRPC services. One engine per mode and K (num_speculative_tokens is fixed at
-start-up), each built and compiled (~100 s) before the bench starts timing, then warmed up at every
+start-up), each built and compiled before the bench starts timing, then warmed up at every
 concurrency. Acceptance comes from vLLM's counters (vllm:spec_decode_*): mean acceptance length is
 1 + accepted / drafts, as vLLM reports it.
 """
@@ -46,7 +46,7 @@ INSTALL_HINT = ("python3 -m venv ~/.cache/tandem/vllm-venv && ~/.cache/tandem/vl
 TCMALLOC_DIRS = ("{site}/vllm/libs", "{venv}/lib", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib",
                  "/usr/local/lib")
 # vLLM's executor spins on its shared-memory queue for 1 s after its last read (shm_broadcast's
-# SpinCondition, busy_loop_s=1; 0.7 CPU-s measured here): waited out after each block, untimed, so that
+# SpinCondition, busy_loop_s=1): waited out after each block, untimed, so that
 # the case after a vLLM block does not share the cores with it
 SPIN_S = 1.2
 KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE unless set: the bench's requests need a few MB; vLLM's default is 4

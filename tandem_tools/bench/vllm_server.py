@@ -9,7 +9,7 @@ clients send theirs over gRPC: the two stacks' figures then include their server
 their wire. Acceptance comes per request from vLLM's `--per-request-spec-decode-metrics summary` (the
 final usage chunk's `metrics.speculative_decoding`): mean acceptance length 1 + accepted / verify steps.
 
-Each server is started and warmed up (~100 s: it compiles) before the bench times anything; prefix caching
+Each server is started and warmed up (it compiles) before the bench times anything; prefix caching
 is off (the bench repeats its prompts; Tandem prefills each request afresh).
 """
 
