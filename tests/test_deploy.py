@@ -384,6 +384,9 @@ def test_model_images_pin_transformers_to_the_version_the_tests_ran_with():
     text = (DEPLOY / "Dockerfile").read_text()
     pinned = re.search(r"^ARG TRANSFORMERS_VERSION=(\S+)$", text, re.MULTILINE)
     assert pinned and pinned.group(1) == version("transformers"), (pinned and pinned.group(1), version("transformers"))
+    # and pip installs that version wherever the package goes (a fresh venv would take the newest release)
+    requirement = re.search(r'^\s*"transformers==(\S+)",$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert requirement and requirement.group(1) == pinned.group(1), requirement and requirement.group(1)
     for stage in ("cpu", "gpu"):
         body = re.search(rf"^FROM \S+ AS {stage}$(.*?)(?=^FROM |\Z)", text, re.MULTILINE | re.DOTALL).group(1)
         assert re.search(r"^ARG TRANSFORMERS_VERSION$", body, re.MULTILINE), stage
